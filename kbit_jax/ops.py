@@ -1,0 +1,160 @@
+"""User-facing functions: validate arguments, shape them for the primitives, dispatch.
+
+Every bad input raises a ValueError or TypeError at trace time naming the argument, what was
+expected and what was given. Weights are `KbitWeight` pytrees (see `kbit_jax.format`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import codebooks as _codebooks
+from . import reference
+from .format import BLOCK, KbitWeight, check_layout, pack_codes, unpack_codes
+from .primitives import dequantize_p, matmul_p, quantize_p
+from .primitives.matmul import METHODS
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_float(name: str, x, *, allow_float64: bool = False):
+    dtype = jnp.dtype(x.dtype)
+    if dtype in FLOAT_DTYPES or (allow_float64 and dtype == jnp.float64):
+        return
+    allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
+    raise TypeError(f"{name} must have dtype {allowed}; got {dtype}")
+
+
+def _check_weight(w_q) -> KbitWeight:
+    if not isinstance(w_q, KbitWeight):
+        raise TypeError(f"w_q must be a KbitWeight (from kbit_jax.quantize), got {type(w_q).__name__}")
+    planes, scales, codebook, tensor_scale = w_q.planes, w_q.scales, w_q.codebook, w_q.tensor_scale
+    if planes.ndim < 3:
+        raise ValueError(f"w_q.planes must have shape [..., K/32, N, bits], got {planes.shape}")
+    _codebooks.check_bits(planes.shape[-1], "w_q.bits (planes.shape[-1])")
+    batch = planes.shape[:-3]
+    expected = {
+        "planes": (planes, jnp.uint32, planes.shape),
+        "scales": (scales, jnp.uint8, planes.shape[:-1]),
+        "codebook": (codebook, jnp.float32, (*batch, 1 << planes.shape[-1])),
+        "tensor_scale": (tensor_scale, jnp.float32, batch),
+    }
+    for name, (leaf, dtype, shape) in expected.items():
+        if tuple(leaf.shape) != tuple(shape) or jnp.dtype(leaf.dtype) != jnp.dtype(dtype):
+            raise ValueError(f"w_q.{name} must be {jnp.dtype(dtype).name}{list(shape)}, "
+                             f"got {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}")
+    check_layout(w_q.layout)
+    return w_q
+
+
+def _flat_weight(w_q: KbitWeight):
+    """The four leaves with the batch axes folded into one leading axis B."""
+    b = math.prod(w_q.batch_shape)
+    kb, n, bits = w_q.planes.shape[-3:]
+    return (w_q.planes.reshape(b, kb, n, bits), w_q.scales.reshape(b, kb, n),
+            w_q.codebook.reshape(b, 1 << bits), w_q.tensor_scale.reshape(b))
+
+
+def quantize(w, bits: int = 4, codebook="nf", *, layout: str = "fragment") -> KbitWeight:
+    """Quantize a weight ``w[..., K, N]`` (``y = x @ w``) to ``bits`` bits per element.
+
+    Args:
+      w: float32, bfloat16 or float16 array (float64 is cast to float32); K must be a
+        positive multiple of 32. Leading axes are a stack of independent matrices, each with
+        its own tensor_scale.
+      bits: 2, 3, 4 or 5.
+      codebook: "nf" (normal-float, default), "nf4" (bits=4), "lloyd_max", "uniform", or
+        an array of 2**bits finite floats (any order; duplicates allowed).
+      layout: "fragment" (default; what the CUDA GEMM reads) or "planes" (canonical).
+
+    Non-finite values raise ValueError when ``w`` is concrete. Under ``jit`` they cannot be
+    checked: the matrix's tensor_scale becomes NaN, so everything dequantized or multiplied
+    from it is NaN (never silently finite); its codes and scales are unspecified.
+    """
+    bits = _codebooks.check_bits(bits)
+    check_layout(layout)
+    if isinstance(codebook, jax.core.Tracer):
+        if codebook.shape != (1 << bits,):
+            raise ValueError(f"codebook for bits={bits} must have shape ({1 << bits},), got {codebook.shape}")
+        cb = codebook.astype(jnp.float32)
+    else:
+        cb = jnp.asarray(_codebooks.get_codebook(codebook, bits))
+    if not hasattr(w, "dtype"):
+        w = np.asarray(w)
+    _check_float("w", w, allow_float64=True)
+    if jnp.dtype(w.dtype) == jnp.float64:
+        w = jnp.asarray(w, jnp.float32)
+    w = jnp.asarray(w)
+    if w.ndim < 2:
+        raise ValueError(f"w must have shape [..., K, N] (at least 2 axes), got {w.shape}")
+    *batch, k, n = w.shape
+    if k == 0 or k % BLOCK:
+        raise ValueError(f"w.shape[-2] (K) must be a positive multiple of {BLOCK}, got {k} (w.shape={w.shape})")
+    if n == 0:
+        raise ValueError(f"w.shape[-1] (N) must be positive, got w.shape={w.shape}")
+    if _is_concrete(w) and not bool(jnp.all(jnp.isfinite(w))):
+        raise ValueError("w contains NaN or infinite values; they cannot be quantized")
+    ts = reference.tensor_scale(w)
+    b = math.prod(batch)
+    planes, scales = quantize_p.bind(
+        w.reshape(b, k, n), jnp.broadcast_to(cb, (b, cb.shape[-1])), ts.reshape(b), layout=layout)
+    return KbitWeight(planes.reshape(*batch, k // BLOCK, n, bits), scales.reshape(*batch, k // BLOCK, n),
+                      jnp.broadcast_to(cb, (*batch, cb.shape[-1])), ts, layout=layout)
+
+
+def dequantize(w_q: KbitWeight, dtype=jnp.float32) -> jax.Array:
+    """The dense weight ``[..., K, N]`` in ``dtype`` (float32 is exact)."""
+    _check_weight(w_q)
+    dtype = jnp.dtype(dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of {[d.name for d in FLOAT_DTYPES]}, got {dtype}")
+    w = dequantize_p.bind(*_flat_weight(w_q), layout=w_q.layout, dtype=dtype)
+    return w.reshape(w_q.shape)
+
+
+def matmul(x, w_q: KbitWeight, *, method: str = "auto") -> jax.Array:
+    """``x @ W`` with W dequantized on the fly: ``x[..., K]`` -> ``[..., N]`` in x's dtype.
+
+    ``x`` is float32, bfloat16 or float16 and may have any leading shape. For a stacked
+    weight ``W[*batch, K, N]``, x must be ``[*batch, ..., K]`` (like ``jnp.matmul``).
+    ``method``: "auto" (default) uses the fused kernel, except on the GPU for more than
+    ``primitives.matmul.FUSED_MAX_M`` rows, where dequantize + XLA's dense dot is faster;
+    "fused" and "dequantize" force one path.
+    """
+    _check_weight(w_q)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not hasattr(x, "dtype"):
+        raise TypeError(f"x must be an array, got {type(x).__name__}")
+    _check_float("x", x)
+    batch, k, n = w_q.batch_shape, w_q.in_features, w_q.out_features
+    if x.ndim < 1 + len(batch):
+        raise ValueError(f"x must have shape [{', '.join(map(str, batch)) + ', ' if batch else ''}..., {k}], "
+                         f"got {x.shape}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x.shape[-1] must equal the weight's K={k}, got x.shape={x.shape}")
+    if tuple(x.shape[:len(batch)]) != batch:
+        raise ValueError(f"x's leading axes {x.shape[:len(batch)]} must match the weight's batch "
+                         f"shape {batch} (x.shape={x.shape})")
+    rows = x.shape[len(batch):-1]
+    b, m = math.prod(batch), math.prod(rows)
+    y = matmul_p.bind(jnp.reshape(x, (b, m, k)), *_flat_weight(w_q), layout=w_q.layout, method=method)
+    return y.reshape(*batch, *rows, n)
+
+
+def convert_layout(w_q: KbitWeight, layout: str) -> KbitWeight:
+    """The same weight with its codes rearranged to ``layout`` (lossless, cell by cell)."""
+    _check_weight(w_q)
+    check_layout(layout)
+    if layout == w_q.layout:
+        return w_q
+    planes = pack_codes(unpack_codes(w_q.planes, w_q.layout), w_q.bits, layout)
+    return KbitWeight(planes, w_q.scales, w_q.codebook, w_q.tensor_scale, layout=layout)

@@ -1,0 +1,100 @@
+"""What the kbit primitives share: output avals that keep manual-axis information,
+FFI lowerings with a reference fallback, and the fold-into-B batching rule."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import batching, mlir
+
+from .. import _ext
+
+
+def _varying_axes(aval) -> frozenset:
+    mat = getattr(aval, "mat", None)             # jax >= 0.10: ManualAxisType
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))   # older jax
+
+
+def out_aval(shape, dtype, avals_in: Sequence) -> jax.core.ShapedArray:
+    """A result aval that varies over the union of the inputs' manual mesh axes.
+
+    Inside ``shard_map`` a plain ``ShapedArray`` would drop that information: gradients
+    would then come out wrong by the mesh size and some out_specs would silently return one
+    device's data (DESIGN.md §4). So the result is derived from the most-varying input.
+    """
+    vma = frozenset().union(*map(_varying_axes, avals_in))
+    if not vma:
+        return jax.core.ShapedArray(shape, dtype)
+    src = max(avals_in, key=lambda a: len(_varying_axes(a)))
+    mesh = src.sharding.mesh
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*([None] * len(shape))))
+    if hasattr(src, "mat"):
+        return src.update(shape=shape, dtype=dtype, sharding=sharding,
+                          manual_axis_type=src.mat.update(varying=vma))
+    return src.update(shape=shape, dtype=dtype, sharding=sharding, vma=vma)
+
+
+def define(prim: jax.extend.core.Primitive, *, abstract_eval: Callable, reference: Callable,
+           ffi_attrs: Callable[..., dict], batcher: Callable | None = None,
+           cuda_lowering: Callable | None = None) -> None:
+    """Give `prim` its rules. Eager calls compile the primitive alone with XLA; lowering:
+    cpu -> the C++ FFI target named like the primitive, cuda -> the CUDA target (or
+    `cuda_lowering`), any platform without a kernel -> `reference` traced to HLO. The default
+    batcher folds vmapped axes into the leading batch axis."""
+    from jax._src import dispatch  # apply_primitive: the standard eager impl of a primitive
+
+    target = prim.name
+    prim.def_impl(lambda *args, **params: dispatch.apply_primitive(prim, *args, **params))
+    prim.def_abstract_eval(abstract_eval)
+    batching.primitive_batchers[prim] = batcher or (
+        lambda args, dims, **params: fold_batch_into_leading_axis(prim, args, dims, **params))
+    reference_lowering = mlir.lower_fun(reference, multiple_results=prim.multiple_results)
+    ffi_rule = jax.ffi.ffi_lowering(target)
+
+    def cpu_rule(ctx, *args, **params):
+        if not _ext.has_cpu():
+            return reference_lowering(ctx, *args, **params)
+        return ffi_rule(ctx, *args, **ffi_attrs(**params))
+
+    def cuda_rule(ctx, *args, **params):
+        if not _ext.has_cuda():
+            return reference_lowering(ctx, *args, **params)
+        if cuda_lowering is not None:
+            return cuda_lowering(ctx, *args, **params)
+        return ffi_rule(ctx, *args, **ffi_attrs(**params))
+
+    mlir.register_lowering(prim, reference_lowering)
+    mlir.register_lowering(prim, cpu_rule, platform="cpu")
+    mlir.register_lowering(prim, cuda_rule, platform="cuda")
+
+
+def fold_batch_into_leading_axis(prim, args, dims, **params):
+    """vmap rule: move each vmapped axis to the front and merge it with the batch axis B.
+
+    Operands not being mapped are broadcast. Results come back as [V, B, ...]."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    folded = []
+    for a, d in zip(args, dims):
+        if d is None:
+            a = jnp.broadcast_to(a[None], (size, *a.shape))
+        else:
+            a = jnp.moveaxis(a, d, 0)
+        folded.append(a.reshape(size * a.shape[1], *a.shape[2:]))
+    outs = prim.bind(*folded, **params)
+
+    def unfold(o):
+        return o.reshape(size, o.shape[0] // size, *o.shape[1:])
+
+    if prim.multiple_results:
+        return [unfold(o) for o in outs], [0] * len(outs)
+    return unfold(outs), 0
+
+
+def layout_attr(layout: str) -> np.int32:
+    from ..format import LAYOUT_IDS
+    return np.int32(LAYOUT_IDS[layout])

@@ -1,0 +1,26 @@
+"""dequantize_p: planes[B, K/32, N, bits], scales[B, K/32, N], codebook[B, C], tensor_scale[B] -> w[B, K, N]."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+
+from .. import reference
+from ..format import BLOCK
+from ._common import define, layout_attr, out_aval
+
+dequantize_p = Primitive("kbit_dequantize")
+
+
+def _abstract_eval(planes, scales, codebook, tensor_scale, *, layout, dtype):
+    b, kb, n, _ = planes.shape
+    return out_aval((b, kb * BLOCK, n), dtype, (planes, scales, codebook, tensor_scale))
+
+
+def _reference(planes, scales, codebook, tensor_scale, *, layout, dtype):
+    return reference.dequantize(planes, scales, codebook, tensor_scale, layout=layout, dtype=dtype)
+
+
+# The output dtype is the result buffer's type: the FFI target needs only the layout.
+define(dequantize_p, abstract_eval=_abstract_eval, reference=_reference,
+       ffi_attrs=lambda *, layout, dtype: {"layout": layout_attr(layout)})

@@ -1,0 +1,29 @@
+"""quantize_p: w[B, K, N], codebook[B, C], tensor_scale[B] -> planes[B, K/32, N, bits], scales[B, K/32, N]."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+
+from .. import reference
+from ..format import BLOCK
+from ._common import define, layout_attr, out_aval
+
+quantize_p = Primitive("kbit_quantize")
+quantize_p.multiple_results = True
+
+
+def _abstract_eval(w, codebook, tensor_scale, *, layout):
+    b, k, n = w.shape
+    bits = codebook.shape[-1].bit_length() - 1
+    avals = (w, codebook, tensor_scale)
+    return (out_aval((b, k // BLOCK, n, bits), jnp.uint32, avals),
+            out_aval((b, k // BLOCK, n), jnp.uint8, avals))
+
+
+def _reference(w, codebook, tensor_scale, *, layout):
+    return reference.quantize(w, codebook, tensor_scale, layout=layout)
+
+
+define(quantize_p, abstract_eval=_abstract_eval, reference=_reference,
+       ffi_attrs=lambda *, layout: {"layout": layout_attr(layout)})

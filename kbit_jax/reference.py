@@ -1,0 +1,78 @@
+"""Pure-JAX quantize / dequantize / matmul: the executable specification of the format.
+
+Every kernel (C++ CPU, CUDA) is tested against these functions: codes, planes and scales
+bit-exactly, dequantized values exactly, matmul within a derived bound. They favour
+clarity over speed, and serve as the lowering on platforms without a kernel.
+Shapes: ``w[..., K, N]``, ``codebook[..., 2**bits]``, ``tensor_scale[...]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .format import BLOCK, E4M4_MAX, decode_e4m4, encode_e4m4, pack_codes, unpack_codes
+
+
+def tensor_scale(w: jax.Array) -> jax.Array:
+    """Per-matrix scale over the last two axes: the smallest power of two ``s`` with
+    ``max|w| / s <= 31`` (E4M4's largest value), 1 for an all-zero matrix, NaN if any
+    element is not finite."""
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(-2, -1))
+    mantissa, exponent = jnp.frexp(amax)       # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    del mantissa
+    # amax / 2^(e-5) = 32 * mantissa lies in [16, 32): fits unless it exceeds 31.
+    fits = jnp.ldexp(amax, 5 - exponent) <= E4M4_MAX
+    scale = jnp.ldexp(jnp.ones_like(amax), jnp.where(fits, exponent - 5, exponent - 4))
+    scale = jnp.where(amax > 0, scale, 1.0)
+    return jnp.where(jnp.isfinite(amax), scale, jnp.nan).astype(jnp.float32)
+
+
+def _cells(w: jax.Array) -> jax.Array:
+    """[..., K, N] -> [..., K/32, N, 32]: the 32 elements of each cell on the last axis."""
+    *batch, k, n = w.shape
+    return jnp.swapaxes(w.reshape(*batch, k // BLOCK, BLOCK, n), -1, -2)
+
+
+def _uncells(cells: jax.Array) -> jax.Array:
+    *batch, kb, n, _ = cells.shape
+    return jnp.swapaxes(cells, -1, -2).reshape(*batch, kb * BLOCK, n)
+
+
+def quantize_codes(w, codebook, tensor_scale):
+    """-> (codes int32[..., K/32, N, 32], scales uint8[..., K/32, N])."""
+    cells = _cells(w.astype(jnp.float32))
+    absmax = jnp.max(jnp.abs(cells), axis=-1)
+    scales = encode_e4m4(absmax / tensor_scale[..., None, None])
+    safe = jnp.where(absmax > 0, absmax, 1.0)[..., None]
+    normalized = jnp.where(absmax[..., None] > 0, cells / safe, 0.0)
+    cb = codebook[..., None, None, None, :]
+    # argmin returns the first minimum: ties go to the lower codebook index.
+    codes = jnp.argmin(jnp.abs(normalized[..., None] - cb), axis=-1).astype(jnp.int32)
+    return codes, scales
+
+
+def quantize(w, codebook, tensor_scale, *, layout="fragment"):
+    """-> (planes uint32[..., K/32, N, bits], scales uint8[..., K/32, N])."""
+    bits = codebook.shape[-1].bit_length() - 1
+    codes, scales = quantize_codes(w, codebook, tensor_scale)
+    return pack_codes(codes, bits, layout), scales
+
+
+def dequantize(planes, scales, codebook, tensor_scale, *, layout="fragment", dtype=jnp.float32):
+    """-> w[..., K, N] of ``dtype``: (codebook[code] * decode(scale)) * tensor_scale in f32."""
+    codes = unpack_codes(planes, layout)                         # [..., KB, N, 32]
+    batch = codes.shape[:-3]
+    flat_cb = codebook.reshape(-1, codebook.shape[-1])
+    flat_codes = codes.reshape(flat_cb.shape[0], -1)
+    values = jnp.take_along_axis(flat_cb, flat_codes, axis=-1).reshape(codes.shape)
+    values = values * decode_e4m4(scales)[..., None]
+    values = values * tensor_scale.reshape(*batch, 1, 1, 1)
+    return _uncells(values).astype(dtype)
+
+
+def matmul(x, planes, scales, codebook, tensor_scale, *, layout="fragment"):
+    """y[..., M, N] = x[..., M, K] @ W, float32 accumulation, rounded to x.dtype."""
+    w = dequantize(planes, scales, codebook, tensor_scale, layout=layout)
+    y = jnp.matmul(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
