@@ -1,0 +1,124 @@
+"""Every documented bad input raises the documented exception, naming what is wrong."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kbit_jax as kj
+
+
+@pytest.fixture
+def q():
+    return kj.quantize(jnp.asarray(np.random.default_rng().standard_normal((64, 8)), jnp.float32), 4)
+
+
+@pytest.mark.parametrize("shape, match", [((48, 8), "multiple of 32"), ((0, 8), "multiple of 32"),
+                                          ((64,), "at least 2 axes"), ((64, 0), "N")])
+def test_quantize_bad_shapes(shape, match):
+    with pytest.raises(ValueError, match=match):
+        kj.quantize(jnp.ones(shape), 4)
+
+
+@pytest.mark.parametrize("bits", [1, 6, 0, -2])
+def test_quantize_bad_bits(bits):
+    with pytest.raises(ValueError, match="bits"):
+        kj.quantize(jnp.ones((32, 4)), bits)
+
+
+@pytest.mark.parametrize("bits", [4.0, "4", None, True])
+def test_quantize_bits_wrong_type(bits):
+    with pytest.raises(TypeError, match="bits"):
+        kj.quantize(jnp.ones((32, 4)), bits)
+
+
+def test_quantize_bad_codebook_and_layout():
+    with pytest.raises(ValueError, match=r"shape \(16,\)"):
+        kj.quantize(jnp.ones((32, 4)), 4, codebook=np.zeros(8))
+    with pytest.raises(ValueError, match="unknown codebook"):
+        kj.quantize(jnp.ones((32, 4)), 4, codebook="normal")
+    with pytest.raises(ValueError, match="layout"):
+        kj.quantize(jnp.ones((32, 4)), 4, layout="tiles")
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_, jnp.complex64])
+def test_quantize_bad_dtype(dtype):
+    with pytest.raises(TypeError, match="w must have dtype"):
+        kj.quantize(jnp.ones((32, 4), dtype), 4)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_non_finite_eager_raises(bad):
+    w = np.ones((32, 4), np.float32)
+    w[3, 1] = bad
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        kj.quantize(w, 4)
+
+
+def test_quantize_non_finite_under_jit_is_nan_not_finite():
+    """Documented: under jit the tensor_scale becomes NaN and everything downstream is NaN."""
+    w = np.ones((2, 64, 4), np.float32)
+    w[0, 3, 1] = np.nan
+    q = jax.jit(lambda w: kj.quantize(w, 4))(w)
+    assert np.isnan(q.tensor_scale[0]) and np.isfinite(q.tensor_scale[1])
+    assert np.all(np.isnan(kj.dequantize(q[0]))) and np.all(np.isfinite(kj.dequantize(q[1])))
+    y = kj.matmul(jnp.ones((1, 64)), q[0])
+    assert np.all(np.isnan(y))
+
+
+def test_matmul_bad_inputs(q):
+    with pytest.raises(ValueError, match=r"x.shape\[-1\] must equal the weight's K=64"):
+        kj.matmul(jnp.ones((2, 32)), q)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        kj.matmul(jnp.ones((2, 64), jnp.int32), q)
+    with pytest.raises(TypeError, match="x must be an array"):
+        kj.matmul([[1.0] * 64], q)
+    with pytest.raises(TypeError, match="w_q must be a KbitWeight"):
+        kj.matmul(jnp.ones((2, 64)), jnp.ones((64, 8)))
+    with pytest.raises(ValueError, match="method"):
+        kj.matmul(jnp.ones((2, 64)), q, method="fast")
+    stacked = kj.quantize(jnp.ones((3, 64, 8)), 2)
+    with pytest.raises(ValueError, match="batch shape"):
+        kj.matmul(jnp.ones((2, 5, 64)), stacked)
+    with pytest.raises(ValueError, match="x must have shape"):
+        kj.matmul(jnp.ones((64,)), stacked)
+
+
+def test_malformed_weights(q):
+    bad = kj.KbitWeight(q.planes, q.scales[:1], q.codebook, q.tensor_scale, layout=q.layout)
+    with pytest.raises(ValueError, match="w_q.scales must be uint8"):
+        kj.matmul(jnp.ones((1, 64)), bad)
+    bad = kj.KbitWeight(q.planes, q.scales, q.codebook[:8], q.tensor_scale, layout=q.layout)
+    with pytest.raises(ValueError, match="w_q.codebook"):
+        kj.dequantize(bad)
+    bad = kj.KbitWeight(q.planes.astype(jnp.int32), q.scales, q.codebook, q.tensor_scale, layout=q.layout)
+    with pytest.raises(ValueError, match="w_q.planes"):
+        kj.dequantize(bad)
+    with pytest.raises(TypeError, match="dtype"):
+        kj.dequantize(q, jnp.int8)
+
+
+def test_ffi_handler_errors_reach_python_without_crashing():
+    """Call the CPU target directly with inconsistent shapes: an exception, not an abort."""
+    if not kj.build_info()["cpu_module"]:
+        pytest.fail("the C++ CPU module is not built")
+    out = (jax.ShapeDtypeStruct((1, 2, 4, 4), jnp.uint32), jax.ShapeDtypeStruct((1, 2, 4), jnp.uint8))
+    call = jax.ffi.ffi_call("kbit_quantize", out)
+    with pytest.raises(Exception, match="kbit_quantize"):
+        jax.block_until_ready(call(jnp.ones((1, 48, 4)), jnp.zeros((1, 16)), jnp.ones((1,)),
+                                   layout=np.int32(1)))
+    with pytest.raises(Exception, match="layout"):
+        jax.block_until_ready(call(jnp.ones((1, 64, 4)), jnp.zeros((1, 16)), jnp.ones((1,)),
+                                   layout=np.int32(7)))
+
+
+def test_interop_errors(q):
+    p, a, cb, shape = kj.to_bitsandbytes(q)
+    with pytest.raises(ValueError, match="packed"):
+        kj.from_bitsandbytes(p[:-1], a, cb, shape)
+    with pytest.raises(ValueError, match="absmax"):
+        kj.from_bitsandbytes(p, a[:-1], cb, shape)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kj.from_bitsandbytes(p, a, cb, (8, 60))
+    with pytest.raises(ValueError, match="batch"):
+        kj.to_bitsandbytes(kj.quantize(jnp.ones((2, 32, 4)), 2))
