@@ -1,0 +1,120 @@
+"""Device-time benchmark of kbit_jax.matmul against the dense jnp.dot (DESIGN.md §7).
+
+Timing: each measurement jits one function that runs the product over R different weight
+buffers (R chosen so their bytes exceed the 60 MB L2 at least four times, so weights come
+from HBM as in decoding), takes the median over repeats of the whole call, and divides by
+R. The dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is
+bytes moved / copy bandwidth measured in the same run.
+
+    python benchmarks/bench_matmul.py --out benchmarks/results            # full table (GPU)
+    python benchmarks/bench_matmul.py --shapes qwen3_q --m 1 16 --bits 4  # a subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+import kbit_jax as kj  # noqa: E402
+from shapes import BITS, M_VALUES, SHAPES  # noqa: E402
+
+L2_BYTES = 60e6
+
+
+def median_call_seconds(fn, args, repeats):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(repeats):
+    """Bytes read + written per second by a large device copy (x + 1 over 2 GiB of bf16)."""
+    x = jnp.ones((1 << 30,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + 1)
+    t = median_call_seconds(f, (x,), repeats)
+    return 2 * x.nbytes / t
+
+
+def rotation_count(weight_bytes):
+    return int(min(64, max(4, np.ceil(4 * L2_BYTES / weight_bytes))))
+
+
+def time_products(product, x, weights, repeats):
+    """Seconds per product: one jitted call applies `product` to every weight in the list."""
+    f = jax.jit(lambda x, ws: [product(x, w) for w in ws])
+    return median_call_seconds(f, (x, weights), repeats) / len(weights)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--m", nargs="+", type=int, default=list(M_VALUES))
+    p.add_argument("--bits", nargs="+", type=int, default=list(BITS))
+    p.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
+    p.add_argument("--method", default="auto", choices=["auto", "fused", "dequantize"])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=None, help="directory for matmul.json (+ .md)")
+    args = p.parse_args(argv)
+
+    device = jax.devices()[0]
+    bw = copy_bandwidth(args.repeats)
+    print(f"device {device.device_kind}, jax {jax.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, "
+          f"build {kj.build_info()}", flush=True)
+    rows = []
+    for name in args.shapes:
+        k, n = SHAPES[name]
+        key = jax.random.key(hash(name) & 0xFFFF)
+        w = jax.random.normal(key, (k, n), jnp.float32) * 0.02
+        for dtype_name in args.dtype:
+            dtype = jnp.dtype(dtype_name)
+            dense = w.astype(dtype)
+            dense_ws = [dense + 0 for _ in range(rotation_count(dense.nbytes))]
+            quantized = {}
+            for bits in args.bits:
+                w_q = kj.quantize(w, bits)
+                quantized[bits] = [jax.tree.map(lambda a: a + 0 if a.dtype != jnp.uint8 else a | 0, w_q)
+                                   for _ in range(rotation_count(w_q.nbytes))]
+            for m in args.m:
+                x = (jax.random.normal(jax.random.key(m), (m, k), jnp.float32)).astype(dtype)
+                t_dense = time_products(
+                    lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype),
+                    x, dense_ws, args.repeats)
+                for bits in args.bits:
+                    ws = quantized[bits]
+                    t = time_products(lambda x, w: kj.matmul(x, w, method=args.method), x, ws, args.repeats)
+                    moved = ws[0].planes.nbytes + ws[0].scales.nbytes + x.nbytes + m * n * dtype.itemsize
+                    row = dict(shape=name, k=k, n=n, m=m, bits=bits, dtype=dtype_name,
+                               kbit_us=t * 1e6, dense_us=t_dense * 1e6, speedup=t_dense / t,
+                               floor_us=moved / bw * 1e6, bw_fraction=moved / bw / t,
+                               dense_bw_fraction=(dense.nbytes + x.nbytes + m * n * dtype.itemsize) / bw / t_dense)
+                    rows.append(row)
+                    print(f"{name:22s} {dtype_name:8s} M={m:<5d} K={bits} kbit {t * 1e6:9.1f} us  "
+                          f"dense {t_dense * 1e6:9.1f} us  x{t_dense / t:5.2f}  "
+                          f"{100 * row['bw_fraction']:5.1f}% of copy BW", flush=True)
+    result = dict(device=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
+                  copy_bandwidth_tbs=bw / 1e12, build=kj.build_info(), method=args.method, rows=rows)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "matmul.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

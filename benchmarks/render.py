@@ -1,0 +1,70 @@
+"""Render benchmark JSON (bench_matmul.py) as a markdown table and a speedup-vs-M plot.
+
+    python benchmarks/render.py benchmarks/results/matmul.json
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+
+
+def markdown(result) -> str:
+    lines = [f"# kbit matmul vs dense jnp.dot: {result['device']}, jax {result['jax']}, {result['date']}",
+             "",
+             f"Copy bandwidth measured in the same run: {result['copy_bandwidth_tbs']:.2f} TB/s. "
+             f"Times are device time per product with cold weights (see bench_matmul.py). "
+             f"'% BW' = bytes moved by the kbit product / copy bandwidth / its time. method={result['method']}.",
+             "",
+             "| shape (K x N) | dtype | M | bits | kbit us | dense us | speedup | % BW | floor us |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['shape']} ({r['k']}x{r['n']}) | {r['dtype']} | {r['m']} | {r['bits']} | "
+                     f"{r['kbit_us']:.1f} | {r['dense_us']:.1f} | {r['speedup']:.2f}x | "
+                     f"{100 * r['bw_fraction']:.0f}% | {r['floor_us']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    series = collections.defaultdict(list)
+    for r in result["rows"]:
+        if r["dtype"] == "bfloat16":
+            series[(r["shape"], r["bits"])].append((r["m"], r["speedup"]))
+    shapes = sorted({s for s, _ in series})
+    fig, axes = plt.subplots(1, 4, figsize=(20, 5), sharey=True)
+    for ax, bits in zip(axes, (2, 3, 4, 5)):
+        for shape in shapes:
+            pts = sorted(series.get((shape, bits), []))
+            if pts:
+                ax.plot([m for m, _ in pts], [s for _, s in pts], marker="o", label=shape)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"bits = {bits}")
+        ax.set_xlabel("M (rows of x)")
+    axes[0].set_ylabel("speedup over dense bf16 jnp.dot")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"kbit_jax matmul on {result['device']} ({result['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(path):
+    with open(path) as f:
+        result = json.load(f)
+    stem = os.path.splitext(path)[0]
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(result))
+    try:
+        plot(result, stem + ".png")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    print(f"wrote {stem}.md")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,67 @@
+"""GPU-only checks (marked `gpu`, skipped without one): the fused matmul over the M sweep,
+determinism, and XLA command buffers (CUDA graphs) on and off."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kbit_jax as kj
+from helpers import BITS, dense64, matmul_error_bound, random_weight
+
+pytestmark = pytest.mark.gpu
+
+M_SWEEP = [0, 1, 2, 5, 16, 17, 33, 64, 100, 128, 511, 4096]
+
+
+@pytest.mark.parametrize("method", ["fused", "auto"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("bits", BITS)
+def test_matmul_m_sweep(bits, dtype, method, rng):
+    gpu = jax.devices("gpu")[0]
+    k, n = 512, 200                     # N deliberately not a multiple of any tile
+    q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
+    w64 = dense64(q)
+    for m in M_SWEEP:
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        y = kj.matmul(jax.device_put(x, gpu), q, method=method)
+        assert y.shape == (m, n) and y.dtype == dtype
+        y64, bound = matmul_error_bound(x, w64, dtype, dtype)
+        err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
+        assert np.all(err <= bound), f"M={m}: max err/bound = {np.max(err / bound)}"
+
+
+def test_matmul_deterministic(rng):
+    gpu = jax.devices("gpu")[0]
+    q = kj.quantize(jax.device_put(random_weight(rng, (4096, 1024)), gpu), 4)
+    f = jax.jit(kj.matmul)
+    for m in (1, 16, 64):
+        x = jax.device_put(jnp.asarray(rng.standard_normal((m, 4096)), jnp.bfloat16), gpu)
+        assert np.array_equal(np.asarray(f(x, q)), np.asarray(f(x, q)))
+
+
+_COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np, kbit_jax as kj
+    w = jax.random.normal(jax.random.key(0), (1024, 384))
+    x = jax.random.normal(jax.random.key(1), (8, 1024), jnp.bfloat16)
+    f = jax.jit(lambda x, w: [kj.matmul(x, w), kj.matmul(x * 2, w), kj.dequantize(w, jnp.bfloat16)])
+    outs = [np.asarray(f(x, kj.quantize(w, b))[0].astype(jnp.float32)) for b in (2, 3, 4, 5)]
+    np.save(__import__("sys").argv[1], np.stack(outs))
+""")
+
+
+def test_command_buffers_on_and_off(tmp_path):
+    results = []
+    for flag in ("", "--xla_gpu_enable_command_buffer="):   # default (on) and off
+        out = tmp_path / f"out{len(results)}.npy"
+        env = dict(os.environ, XLA_FLAGS=flag)
+        subprocess.run([sys.executable, "-c", _COMMAND_BUFFER_SCRIPT, str(out)], env=env, check=True,
+                       timeout=300)
+        results.append(np.load(out))
+    assert np.all(np.isfinite(results[0]))
+    assert np.array_equal(results[0], results[1])
