@@ -1,0 +1,73 @@
+// Host-side entry points of the CUDA kernels: plain C++ (no device code, no XLA or nanobind
+// headers), so the FFI handlers (compiled by the host compiler) and the standalone benchmark
+// harness can both call them. Every launcher validates nothing about shapes (the FFI handler
+// does that), launches on the given stream, checks the launch with cudaGetLastError, and
+// returns "" on success or a message naming the kernel, the problem shape and the CUDA error.
+// Launchers never allocate, synchronize or read device memory on the host, so they are safe
+// inside CUDA-graph capture (XLA command buffers).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+namespace kbit::cuda {
+
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+const char* dtype_name(DType d);
+
+struct QuantizeArgs {
+  const void* w = nullptr;  // [B, K, N] of w_dtype
+  DType w_dtype = DType::kF32;
+  const float* codebook = nullptr;      // [B, 2^bits]
+  const float* tensor_scale = nullptr;  // [B]
+  uint32_t* planes = nullptr;           // [B, K/32, N, bits]
+  uint8_t* scales = nullptr;            // [B, K/32, N]
+  int64_t batch = 0, k = 0, n = 0;
+  int bits = 0, layout = 0;
+};
+
+struct DequantizeArgs {
+  const uint32_t* planes = nullptr;
+  const uint8_t* scales = nullptr;
+  const float* codebook = nullptr;
+  const float* tensor_scale = nullptr;
+  void* out = nullptr;  // [B, K, N] of out_dtype
+  DType out_dtype = DType::kBF16;
+  int64_t batch = 0, k = 0, n = 0;
+  int bits = 0, layout = 0;
+};
+
+struct MatmulArgs {
+  const void* x = nullptr;  // [B, M, K] of dtype
+  DType dtype = DType::kBF16;
+  const uint32_t* planes = nullptr;
+  const uint8_t* scales = nullptr;
+  const float* codebook = nullptr;
+  const float* tensor_scale = nullptr;
+  void* y = nullptr;  // [B, M, N] of dtype
+  int64_t batch = 0, m = 0, k = 0, n = 0;
+  int bits = 0, layout = 0;
+};
+
+// Knobs for benchmarks and tests; the defaults (0) mean "let the launcher decide".
+struct MatmulTuning {
+  int k_split = 0;        // CTAs per thread-block cluster that split K (1..8); 0 = heuristic
+  bool force_generic = false;  // use the slow SIMT kernel even where the fused one applies
+};
+
+// Which kernel launch_matmul would use, for logs: "fused" or "generic" plus the reason.
+std::string matmul_path(const MatmulArgs& a);
+
+std::string launch_quantize(const QuantizeArgs& a, cudaStream_t stream);
+std::string launch_dequantize(const DequantizeArgs& a, cudaStream_t stream);
+std::string launch_matmul(const MatmulArgs& a, cudaStream_t stream,
+                          const MatmulTuning* tuning = nullptr);
+
+// The architectures the device code was compiled for (from nvcc's __CUDA_ARCH_LIST__),
+// e.g. "90", and the CUDA toolkit version the module was built with, e.g. "13.0".
+std::string compiled_archs();
+std::string compiled_cuda_version();
+
+}  // namespace kbit::cuda
