@@ -1,0 +1,54 @@
+// CPU kernels for the kbit v1 format (cpp/README.md has the contract). Plain C++17: no XLA or
+// nanobind headers, so the kernels can be tested and benchmarked on their own.
+//
+// Every operand carries one leading batch axis B, all arrays are dense row-major:
+//   w, out:       [B, K, N]            float of `FloatType`
+//   x, y:         [B, M, K], [B, M, N] float of `FloatType`
+//   planes:       [B, K/32, N, bits]   uint32, one cell's `bits` words contiguous
+//   scales:       [B, K/32, N]         uint8 (E4M4)
+//   codebook:     [B, 2^bits]          float32
+//   tensor_scale: [B]                  float32
+// Shapes are validated by the caller (the FFI handlers); the kernels trust them.
+//
+// The kernels are reentrant (no mutable globals) and may split work over std::threads. They
+// never throw: if a thread cannot be started its share runs on the calling thread. They may
+// throw std::bad_alloc for host scratch (x converted to float32); callers catch it.
+#pragma once
+
+#include <cstdint>
+
+#include "format.h"
+
+namespace kbit::cpu {
+
+enum class FloatType { kF32, kBF16, kF16 };
+
+struct WeightShape {
+  int64_t batch = 0;
+  int64_t k = 0;  // multiple of kBlockSize
+  int64_t n = 0;
+  int bits = 0;   // kMinBits..kMaxBits
+  Layout layout = kPlanes;
+};
+
+// A quantized weight, read-only.
+struct PackedWeight {
+  const uint32_t* planes = nullptr;
+  const uint8_t* scales = nullptr;
+  const float* codebook = nullptr;
+  const float* tensor_scale = nullptr;
+  WeightShape shape;
+};
+
+// planes/scales <- quantize(w). Bit-exact with kbit_jax/reference.py.
+void quantize(const void* w, FloatType w_type, const float* codebook, const float* tensor_scale,
+              const WeightShape& shape, uint32_t* planes, uint8_t* scales);
+
+// out[b, k, n] = (codebook[code] * decode_e4m4(scale)) * tensor_scale, rounded (RNE) to out_type.
+void dequantize(const PackedWeight& w, FloatType out_type, void* out);
+
+// y[b, m, n] = sum_k x[b, m, k] * dequantize(w)[b, k, n], float32 accumulation, rounded (RNE)
+// to x_type. Fused: W is dequantized a tile at a time, never materialized.
+void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, void* y);
+
+}  // namespace kbit::cpu

@@ -1,0 +1,45 @@
+// Splitting a kernel over std::threads. Threads are started per call (no pool, so no shared
+// mutable state between concurrent handlers) and only when the work pays for their start-up.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace kbit::cpu {
+
+// Below this many "element operations" per thread, starting a thread (~tens of us) costs more
+// than it saves.
+constexpr int64_t kMinWorkPerThread = int64_t(1) << 20;
+
+// How many threads to use for `work` element operations split into at most `max_parts` parts.
+inline int thread_count(int64_t work, int64_t max_parts) {
+  const int64_t hardware = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t by_work = std::max<int64_t>(1, work / kMinWorkPerThread);
+  return int(std::max<int64_t>(1, std::min({hardware, by_work, max_parts})));
+}
+
+// Splits [0, count) into `parts` contiguous ranges whose bounds are multiples of `grain` (but
+// the last) and runs body(begin, end) on each; the calling thread takes the last range. A
+// thread that cannot be started has its range run inline, so failures only cost speed.
+template <class Body>
+void parallel_ranges(int64_t count, int64_t grain, int parts, const Body& body) {
+  const int64_t grains = (count + grain - 1) / grain;
+  parts = int(std::max<int64_t>(1, std::min<int64_t>(parts, grains)));
+  auto range_begin = [&](int part) { return std::min(count, grain * (grains * part / parts)); };
+  std::vector<std::thread> threads;
+  try { threads.reserve(size_t(parts - 1)); } catch (...) {}
+  for (int part = 0; part < parts - 1; ++part) {
+    const int64_t begin = range_begin(part), end = range_begin(part + 1);
+    try {
+      threads.emplace_back([&body, begin, end] { body(begin, end); });
+    } catch (...) {
+      body(begin, end);
+    }
+  }
+  body(range_begin(parts - 1), count);
+  for (std::thread& thread : threads) thread.join();
+}
+
+}  // namespace kbit::cpu

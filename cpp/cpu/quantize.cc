@@ -1,0 +1,66 @@
+// quantize: w[B, K, N] -> planes[B, K/32, N, bits], scales[B, K/32, N]. Must be bit-exact with
+// kbit_jax/reference.py, so every step is the scalar definition from format.h, in float32.
+#include <algorithm>
+#include <cmath>
+
+#include "cpu/cell_codes.h"
+#include "cpu/float_convert.h"
+#include "cpu/kbit_cpu.h"
+#include "cpu/parallel.h"
+
+namespace kbit::cpu {
+namespace {
+
+constexpr int64_t kTileN = 16;  // columns loaded together: a block's rows are then contiguous
+
+// max |w|, propagating NaN like jnp.max (so a NaN block gets scale 0 and codes of 0/absmax=0,
+// exactly as the reference).
+inline float absmax_nan_propagating(float current, float w) {
+  const float a = std::fabs(w);
+  return (a > current || a != a) && current == current ? a : current;
+}
+
+template <int kBits>
+void quantize_columns(const void* w, FloatType w_type, const float* codebook, float tensor_scale,
+                      const WeightShape& s, int64_t batch, int64_t n_begin, int64_t n_end,
+                      uint32_t* planes, uint8_t* scales) {
+  const int64_t blocks = s.k / kBlockSize;
+  float tile[kBlockSize][kTileN];
+  uint8_t codes[kBlockSize];
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += kTileN) {
+      const int64_t width = std::min(kTileN, n_end - n0);
+      for (int j = 0; j < kBlockSize; ++j)
+        load_floats(w, w_type, (batch * s.k + kb * kBlockSize + j) * s.n + n0, width, tile[j]);
+      for (int64_t c = 0; c < width; ++c) {
+        float absmax = 0.f;
+        for (int j = 0; j < kBlockSize; ++j) absmax = absmax_nan_propagating(absmax, tile[j][c]);
+        for (int j = 0; j < kBlockSize; ++j)
+          codes[j] = uint8_t(nearest_code(normalized(tile[j][c], absmax), codebook, 1 << kBits));
+        const int64_t cell = (batch * blocks + kb) * s.n + n0 + c;
+        scales[cell] = uint8_t(encode_e4m4(absmax / tensor_scale));
+        pack_cell<kBits>(codes, s.layout, planes + cell * kBits);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void quantize(const void* w, FloatType w_type, const float* codebook, const float* tensor_scale,
+              const WeightShape& shape, uint32_t* planes, uint8_t* scales) {
+  const int entries = 1 << shape.bits;
+  // nearest_code scans the codebook: about `entries` operations per element.
+  const int64_t work = shape.batch * shape.k * shape.n * entries;
+  const int threads = thread_count(work, (shape.n + kTileN - 1) / kTileN);
+  parallel_ranges(shape.n, kTileN, threads, [&](int64_t n_begin, int64_t n_end) {
+    dispatch_bits(shape.bits, [&](auto bits) {
+      for (int64_t b = 0; b < shape.batch; ++b)
+        quantize_columns<decltype(bits)::value>(w, w_type, codebook + b * entries,
+                                                tensor_scale[b], shape, b, n_begin, n_end,
+                                                planes, scales);
+    });
+  });
+}
+
+}  // namespace kbit::cpu
