@@ -1,0 +1,1 @@
+"""Example models built on kbit_jax (random weights, no downloads)."""

@@ -1,0 +1,255 @@
+"""A Llama-style decoder in Flax NNX with k-bit weights: RMSNorm, RoPE, GQA, SwiGLU, KV cache.
+
+Random weights only (no downloads): the point is the shapes and the decode loop.
+
+    from kbit_jax.examples import llama
+    model, report = llama.build_model(llama.TINY, bits=4)      # quantized as it is built
+    tokens = llama.generate(model, prompt, max_new_tokens=16)  # greedy, prompt: int32[B, T]
+
+The model is functional in its KV cache: ``model(tokens, cache, pos)`` writes the keys and
+values of ``tokens`` (``[B, T]``, at positions ``pos .. pos+T-1``, the same for every row)
+into ``cache`` and returns ``(logits, cache)``. ``prefill``, ``decode_step`` and ``decode``
+are jitted over ``(graphdef, state)`` from ``nnx.split(model)``, so a decode step costs one
+dispatch and ``decode`` runs a whole greedy loop in one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .. import nn as knn
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 500_000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.dim * self.hidden_dim
+        return self.n_layers * (attn + mlp + 2 * self.dim) + 2 * self.vocab_size * self.dim + self.dim
+
+
+LLAMA3_8B = LlamaConfig(vocab_size=128_256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                        hidden_dim=14_336)
+LLAMA3_70B = LlamaConfig(vocab_size=128_256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                         hidden_dim=28_672)
+TINY = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
+                   rope_theta=10_000.0)
+CONFIGS = {"tiny": TINY, "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+
+Cache = list  # [(k, v)] per layer, each [B, max_len, n_kv_heads, head_dim]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding (rotate-half convention) of x[B, T, H, D] at positions[T]."""
+    d = x.shape[-1]
+    freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)            # [D/2]
+    angles = positions.astype(jnp.float32)[:, None] * freqs                    # [T, D/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]       # [T, 1, D/2]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _linear(din, dout, param_dtype, rngs):
+    return nnx.Linear(din, dout, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs):
+        hd = cfg.head_dim
+        self.q_proj = _linear(cfg.dim, cfg.n_heads * hd, param_dtype, rngs)
+        self.k_proj = _linear(cfg.dim, cfg.n_kv_heads * hd, param_dtype, rngs)
+        self.v_proj = _linear(cfg.dim, cfg.n_kv_heads * hd, param_dtype, rngs)
+        self.o_proj = _linear(cfg.n_heads * hd, cfg.dim, param_dtype, rngs)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.rope_theta = cfg.rope_theta
+
+    def __call__(self, x, cache_k, cache_v, pos):
+        b, t, _ = x.shape
+        h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        positions = pos + jnp.arange(t)
+        q = rope(self.q_proj(x).reshape(b, t, h, hd), positions, self.rope_theta)
+        k = rope(self.k_proj(x).reshape(b, t, kvh, hd), positions, self.rope_theta)
+        v = self.v_proj(x).reshape(b, t, kvh, hd)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, pos, 0, 0))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, pos, 0, 0))
+
+        # Grouped-query attention over the whole cache, masked to keys at positions <= query's.
+        q = q.reshape(b, t, kvh, h // kvh, hd)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, cache_k,
+                            preferred_element_type=jnp.float32) * hd ** -0.5
+        mask = jnp.arange(cache_k.shape[1])[None, :] <= positions[:, None]       # [T, S]
+        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(cache_v.dtype), cache_v,
+                         preferred_element_type=jnp.float32)
+        return self.o_proj(out.reshape(b, t, h * hd).astype(x.dtype)), cache_k, cache_v
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs):
+        self.gate_proj = _linear(cfg.dim, cfg.hidden_dim, param_dtype, rngs)
+        self.up_proj = _linear(cfg.dim, cfg.hidden_dim, param_dtype, rngs)
+        self.down_proj = _linear(cfg.hidden_dim, cfg.dim, param_dtype, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype)
+        self.attn = Attention(cfg, param_dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype)
+        self.mlp = MLP(cfg, param_dtype, rngs)
+
+    def __call__(self, x, cache_k, cache_v, pos):
+        a, cache_k, cache_v = self.attn(self.attn_norm(x), cache_k, cache_v, pos)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), cache_k, cache_v
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer. ``block_hook(block)`` (optional) runs on each block as soon
+    as it is built, e.g. to quantize it before the next one is allocated."""
+
+    def __init__(self, cfg: LlamaConfig, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
+                 block_hook=None):
+        self.config = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, param_dtype=param_dtype, rngs=rngs)
+        blocks = []
+        for _ in range(cfg.n_layers):
+            blocks.append(Block(cfg, param_dtype, rngs))
+            if block_hook is not None:
+                block_hook(blocks[-1])
+        self.layers = nnx.List(blocks)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype)
+        self.lm_head = _linear(cfg.dim, cfg.vocab_size, param_dtype, rngs)
+
+    def __call__(self, tokens, cache: Cache, pos, *, last_only: bool = False):
+        x = self.embed(tokens)
+        new_cache = []
+        for layer, (k, v) in zip(self.layers, cache):
+            x, k, v = layer(x, k, v, pos)
+            new_cache.append((k, v))
+        x = self.norm(x[:, -1:] if last_only else x)
+        return self.lm_head(x), new_cache
+
+
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> Cache:
+    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers)]
+
+
+def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
+                param_dtype=jnp.bfloat16, quantize_head: bool = False, progress: bool = False):
+    """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
+
+    With ``bits``, each block goes through ``kbit_jax.nn.quantize_model`` as soon as it is
+    built, so peak memory is the quantized model plus one dense block (a 70B model at K=4
+    builds on one GPU although its bf16 weights would not fit). Embedding and lm_head stay
+    dense (the default filter) unless ``quantize_head``.
+    """
+    if bits is None:
+        return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed)), None
+    report = knn.QuantizeReport(bits=bits, codebook=codebook)
+    ticks = iter(knn._progress(range(cfg.n_layers), cfg.n_layers, progress, "build + quantize"))
+
+    def hook(block):
+        i = next(ticks)
+        r = knn.quantize_model(block, bits, codebook, progress=False)
+        report.replaced += [f"layers/{i}/{p}" for p in r.replaced]
+        report.skipped += [(f"layers/{i}/{p}", why) for p, why in r.skipped]
+        report.bytes_before += r.bytes_before
+        report.replaced_bytes_before += r.replaced_bytes_before
+        report.replaced_bytes_after += r.replaced_bytes_after
+
+    model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), block_hook=hook)
+    report.bytes_before += knn._nbytes(nnx.state(model)) - knn._nbytes(nnx.state(model.layers))
+    if quantize_head:
+        r = knn.quantize_model(model, bits, codebook, filter=lambda path, _: path == ("lm_head",),
+                               progress=False)
+        report.replaced += r.replaced
+        report.replaced_bytes_before += r.replaced_bytes_before
+        report.replaced_bytes_after += r.replaced_bytes_after
+    else:
+        report.skipped.append(("lm_head", "excluded by the default filter"))
+    report.bytes_after = knn._nbytes(nnx.state(model))
+    return model, report
+
+
+# -- jitted entry points over (graphdef, state) ---------------------------------------------
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def prefill(graphdef, state, tokens, cache):
+    """Run the prompt ``tokens[B, T]`` from position 0: (last-position logits [B, V], cache)."""
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(tokens, cache, 0, last_only=True)
+    return logits[:, -1], cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def decode_step(graphdef, state, token, cache, pos):
+    """One token per row ``token[B]`` at position ``pos``: (logits [B, V], cache)."""
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(token[:, None], cache, pos)
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("cache",))
+def decode(graphdef, state, token, cache, pos, steps: int):
+    """Greedy: feed ``token[B]`` at ``pos`` and ``steps`` - 1 of its successors; returns
+    (the ``steps`` next tokens [B, steps], cache). One dispatch for the whole loop."""
+    model = nnx.merge(graphdef, state)
+
+    def body(i, carry):
+        token, cache, out = carry
+        logits, cache = model(token[:, None], cache, pos + i)
+        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return token, cache, out.at[:, i].set(token)
+
+    out = jnp.zeros((token.shape[0], steps), jnp.int32)
+    _, cache, out = jax.lax.fori_loop(0, steps, body, (token, cache, out))
+    return out, cache
+
+
+def generate(model: Llama, prompt, max_new_tokens: int, *, cache_dtype=None):
+    """Greedy generation: ``prompt`` int32[B, T] -> the ``max_new_tokens`` next tokens [B, n]."""
+    prompt = jnp.asarray(prompt, jnp.int32)
+    b, t = prompt.shape
+    graphdef, state = nnx.split(model)
+    dtype = cache_dtype or model.embed.embedding.dtype
+    cache = init_cache(model.config, b, t + max_new_tokens, dtype)
+    logits, cache = prefill(graphdef, state, prompt, cache)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if max_new_tokens == 1:
+        return first[:, None]
+    rest, _ = decode(graphdef, state, first, cache, t, max_new_tokens - 1)
+    return jnp.concatenate([first[:, None], rest], axis=1)
