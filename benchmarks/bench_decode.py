@@ -1,0 +1,250 @@
+"""End-to-end greedy decoding: tokens/s of a Llama-style model, bf16 weights vs kbit K=2..5.
+
+Each (config, weights) pair runs in its own subprocess so that peak GPU memory is per model
+and an out-of-memory failure costs one row, not the run. Inside a worker the model is built
+once (randomly initialized; kbit models are quantized block by block as they are built, see
+``kbit_jax.examples.llama.build_model``), then for each batch size: prefill the prompt
+(jitted), then greedy-decode ``new_tokens - 1`` steps in one jitted ``fori_loop``, so the
+timed region has one dispatch and wall time equals device time to within a dispatch.
+Median of ``--reps`` repetitions after a warm-up (compile) run.
+
+Full run on one H200 (defaults):
+    python benchmarks/bench_decode.py --out benchmarks/results/decode
+A run of a few minutes:
+    python benchmarks/bench_decode.py --configs llama3-8b --batches 1 --weights bf16,4 \\
+        --new-tokens 64 --reps 2 --out /tmp/decode
+CPU smoke test (slow; the tiny config):
+    python benchmarks/bench_decode.py --configs tiny --batches 1,2 --weights bf16,4 \\
+        --prompt 16 --new-tokens 8 --reps 1 --out /tmp/decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 2.0 ** 30
+RESULT = "RESULT "  # prefix of the worker's stdout line carrying its rows as JSON
+
+#: Weights benchmarked per config by default ("bf16" or a bit width). The 70B config in bf16
+#: does not fit one H200 (141 GB of weights); it is attempted and reported as not fitting.
+DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tiny": "bf16,2,3,4,5"}
+
+
+# -- worker: one model, all batch sizes -------------------------------------------------------
+def _device_memory():
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit"), stats.get("peak_bytes_in_use")
+
+
+def run_worker(args) -> list[dict]:
+    sys.path.insert(0, ROOT)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import kbit_jax
+    from kbit_jax.examples import llama
+
+    cfg = llama.CONFIGS[args.config]
+    bits = None if args.weights == "bf16" else int(args.weights)
+    base = {"config": args.config, "weights": args.weights, "bits": bits, "quantize_head": args.quantize_head,
+            "prompt": args.prompt, "new_tokens": args.new_tokens}
+    max_len = args.prompt + args.new_tokens
+
+    # Would the model fit? (weights + the largest KV cache; activations are small at decode)
+    n = cfg.num_params()
+    linear = cfg.n_layers * (cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+                             + 3 * cfg.dim * cfg.hidden_dim)
+    weight_bytes = 2 * n if bits is None else 2 * (n - linear) + linear * (bits + 0.25) / 8
+    cache_bytes = 4 * cfg.n_layers * max(args.batches) * max_len * cfg.n_kv_heads * cfg.head_dim
+    limit, _ = _device_memory()
+    if limit is not None and weight_bytes + cache_bytes > limit:
+        return [{**base, "status": f"does not fit: needs ~{(weight_bytes + cache_bytes) / GIB:.1f} GiB, "
+                                   f"device has {limit / GIB:.1f} GiB"}]
+
+    t0 = time.perf_counter()
+    model, report = llama.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
+                                      param_dtype=jnp.bfloat16, quantize_head=args.quantize_head,
+                                      progress=args.progress)
+    jax.block_until_ready(nnx.state(model))
+    build_s = time.perf_counter() - t0
+    graphdef, state = nnx.split(model)
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    del model
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for batch in args.batches:
+        prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, args.prompt)), jnp.int32)
+        steps = args.new_tokens - 1
+
+        def once():
+            cache = llama.init_cache(cfg, batch, max_len, jnp.bfloat16)
+            jax.block_until_ready(cache)
+            t0 = time.perf_counter()
+            logits, cache = llama.prefill(graphdef, state, prompt, cache)
+            first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            first.block_until_ready()
+            t1 = time.perf_counter()
+            out, cache = llama.decode(graphdef, state, first, cache, args.prompt, steps)
+            out.block_until_ready()
+            t2 = time.perf_counter()
+            return t1 - t0, t2 - t1, np.asarray(out)
+
+        t0 = time.perf_counter()
+        once()  # compile + warm-up
+        compile_s = time.perf_counter() - t0
+        times = [once() for _ in range(args.reps)]
+        prefill_s = statistics.median(t[0] for t in times)
+        decode_s = statistics.median(t[1] for t in times)
+        if args.profile:
+            path = os.path.join(args.profile, f"{args.config}-{args.weights}-b{batch}")
+            with jax.profiler.trace(path):
+                once()
+        _, peak = _device_memory()
+        rows.append({
+            **base, "status": "ok", "batch": batch,
+            "decode_tokens_per_s": batch * steps / decode_s,
+            "decode_ms_per_step": 1e3 * decode_s / steps,
+            "prefill_ms": 1e3 * prefill_s,
+            "model_gib": model_bytes / GIB,
+            "peak_gib": None if peak is None else peak / GIB,
+            "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
+            "build_s": build_s, "compile_s": compile_s,
+            "repeatable": all(np.array_equal(t[2], times[0][2]) for t in times),
+            "report": None if report is None else str(report),
+        })
+        print(f"  {args.config} {args.weights:>4} batch {batch:>3}: "
+              f"{rows[-1]['decode_tokens_per_s']:10.1f} tok/s", file=sys.stderr, flush=True)
+    return rows
+
+
+# -- driver ------------------------------------------------------------------------------------
+def environment() -> dict:
+    sys.path.insert(0, ROOT)
+    code = ("import json, jax, flax, kbit_jax; d = jax.devices()[0]; "
+            "print(json.dumps({'device': d.device_kind, 'platform': d.platform, "
+            "'jax': jax.__version__, 'flax': flax.__version__, 'kbit_jax': kbit_jax.__version__, "
+            "'build_info': {k: str(v) for k, v in kbit_jax.build_info().items()}}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    info = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
+    info.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                python=platform.python_version(), host=platform.node())
+    return info
+
+
+def run_subprocess(args, config: str, weights: str) -> list[dict]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config,
+           "--weights", weights, "--batches", ",".join(map(str, args.batches)),
+           "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+           "--reps", str(args.reps), "--codebook", args.codebook]
+    if args.profile:
+        cmd += ["--profile", args.profile]
+    if args.progress:
+        cmd += ["--progress"]
+    if args.quantize_head:
+        cmd += ["--quantize-head"]
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    lines = [l[len(RESULT):] for l in proc.stdout.splitlines() if l.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        return [{"config": config, "weights": weights, "status": f"failed (exit {proc.returncode}); see stderr"}]
+    return json.loads(lines[-1])
+
+
+def to_markdown(env: dict, args, rows: list[dict]) -> str:
+    dense = {(r["config"], r["batch"]): r["decode_tokens_per_s"]
+             for r in rows if r["status"] == "ok" and r["weights"] == "bf16"}
+    lines = [
+        f"# Greedy decode throughput ({env.get('device', '?')}, {env.get('date', '')})",
+        "",
+        f"Prompt {args.prompt} tokens, {args.new_tokens} new tokens (decode tok/s counts the "
+        f"{args.new_tokens - 1} steps after prefill, summed over the batch); codebook "
+        f"{args.codebook!r}; lm_head {'quantized' if args.quantize_head else 'bf16'}; median of {args.reps}. jax {env.get('jax')}, flax {env.get('flax')}, "
+        f"kbit_jax build {env.get('build_info')}.",
+        "",
+        "| config | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | peak GiB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['config']} | | {r['weights']} | {r['status']} | | | | | |")
+            continue
+        base = dense.get((r["config"], r["batch"]))
+        speedup = f"{r['decode_tokens_per_s'] / base:.2f}x" if base else "-"
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        weights = "bf16" if r["bits"] is None else f"K={r['bits']}"
+        lines.append(f"| {r['config']} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
+                     f"{speedup} | {r['decode_ms_per_step']:.2f} | {r['prefill_ms']:.1f} | "
+                     f"{r['model_gib']:.2f} | {peak} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="llama3-8b,llama3-70b", help="comma list of: tiny, llama3-8b, llama3-70b")
+    p.add_argument("--weights", default=None,
+                   help="comma list of bf16 and/or bit widths 2..5 (default per config: "
+                        + "; ".join(f"{k}: {v}" for k, v in DEFAULT_WEIGHTS.items()) + ")")
+    p.add_argument("--batches", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--prompt", default=128, type=int)
+    p.add_argument("--new-tokens", default=256, type=int)
+    p.add_argument("--reps", default=3, type=int)
+    p.add_argument("--codebook", default="nf")
+    p.add_argument("--out", default=None, help="directory for decode.json and decode.md")
+    p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")
+    p.add_argument("--progress", action="store_true", help="progress bar while building models")
+    p.add_argument("--quantize-head", action="store_true",
+                   help="quantize lm_head too (default: dense, like embeddings; it is ~1/8 of an 8B model's bytes)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every model in this process (peak memory is then cumulative)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        print(RESULT + json.dumps(run_worker(args)), flush=True)
+        return
+    env = environment()
+    print(json.dumps(env), file=sys.stderr)
+    rows = []
+    for config in args.configs.split(","):
+        for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
+            if args.in_process:
+                sub = argparse.Namespace(**{**vars(args), "config": config, "weights": weights})
+                rows += run_worker(sub)
+            else:
+                rows += run_subprocess(args, config, weights)
+    md = to_markdown(env, args, rows)
+    print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "decode.json"), "w") as f:
+            json.dump({"environment": env, "args": {k: v for k, v in vars(args).items()
+                                                    if k not in ("worker", "config")},
+                       "results": rows}, f, indent=1)
+        with open(os.path.join(args.out, "decode.md"), "w") as f:
+            f.write(md)
+
+
+if __name__ == "__main__":
+    main()
