@@ -173,8 +173,9 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         "",
         f"Prompt {args.prompt} tokens, {args.new_tokens} new tokens (decode tok/s counts the "
         f"{args.new_tokens - 1} steps after prefill, summed over the batch); codebook "
-        f"{args.codebook!r}; lm_head {'quantized' if args.quantize_head else 'bf16'}; median of {args.reps}. jax {env.get('jax')}, flax {env.get('flax')}, "
-        f"kbit_jax build {env.get('build_info')}.",
+        f"{args.codebook!r}; lm_head {'quantized' if args.quantize_head else 'bf16'}; median of {args.reps}. "
+        f"Peak GiB is the worker process's device peak, model building included. "
+        f"jax {env.get('jax')}, flax {env.get('flax')}, kbit_jax build {env.get('build_info')}.",
         "",
         "| config | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | peak GiB |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
