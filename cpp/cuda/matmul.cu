@@ -10,13 +10,11 @@ template <int BITS>
 std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning);
 }  // namespace fused
 
-// The fused kernel needs: 16-bit activations (float32 activations keep float32 accuracy on the
-// generic path), the fragment layout, and for bits 2 an even N (its 16-byte loads cover two
-// neighbouring cells and must stay aligned).
+// The fused kernel needs 16-bit activations (float32 activations keep float32 accuracy on the
+// generic path) and the fragment layout; any B, M, K (multiple of 32) and N.
 std::string matmul_path(const MatmulArgs& a) {
   if (a.dtype == DType::kF32) return "generic (float32 activations)";
   if (a.layout != kbit::kFragment) return "generic (layout 0: planes; convert to the fragment layout for speed)";
-  if (a.bits == 2 && (a.n % 2) != 0) return "generic (bits 2 with odd N)";
   return "fused";
 }
 

@@ -39,6 +39,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 #include "cuda/common.cuh"
@@ -324,7 +325,7 @@ __global__ void __launch_bounds__(Config<BITS, MT>::kThreads, Config<BITS, MT>::
   const int64_t kb_stride = int64_t(p.N) * BITS;  // words per block row of the weight
   const uint32_t* wbase = p.planes + (int64_t(b) * p.KB * p.N + col0) * BITS;
   const int off0 = WP::offset0(g, t), off1 = WP::offset1(g, t);
-  const int colbase = col0 + (BITS == 2 ? 2 * g : g);
+  const int colbase = col0 + g;  // column of mma row g in tile 0 (row g+8: +8)
   // ldmatrix: lane l supplies row l%8 of matrix l/8 (= k sub-block of 8 within the 32-block).
   uint32_t x_lane_off[MT];
 #pragma unroll
@@ -358,8 +359,7 @@ __global__ void __launch_bounds__(Config<BITS, MT>::kThreads, Config<BITS, MT>::
     const uint32_t dst = s_sf + (c & 1) * kSfBufBytes + s_kbl * SFB;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int q = 4 * (s_cq & 3) + i;  // column within the tile
-      const int r = BITS == 2 ? ((q >> 1) | ((q & 1) << 3)) : q;  // mma row standing for it
+      const int r = 4 * (s_cq & 3) + i;  // column within the tile = its mma row (colmap)
       const uint32_t byte19 = i < 3 ? (v << (19 - 8 * i)) & 0x07f80000u : (v >> 5) & 0x07f80000u;
       sts32f(dst + (((r & 7) * TN + (s_cq >> 2)) * 2 + (r >> 3)) * 4, decode_e4m4_fast(byte19));
     }
@@ -526,11 +526,47 @@ __global__ void __launch_bounds__(Config<BITS, MT>::kThreads, Config<BITS, MT>::
 // ---- host side: launch configuration ----
 namespace kbit::cuda::fused {
 
-inline int device_sm_count() {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 132;
-  return sms > 0 ? sms : 132;
+// Per-device facts and per-(kernel, device) settings are cached: the launcher runs on every
+// eager call, and a driver query per launch would make small kernels host-bound. The caches
+// are benign-race atomics (every writer stores the same value).
+constexpr int kMaxDevices = 64;
+
+inline int current_device() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) dev = 0;
+  return dev;
+}
+
+inline int device_sm_count(int dev) {
+  static std::atomic<int> cache[kMaxDevices];
+  int sms = cache[dev].load(std::memory_order_relaxed);
+  if (sms > 0) return sms;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) sms = 132;
+  cache[dev].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+// Raises the kernel's dynamic shared-memory limit to at least `bytes` on device `dev` (once
+// per size increase) and returns the resident CTAs per SM at `bytes` (cached per row count).
+template <class Kernel>
+cudaError_t prepare_kernel(Kernel* kernel, int dev, size_t bytes, int threads, int x_rows, int* per_sm) {
+  static std::atomic<int> smem_set[kMaxDevices];
+  static std::atomic<int> occupancy[kMaxDevices][65];
+  if (smem_set[dev].load(std::memory_order_relaxed) < int(bytes)) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    if (err != cudaSuccess) return err;
+    smem_set[dev].store(int(bytes), std::memory_order_relaxed);
+  }
+  const int slot = x_rows < 0 ? 0 : (x_rows > 64 ? 64 : x_rows);
+  int occ = occupancy[dev][slot].load(std::memory_order_relaxed);
+  if (occ <= 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, bytes) != cudaSuccess || occ < 1)
+      occ = 1;
+    occupancy[dev][slot].store(occ, std::memory_order_relaxed);
+  }
+  *per_sm = occ;
+  return cudaSuccess;
 }
 
 // n8 tiles along M for a problem with M rows (blocks of 64 rows above that).
@@ -548,8 +584,9 @@ std::string launch_fused_config(const MatmulArgs& a, cudaStream_t stream, const 
   const int x_rows = static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
   const size_t smem = Cfg::smem_bytes(x_rows);
   const char* name = "kbit_matmul_fused_kernel";
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
+  const int dev = current_device();
+  int per_sm = 1;
+  cudaError_t err = prepare_kernel(kernel, dev, smem, Cfg::kThreads, x_rows, &per_sm);
   if (err != cudaSuccess)
     return std::string(name) + ": cannot reserve " + std::to_string(smem) +
            " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape + ")";
@@ -566,11 +603,7 @@ std::string launch_fused_config(const MatmulArgs& a, cudaStream_t stream, const 
   if (tuning && tuning->k_split > 0) {
     k_split = tuning->k_split;
   } else {
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem) != cudaSuccess ||
-        per_sm < 1)
-      per_sm = 1;
-    const int64_t capacity = int64_t(device_sm_count()) * per_sm;
+    const int64_t capacity = int64_t(device_sm_count(dev)) * per_sm;
     const int64_t base = col_groups * a.batch * m_blocks;
     if (base < capacity) k_split = static_cast<int>(std::min<int64_t>(8, capacity / base));
     k_split = std::max(1, std::min(k_split, KB / 8));

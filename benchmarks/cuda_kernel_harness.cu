@@ -1,0 +1,714 @@
+// Standalone test and timing harness for the kbit CUDA kernels (no JAX, no Python).
+//
+// Build (from the repository root, on a machine with nvcc):
+//   nvcc -arch=sm_90 -O3 -std=c++17 --expt-relaxed-constexpr -Icpp \
+//        benchmarks/cuda_kernel_harness.cu cpp/cuda/*.cu -o build/cuda_kernel_harness
+// Run:
+//   build/cuda_kernel_harness test [quick]      correctness against host references (format.h)
+//   build/cuda_kernel_harness bench [csv_path]  timings on cold weights (H200 shapes)
+//   build/cuda_kernel_harness all [csv_path]
+//
+// Correctness: quantize (both layouts, three input dtypes) bit-exact against a host quantizer
+// built from format.h; dequantize bit-exact; matmul (fused and generic paths, forced k-splits,
+// odd shapes, M = 0) against a float64 host reference, with outputs poisoned (NaN) first.
+// Timing: CUDA events around batches of launches that rotate over enough weight copies to
+// exceed the 60 MB L2 several times; median of 7 batches; bandwidth counts the compressed bytes
+// (planes + scales) once, against a device-to-device copy measured in the same run.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/codes.cuh"
+#include "cuda/common.cuh"
+#include "cuda/launch.cuh"
+#include "format.h"
+
+using kbit::cuda::DType;
+
+#define CK(x)                                                                               \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
+      printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, #x); \
+      exit(2);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+static int g_failures = 0, g_checks = 0;
+#define EXPECT(cond, ...)            \
+  do {                               \
+    ++g_checks;                      \
+    if (!(cond)) {                   \
+      ++g_failures;                  \
+      printf("FAIL: " __VA_ARGS__);  \
+      printf("\n");                  \
+    }                                \
+  } while (0)
+
+// ---------------------------------------------------------------------------------------------
+// Host helpers
+// ---------------------------------------------------------------------------------------------
+static size_t dsize(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+static uint16_t f32_to_raw16(float v, DType d) {
+  uint16_t r;
+  if (d == DType::kBF16) {
+    __nv_bfloat16 b = __float2bfloat16_rn(v);
+    memcpy(&r, &b, 2);
+  } else {
+    __half h = __float2half_rn(v);
+    memcpy(&r, &h, 2);
+  }
+  return r;
+}
+static float raw16_to_f32(uint16_t r, DType d) {
+  if (d == DType::kBF16) {
+    __nv_bfloat16 b;
+    memcpy(&b, &r, 2);
+    return __bfloat162float(b);
+  }
+  __half h;
+  memcpy(&h, &r, 2);
+  return __half2float(h);
+}
+// Host buffer of dtype d from floats (rounding 16-bit types); returns the rounded floats.
+static std::vector<uint8_t> to_dtype(const std::vector<float>& v, DType d, std::vector<float>* rounded) {
+  std::vector<uint8_t> out(v.size() * dsize(d));
+  if (rounded) rounded->resize(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (d == DType::kF32) {
+      memcpy(&out[i * 4], &v[i], 4);
+      if (rounded) (*rounded)[i] = v[i];
+    } else {
+      const uint16_t r = f32_to_raw16(v[i], d);
+      memcpy(&out[i * 2], &r, 2);
+      if (rounded) (*rounded)[i] = raw16_to_f32(r, d);
+    }
+  }
+  return out;
+}
+static float read_dtype(const std::vector<uint8_t>& buf, size_t i, DType d) {
+  if (d == DType::kF32) {
+    float f;
+    memcpy(&f, &buf[i * 4], 4);
+    return f;
+  }
+  uint16_t r;
+  memcpy(&r, &buf[i * 2], 2);
+  return raw16_to_f32(r, d);
+}
+
+template <class T>
+struct DevBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit DevBuf(size_t count) : n(count) { CK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T))); }
+  ~DevBuf() { cudaFree(p); }
+  void upload(const void* src) { CK(cudaMemcpy(p, src, n * sizeof(T), cudaMemcpyHostToDevice)); }
+  void download(void* dst) const { CK(cudaMemcpy(dst, p, n * sizeof(T), cudaMemcpyDeviceToHost)); }
+  DevBuf(const DevBuf&) = delete;
+};
+
+// Codebooks: sorted symmetric normal-float-like, or unsorted random with a duplicate entry.
+static std::vector<float> make_codebook(int bits, int kind, std::mt19937& rng) {
+  const int C = 1 << bits;
+  std::vector<float> cb(C);
+  if (kind == 0) {
+    for (int i = 0; i < C; ++i) {
+      const double u = (i + 0.5) / C;  // a smooth odd map of the quantiles into [-1, 1]
+      cb[i] = float(std::tanh(2.2 * (u - 0.5) * 2.0) / std::tanh(2.2 * (1.0 - 1.0 / C)));
+    }
+    cb[C - 1] = 1.f;
+    cb[0] = -1.f;
+  } else {
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    for (int i = 0; i < C; ++i) cb[i] = u(rng);
+    cb[C / 2] = cb[1];  // duplicate entry: ties go to the lower index
+  }
+  return cb;
+}
+
+// Pack 32 codes of a cell into `bits` words in the given layout.
+static void pack_cell(const uint32_t* codes, int bits, int layout, uint32_t* words) {
+  for (int i = 0; i < bits; ++i) words[i] = 0;
+  for (int j = 0; j < 32; ++j) {
+    if (layout == kbit::kPlanes) {
+      for (int b = 0; b < bits; ++b) words[b] |= ((codes[j] >> b) & 1u) << j;
+    } else {
+      const int pos = bits * kbit::cuda::fragment_pos(j);
+      for (int b = 0; b < bits; ++b) {
+        const int q = pos + b;
+        words[q >> 5] |= ((codes[j] >> b) & 1u) << (q & 31);
+      }
+    }
+  }
+}
+static void unpack_cell(const uint32_t* words, int bits, int layout, uint32_t* codes) {
+  for (int j = 0; j < 32; ++j) {
+    uint32_t c = 0;
+    if (layout == kbit::kPlanes) {
+      for (int b = 0; b < bits; ++b) c |= ((words[b] >> j) & 1u) << b;
+    } else {
+      const int pos = bits * kbit::cuda::fragment_pos(j);
+      for (int b = 0; b < bits; ++b) {
+        const int q = pos + b;
+        c |= ((words[q >> 5] >> (q & 31)) & 1u) << b;
+      }
+    }
+    codes[j] = c;
+  }
+}
+
+// Host quantizer: the format's definition, evaluated with format.h in float32.
+static void host_quantize(const std::vector<float>& w, int B, int K, int N, const std::vector<float>& cb,
+                          const std::vector<float>& ts, int bits, int layout, std::vector<uint32_t>& planes,
+                          std::vector<uint8_t>& scales) {
+  const int KB = K / 32, C = 1 << bits;
+  planes.assign(size_t(B) * KB * N * bits, 0);
+  scales.assign(size_t(B) * KB * N, 0);
+  for (int b = 0; b < B; ++b)
+    for (int kb = 0; kb < KB; ++kb)
+      for (int n = 0; n < N; ++n) {
+        float v[32], absmax = 0.f;
+        for (int j = 0; j < 32; ++j) {
+          v[j] = w[(size_t(b) * K + kb * 32 + j) * N + n];
+          absmax = std::max(absmax, std::fabs(v[j]));
+        }
+        uint32_t codes[32];
+        for (int j = 0; j < 32; ++j)
+          codes[j] = kbit::nearest_code(kbit::normalized(v[j], absmax), &cb[size_t(b) * C], C);
+        const size_t cell = (size_t(b) * KB + kb) * N + n;
+        pack_cell(codes, bits, layout, &planes[cell * bits]);
+        scales[cell] = uint8_t(kbit::encode_e4m4(absmax / ts[b]));
+      }
+}
+
+// Dequantized weight value (float32, the reference's order of operations).
+static float host_deq(const uint32_t* codes, int j, const float* cb, uint8_t scale, float ts) {
+  return (cb[codes[j]] * kbit::decode_e4m4(scale)) * ts;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------------
+__global__ void decode_all_kernel(float* out) {
+  const uint32_t b = threadIdx.x;
+  out[b] = kbit::cuda::decode_e4m4_fast(b << 19);
+  out[256 + b] = kbit::decode_e4m4(b);
+}
+
+static void test_e4m4() {
+  DevBuf<float> d(512);
+  decode_all_kernel<<<1, 256>>>(d.p);
+  CK(cudaGetLastError());
+  std::vector<float> h(512);
+  d.download(h.data());
+  int bad = 0;
+  for (int b = 0; b < 256; ++b) {
+    const float ref = kbit::decode_e4m4(b);
+    if (memcmp(&h[b], &ref, 4) != 0 || memcmp(&h[256 + b], &ref, 4) != 0) ++bad;
+  }
+  EXPECT(bad == 0, "decode_e4m4_fast / device decode_e4m4 differ from host for %d of 256 bytes", bad);
+  printf("e4m4 decode: %s\n", bad ? "MISMATCH" : "ok (256 bytes, bit-exact)");
+}
+
+static void test_quantize(bool quick) {
+  struct Case { int B, K, N; };
+  std::vector<Case> cases = {{1, 32, 1}, {2, 64, 40}, {1, 96, 33}, {3, 128, 70}};
+  if (!quick) cases.push_back({1, 1024, 300});
+  int n_ok = 0, n_total = 0;
+  uint32_t seed = 1000;
+  for (const Case& c : cases)
+    for (int bits = 2; bits <= 5; ++bits)
+      for (int layout = 0; layout <= 1; ++layout)
+        for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+          std::mt19937 rng(seed++);
+          std::normal_distribution<float> nd(0.f, 1.f);
+          const int KB = c.K / 32, C = 1 << bits;
+          std::vector<float> w(size_t(c.B) * c.K * c.N);
+          for (auto& v : w) v = nd(rng);
+          // Blocks that exercise the scale encoder: zero, huge (saturates), tiny (subnormal).
+          for (int b = 0; b < c.B; ++b)
+            for (int j = 0; j < 32; ++j) {
+              w[(size_t(b) * c.K + j) * c.N + 0] = 0.f;
+              if (c.N > 1) w[(size_t(b) * c.K + j) * c.N + 1] *= 1e3f;
+              if (c.N > 2) w[(size_t(b) * c.K + j) * c.N + 2] *= 3e-5f;
+            }
+          std::vector<float> cb, ts(c.B);
+          for (int b = 0; b < c.B; ++b) {
+            auto one = make_codebook(bits, (b + bits) % 2, rng);
+            cb.insert(cb.end(), one.begin(), one.end());
+            ts[b] = (b == 1) ? 0.37f : std::ldexp(1.f, int(rng() % 7) - 3);
+          }
+          std::vector<float> wr;
+          auto wbytes = to_dtype(w, dt, &wr);
+          std::vector<uint32_t> ref_planes;
+          std::vector<uint8_t> ref_scales;
+          host_quantize(wr, c.B, c.K, c.N, cb, ts, bits, layout, ref_planes, ref_scales);
+
+          DevBuf<uint8_t> dw(wbytes.size());
+          dw.upload(wbytes.data());
+          DevBuf<float> dcb(cb.size()), dts(ts.size());
+          dcb.upload(cb.data());
+          dts.upload(ts.data());
+          DevBuf<uint32_t> dplanes(ref_planes.size());
+          DevBuf<uint8_t> dscales(ref_scales.size());
+          CK(cudaMemset(dplanes.p, 0xA5, dplanes.n * 4));
+          CK(cudaMemset(dscales.p, 0xA5, dscales.n));
+          kbit::cuda::QuantizeArgs a;
+          a.w = dw.p; a.w_dtype = dt; a.codebook = dcb.p; a.tensor_scale = dts.p;
+          a.planes = dplanes.p; a.scales = dscales.p;
+          a.batch = c.B; a.k = c.K; a.n = c.N; a.bits = bits; a.layout = layout;
+          const std::string err = kbit::cuda::launch_quantize(a, 0);
+          CK(cudaDeviceSynchronize());
+          std::vector<uint32_t> planes(ref_planes.size());
+          std::vector<uint8_t> scales(ref_scales.size());
+          dplanes.download(planes.data());
+          dscales.download(scales.data());
+          size_t bad_p = 0, bad_s = 0, first = SIZE_MAX;
+          for (size_t i = 0; i < planes.size(); ++i)
+            if (planes[i] != ref_planes[i]) { ++bad_p; if (first == SIZE_MAX) first = i; }
+          for (size_t i = 0; i < scales.size(); ++i) bad_s += scales[i] != ref_scales[i];
+          ++n_total;
+          const bool ok = err.empty() && bad_p == 0 && bad_s == 0;
+          n_ok += ok;
+          EXPECT(ok, "quantize B=%d K=%d N=%d bits=%d layout=%d dtype=%s: err='%s' plane mismatches %zu "
+                     "(first word %zu: %08x vs %08x), scale mismatches %zu (KB=%d)",
+                 c.B, c.K, c.N, bits, layout, kbit::cuda::dtype_name(dt), err.c_str(), bad_p,
+                 first == SIZE_MAX ? 0 : first, first == SIZE_MAX ? 0 : planes[first],
+                 first == SIZE_MAX ? 0 : ref_planes[first], bad_s, KB);
+          (void)C;
+        }
+  printf("quantize: %d / %d cases bit-exact (planes and scales)\n", n_ok, n_total);
+}
+
+static void test_dequantize(bool quick) {
+  struct Case { int B, K, N; };
+  std::vector<Case> cases = {{1, 32, 1}, {2, 64, 37}, {3, 160, 70}};
+  if (!quick) cases.push_back({1, 512, 1000});
+  int n_ok = 0, n_total = 0;
+  uint32_t seed = 5000;
+  for (const Case& c : cases)
+    for (int bits = 2; bits <= 5; ++bits)
+      for (int layout = 0; layout <= 1; ++layout)
+        for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+          std::mt19937 rng(seed++);
+          const int KB = c.K / 32, C = 1 << bits;
+          std::vector<uint32_t> planes(size_t(c.B) * KB * c.N * bits);
+          std::vector<uint8_t> scales(size_t(c.B) * KB * c.N);
+          for (auto& p : planes) p = rng();
+          for (auto& s : scales) s = uint8_t(rng());  // every byte: zero, subnormal, saturated
+          std::vector<float> cb, ts(c.B);
+          for (int b = 0; b < c.B; ++b) {
+            auto one = make_codebook(bits, b % 2, rng);
+            cb.insert(cb.end(), one.begin(), one.end());
+            ts[b] = std::ldexp(1.f, int(rng() % 9) - 4);
+          }
+          std::vector<float> ref(size_t(c.B) * c.K * c.N);
+          for (int b = 0; b < c.B; ++b)
+            for (int kb = 0; kb < KB; ++kb)
+              for (int n = 0; n < c.N; ++n) {
+                const size_t cell = (size_t(b) * KB + kb) * c.N + n;
+                uint32_t codes[32];
+                unpack_cell(&planes[cell * bits], bits, layout, codes);
+                for (int j = 0; j < 32; ++j)
+                  ref[(size_t(b) * c.K + kb * 32 + j) * c.N + n] =
+                      host_deq(codes, j, &cb[size_t(b) * C], scales[cell], ts[b]);
+              }
+          auto ref_bytes = to_dtype(ref, dt, nullptr);
+          DevBuf<uint32_t> dp(planes.size());
+          DevBuf<uint8_t> ds(scales.size());
+          DevBuf<float> dcb(cb.size()), dts(ts.size());
+          dp.upload(planes.data()); ds.upload(scales.data()); dcb.upload(cb.data()); dts.upload(ts.data());
+          DevBuf<uint8_t> dout(ref_bytes.size());
+          CK(cudaMemset(dout.p, 0xFF, dout.n));
+          kbit::cuda::DequantizeArgs a;
+          a.planes = dp.p; a.scales = ds.p; a.codebook = dcb.p; a.tensor_scale = dts.p;
+          a.out = dout.p; a.out_dtype = dt; a.batch = c.B; a.k = c.K; a.n = c.N; a.bits = bits; a.layout = layout;
+          const std::string err = kbit::cuda::launch_dequantize(a, 0);
+          CK(cudaDeviceSynchronize());
+          std::vector<uint8_t> out(ref_bytes.size());
+          dout.download(out.data());
+          size_t bad = 0;
+          for (size_t i = 0; i < out.size(); ++i) bad += out[i] != ref_bytes[i];
+          ++n_total;
+          const bool ok = err.empty() && bad == 0;
+          n_ok += ok;
+          EXPECT(ok, "dequantize B=%d K=%d N=%d bits=%d layout=%d dtype=%s: err='%s' %zu bytes differ",
+                 c.B, c.K, c.N, bits, layout, kbit::cuda::dtype_name(dt), err.c_str(), bad);
+        }
+  printf("dequantize: %d / %d cases bit-exact\n", n_ok, n_total);
+}
+
+struct MMCase { int B, M, K, N; int k_split; bool force_generic; };
+
+// One matmul check; returns the relative Frobenius error (or +inf on failure to run).
+static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, uint32_t seed,
+                              double* max_rel_out, std::string* path_out) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int KB = c.K / 32, C = 1 << bits;
+  std::vector<uint32_t> planes(size_t(c.B) * KB * c.N * bits);
+  std::vector<uint8_t> scales(size_t(c.B) * KB * c.N);
+  for (auto& p : planes) p = rng();
+  for (auto& s : scales) {
+    const uint32_t r = rng() % 64;  // mostly ordinary scales, some zero and subnormal blocks
+    s = r == 0 ? 0 : r == 1 ? uint8_t(rng() % 16) : uint8_t(0x60 + rng() % 0x50);
+  }
+  std::vector<float> cb, ts(c.B);
+  for (int b = 0; b < c.B; ++b) {
+    auto one = make_codebook(bits, (b + bits) % 2, rng);
+    cb.insert(cb.end(), one.begin(), one.end());
+    ts[b] = std::ldexp(1.f, int(rng() % 5) - 2);
+  }
+  std::vector<float> x(size_t(c.B) * c.M * c.K);
+  for (auto& v : x) v = nd(rng);
+  std::vector<float> xr;
+  auto xbytes = to_dtype(x, dt, &xr);
+
+  // float64 reference with the exact dequantized weights
+  std::vector<double> ref(size_t(c.B) * c.M * c.N, 0.0);
+  std::vector<float> wcol(c.K);
+  for (int b = 0; b < c.B; ++b)
+    for (int n = 0; n < c.N; ++n) {
+      for (int kb = 0; kb < KB; ++kb) {
+        const size_t cell = (size_t(b) * KB + kb) * c.N + n;
+        uint32_t codes[32];
+        unpack_cell(&planes[cell * bits], bits, layout, codes);
+        const float s = kbit::decode_e4m4(scales[cell]);
+        for (int j = 0; j < 32; ++j) wcol[kb * 32 + j] = cb[size_t(b) * C + codes[j]] * s;
+      }
+      for (int m = 0; m < c.M; ++m) {
+        double acc = 0;
+        const float* xrow = &xr[(size_t(b) * c.M + m) * c.K];
+        for (int k = 0; k < c.K; ++k) acc += double(xrow[k]) * double(wcol[k]);
+        ref[(size_t(b) * c.M + m) * c.N + n] = acc * ts[b];
+      }
+    }
+
+  DevBuf<uint8_t> dx(xbytes.size());
+  dx.upload(xbytes.data());
+  DevBuf<uint32_t> dp(planes.size());
+  DevBuf<uint8_t> ds(scales.size());
+  DevBuf<float> dcb(cb.size()), dts(ts.size());
+  dp.upload(planes.data()); ds.upload(scales.data()); dcb.upload(cb.data()); dts.upload(ts.data());
+  DevBuf<uint8_t> dy(size_t(c.B) * c.M * c.N * dsize(dt));
+  CK(cudaMemset(dy.p, 0xFF, dy.n));  // NaN in every dtype: unwritten outputs fail the check
+  kbit::cuda::MatmulArgs a;
+  a.x = dx.p; a.dtype = dt; a.planes = dp.p; a.scales = ds.p; a.codebook = dcb.p; a.tensor_scale = dts.p;
+  a.y = dy.p; a.batch = c.B; a.m = c.M; a.k = c.K; a.n = c.N; a.bits = bits; a.layout = layout;
+  kbit::cuda::MatmulTuning tune;
+  tune.k_split = c.k_split;
+  tune.force_generic = c.force_generic;
+  *path_out = c.force_generic ? "generic (forced)" : kbit::cuda::matmul_path(a);
+  const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
+  CK(cudaDeviceSynchronize());
+  if (!err.empty()) {
+    printf("  launch error: %s\n", err.c_str());
+    return INFINITY;
+  }
+  std::vector<uint8_t> y(dy.n);
+  dy.download(y.data());
+  double num = 0, den = 0, max_err = 0, max_ref = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double v = read_dtype(y, i, dt);
+    if (!std::isfinite(v)) return INFINITY;
+    num += (v - ref[i]) * (v - ref[i]);
+    den += ref[i] * ref[i];
+    max_err = std::max(max_err, std::fabs(v - ref[i]));
+    max_ref = std::max(max_ref, std::fabs(ref[i]));
+  }
+  *max_rel_out = max_ref > 0 ? max_err / max_ref : max_err;
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+static void test_matmul(bool quick) {
+  std::vector<MMCase> cases = {
+      {1, 1, 64, 40, 0, false},    {2, 3, 288, 130, 0, false},  {1, 8, 1024, 256, 0, false},
+      {1, 9, 512, 100, 0, false},  {2, 16, 256, 64, 0, false},  {1, 17, 2048, 96, 0, false},
+      {1, 33, 320, 257, 0, false}, {1, 64, 128, 200, 0, false}, {1, 65, 96, 72, 0, false},
+      {1, 130, 64, 33, 0, false},  {1, 1, 32, 1, 0, false},     {1, 4, 2048, 192, 3, false},
+      {1, 2, 4096, 160, 8, false}, {1, 1, 1024, 64, 1, false},  {2, 5, 512, 80, 0, true},
+      {1, 7, 4096, 2048, 0, false},
+  };
+  if (quick) cases.resize(8);
+  int n_ok = 0, n_total = 0;
+  uint32_t seed = 9000;
+  double worst[3] = {0, 0, 0};
+  for (const MMCase& c : cases)
+    for (int bits = 2; bits <= 5; ++bits)
+      for (int layout = 1; layout >= 0; --layout)
+        for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+          if (c.M * size_t(c.K) * c.N > 20000000 && (layout == 0 || dt == DType::kF32)) continue;
+          double max_rel = 0;
+          std::string path;
+          const double rel = run_matmul_case(c, bits, layout, dt, seed++, &max_rel, &path);
+          const double tol = dt == DType::kBF16 ? 1e-2 : dt == DType::kF16 ? 2e-3 : 1e-5;
+          const double tol_max = dt == DType::kBF16 ? 4e-2 : dt == DType::kF16 ? 8e-3 : 1e-4;
+          const bool ok = rel < tol && max_rel < tol_max;
+          ++n_total;
+          n_ok += ok;
+          worst[int(dt)] = std::max(worst[int(dt)], rel);
+          EXPECT(ok, "matmul B=%d M=%d K=%d N=%d bits=%d layout=%d dtype=%s k_split=%d path=%s: "
+                     "rel err %.3g (tol %.1g), max err / max |ref| %.3g",
+                 c.B, c.M, c.K, c.N, bits, layout, kbit::cuda::dtype_name(dt), c.k_split, path.c_str(),
+                 rel, tol, max_rel);
+        }
+  // M = 0 launches nothing and succeeds.
+  kbit::cuda::MatmulArgs z;
+  z.dtype = DType::kBF16; z.batch = 1; z.m = 0; z.k = 64; z.n = 64; z.bits = 4; z.layout = 1;
+  EXPECT(kbit::cuda::launch_matmul(z, 0).empty(), "matmul with M = 0 returned an error");
+  printf("matmul: %d / %d cases within tolerance; worst relative Frobenius error f32 %.2e, bf16 %.2e, f16 %.2e\n",
+         n_ok, n_total, worst[0], worst[1], worst[2]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Benchmarks
+// ---------------------------------------------------------------------------------------------
+__global__ void fill_random(uint32_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32);
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    p[i] = h;
+  }
+}
+// Scale bytes in an ordinary range (0x60..0x9f), so sums stay finite.
+__global__ void tame_scales(uint8_t* p, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = uint8_t(0x60 | (p[i] & 0x3f));
+}
+// Reads the same bytes as the matmul (the achievable streaming rate at that size).
+__global__ void stream_read(const uint4* __restrict__ p, size_t n16, uint32_t* out) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) out[0] = acc;
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() { CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b)); }
+  ~Timer() { cudaEventDestroy(a); cudaEventDestroy(b); }
+  // Median over `reps` batches of `per` calls of f(i); returns microseconds per call.
+  template <class F>
+  double median_us(F f, int reps, int per) {
+    for (int i = 0; i < 2; ++i) f(i);
+    CK(cudaDeviceSynchronize());
+    std::vector<double> t;
+    int call = 0;
+    for (int r = 0; r < reps; ++r) {
+      CK(cudaEventRecord(a));
+      for (int i = 0; i < per; ++i) f(call++);
+      CK(cudaEventRecord(b));
+      CK(cudaEventSynchronize(b));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      t.push_back(ms * 1e3 / per);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
+};
+
+static void bench(const char* csv_path, bool full) {
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  printf("\ndevice: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  FILE* csv = csv_path ? fopen(csv_path, "w") : nullptr;
+  if (csv) fprintf(csv, "kind,shape,K,N,bits,M,k_split,us,GBps,pct_copy,stream_us,dense_floor_us\n");
+  Timer tm;
+
+  // Copy bandwidth (bytes read + written), 1 GiB.
+  const size_t copy_bytes = size_t(1) << 30;
+  uint8_t *src, *dst;
+  CK(cudaMalloc(&src, copy_bytes));
+  CK(cudaMalloc(&dst, copy_bytes));
+  CK(cudaMemset(src, 1, copy_bytes));
+  const double copy_us = tm.median_us([&](int) { CK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice)); }, 7, 5);
+  const double copy_gbs = 2.0 * copy_bytes / (copy_us * 1e-6) / 1e9;
+  printf("device-to-device copy: %.0f GB/s (read + write)\n", copy_gbs);
+  CK(cudaFree(dst));
+  CK(cudaFree(src));
+  if (csv) fprintf(csv, "copy,1GiB,0,0,0,0,0,%.2f,%.1f,100,0,0\n", copy_us, copy_gbs);
+
+  // Weight pool: random words, rotated copies far beyond L2.
+  const size_t pool_bytes = size_t(1600) << 20;
+  uint8_t* pool;
+  CK(cudaMalloc(&pool, pool_bytes));
+  fill_random<<<4096, 256>>>(reinterpret_cast<uint32_t*>(pool), pool_bytes / 4, 12345u);
+  CK(cudaGetLastError());
+  uint32_t* sink;
+  CK(cudaMalloc(&sink, 4));
+  float* cb;
+  float* ts;
+  CK(cudaMalloc(&cb, 32 * 4));
+  CK(cudaMalloc(&ts, 4));
+  {
+    std::mt19937 rng(7);
+    std::vector<float> h = make_codebook(5, 0, rng);
+    CK(cudaMemcpy(cb, h.data(), 32 * 4, cudaMemcpyHostToDevice));
+    const float one = 1.f;
+    CK(cudaMemcpy(ts, &one, 4, cudaMemcpyHostToDevice));
+  }
+  const size_t max_m = 64, max_k = 28672, max_n = 28672;
+  void *x, *y;
+  CK(cudaMalloc(&x, max_m * max_k * 2));
+  CK(cudaMalloc(&y, max_m * max_n * 2));
+  {
+    std::vector<uint16_t> hx(max_m * max_k);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : hx) v = f32_to_raw16(nd(rng), DType::kBF16);
+    CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+  }
+
+  struct Shape { const char* name; int K, N; };
+  const Shape shapes[] = {
+      {"llama3-8b.gate_up", 4096, 14336}, {"llama3-8b.down", 14336, 4096},
+      {"llama3-70b.gate_up", 8192, 28672}, {"llama3-70b.down", 28672, 8192},
+      {"qwen3.gate_up", 2048, 5120},      {"qwen3.down", 5120, 2048},
+      {"qwen3.q", 2048, 4096},            {"qwen3.o", 4096, 2048},
+      {"glm4.7.gate_up", 2048, 10240},    {"glm4.7.down", 10240, 2048},
+  };
+  std::vector<int> Ms = full ? std::vector<int>{1, 4, 16, 32, 64} : std::vector<int>{1, 16};
+
+  printf("\n%-20s %5s %6s %4s %3s %9s %8s %7s %9s %9s\n", "shape", "K", "N", "bits", "M", "us", "GB/s",
+         "%copy", "stream_us", "bf16floor");
+  for (const Shape& s : shapes)
+    for (int bits = 2; bits <= 5; ++bits) {
+      const size_t KB = s.K / 32;
+      const size_t plane_bytes = KB * s.N * bits * 4, scale_bytes = KB * s.N;
+      const size_t one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
+      const int copies = int(std::min<size_t>(pool_bytes / one, std::max<size_t>(3, (size_t(480) << 20) / one + 1)));
+      for (int c = 0; c < copies; ++c) {
+        uint8_t* sc = pool + size_t(c) * one + (plane_bytes + 255) / 256 * 256;
+        tame_scales<<<1024, 256>>>(sc, scale_bytes);
+      }
+      CK(cudaGetLastError());
+      auto planes_of = [&](int c) { return reinterpret_cast<const uint32_t*>(pool + size_t(c % copies) * one); };
+      auto scales_of = [&](int c) { return pool + size_t(c % copies) * one + (plane_bytes + 255) / 256 * 256; };
+      const double stream_us = tm.median_us([&](int c) {
+        stream_read<<<prop.multiProcessorCount * 8, 256>>>(reinterpret_cast<const uint4*>(planes_of(c)),
+                                                           (plane_bytes + scale_bytes) / 16, sink);
+      }, 7, 20);
+      for (int M : Ms) {
+        kbit::cuda::MatmulArgs a;
+        a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
+        a.batch = 1; a.m = M; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
+        std::string err;
+        const double us = tm.median_us([&](int c) {
+          a.planes = planes_of(c);
+          a.scales = scales_of(c);
+          std::string e = kbit::cuda::launch_matmul(a, 0);
+          if (!e.empty() && err.empty()) err = e;
+        }, 7, 20);
+        if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+        const double gbs = (plane_bytes + scale_bytes) / (us * 1e-6) / 1e9;
+        const double floor_us = double(s.K) * s.N * 2 / (copy_gbs * 1e9) * 1e6;
+        printf("%-20s %5d %6d %4d %3d %9.2f %8.0f %6.1f%% %9.2f %9.2f\n", s.name, s.K, s.N, bits, M, us, gbs,
+               100 * gbs / copy_gbs, stream_us, floor_us);
+        if (csv) fprintf(csv, "matmul,%s,%d,%d,%d,%d,0,%.3f,%.1f,%.1f,%.3f,%.3f\n", s.name, s.K, s.N, bits, M, us,
+                         gbs, 100 * gbs / copy_gbs, stream_us, floor_us);
+      }
+    }
+
+  // k-split sweep at bits 4, M = 1 on the shapes whose column tiles do not fill the GPU.
+  printf("\nk_split sweep (bits 4, M = 1): us per call\n");
+  for (const Shape& s : shapes) {
+    if (s.N > 5120) continue;
+    const int bits = 4;
+    const size_t KB = s.K / 32, plane_bytes = KB * s.N * bits * 4, scale_bytes = KB * s.N;
+    const size_t one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
+    const int copies = int(std::min<size_t>(pool_bytes / one, (size_t(480) << 20) / one + 1));
+    printf("%-20s", s.name);
+    for (int ks : {1, 2, 3, 4, 6, 8}) {
+      kbit::cuda::MatmulArgs a;
+      a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
+      a.batch = 1; a.m = 1; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
+      kbit::cuda::MatmulTuning tune;
+      tune.k_split = ks;
+      const double us = tm.median_us([&](int c) {
+        a.planes = reinterpret_cast<const uint32_t*>(pool + size_t(c % copies) * one);
+        a.scales = pool + size_t(c % copies) * one + (plane_bytes + 255) / 256 * 256;
+        kbit::cuda::launch_matmul(a, 0, &tune);
+      }, 7, 20);
+      printf("  ks=%d %7.2f", ks, us);
+      if (csv) fprintf(csv, "ksplit,%s,%d,%d,%d,1,%d,%.3f,%.1f,0,0,0\n", s.name, s.K, s.N, bits, ks, us,
+                       (plane_bytes + scale_bytes) / (us * 1e-6) / 1e9);
+    }
+    printf("\n");
+  }
+
+  // Dequantize to bf16 (the large-M path): bytes read + written.
+  printf("\ndequantize -> bf16:\n");
+  for (const Shape& s : {shapes[0], shapes[3]})
+    for (int bits : {2, 4}) {
+      const size_t KB = s.K / 32, plane_bytes = KB * s.N * bits * 4, scale_bytes = KB * s.N;
+      uint8_t* out;
+      CK(cudaMalloc(&out, size_t(s.K) * s.N * 2));
+      kbit::cuda::DequantizeArgs a;
+      a.planes = reinterpret_cast<const uint32_t*>(pool);
+      a.scales = pool + (plane_bytes + 255) / 256 * 256;
+      a.codebook = cb; a.tensor_scale = ts; a.out = out; a.out_dtype = DType::kBF16;
+      a.batch = 1; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
+      const double us = tm.median_us([&](int) { kbit::cuda::launch_dequantize(a, 0); }, 7, 10);
+      const double bytes = plane_bytes + scale_bytes + size_t(s.K) * s.N * 2.0;
+      printf("%-20s bits=%d %9.2f us %8.0f GB/s (%.1f%% of copy)\n", s.name, bits, us, bytes / (us * 1e-6) / 1e9,
+             100 * bytes / (us * 1e-6) / 1e9 / copy_gbs);
+      if (csv) fprintf(csv, "dequant,%s,%d,%d,%d,0,0,%.3f,%.1f,%.1f,0,0\n", s.name, s.K, s.N, bits, us,
+                       bytes / (us * 1e-6) / 1e9, 100 * bytes / (us * 1e-6) / 1e9 / copy_gbs);
+      CK(cudaFree(out));
+    }
+  CK(cudaDeviceSynchronize());
+  if (csv) fclose(csv);
+  cudaFree(pool); cudaFree(sink); cudaFree(cb); cudaFree(ts); cudaFree(x); cudaFree(y);
+}
+
+// A few small fused cases (every bits value, M tilings 1 and 2, a cluster split), for
+// compute-sanitizer racecheck / memcheck runs, which are slow.
+static void test_sanitizer_subset() {
+  const MMCase cases[] = {{1, 3, 256, 72, 2, false}, {1, 12, 128, 40, 0, false}};
+  uint32_t seed = 777;
+  for (const MMCase& c : cases)
+    for (int bits = 2; bits <= 5; ++bits) {
+      double max_rel = 0;
+      std::string path;
+      const double rel = run_matmul_case(c, bits, 1, DType::kBF16, seed++, &max_rel, &path);
+      EXPECT(rel < 1e-2, "sanitizer subset M=%d bits=%d: rel err %.3g", c.M, bits, rel);
+    }
+  printf("sanitizer subset done\n");
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  const std::string mode = argc > 1 ? argv[1] : "all";
+  const bool quick = argc > 2 && std::string(argv[2]) == "quick";
+  if (mode == "race") {
+    test_sanitizer_subset();
+    printf("\nTESTS: %d checks, %d failures\n", g_checks, g_failures);
+    return g_failures ? 1 : 0;
+  }
+  if (mode == "test" || mode == "all") {
+    test_e4m4();
+    test_quantize(quick);
+    test_dequantize(quick);
+    test_matmul(quick);
+    printf("\nTESTS: %d checks, %d failures\n", g_checks, g_failures);
+  }
+  if (mode == "bench" || mode == "all" || mode == "benchfull") {
+    const char* csv = (mode == "all" && argc > 2) ? argv[2] : (argc > 2 && mode != "test" ? argv[2] : nullptr);
+    bench(csv, mode == "benchfull");
+  }
+  return g_failures ? 1 : 0;
+}
