@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cfenv>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -23,17 +24,24 @@ inline int thread_count(int64_t work, int64_t max_parts) {
 // Splits [0, count) into `parts` contiguous ranges whose bounds are multiples of `grain` (but
 // the last) and runs body(begin, end) on each; the calling thread takes the last range. A
 // thread that cannot be started has its range run inline, so failures only cost speed.
+// Workers take the caller's floating-point environment (XLA's CPU threads flush denormals to
+// zero), so a result never depends on which thread computed it.
 template <class Body>
 void parallel_ranges(int64_t count, int64_t grain, int parts, const Body& body) {
   const int64_t grains = (count + grain - 1) / grain;
   parts = int(std::max<int64_t>(1, std::min<int64_t>(parts, grains)));
   auto range_begin = [&](int part) { return std::min(count, grain * (grains * part / parts)); };
+  std::fenv_t caller_env;
+  const bool have_env = std::fegetenv(&caller_env) == 0;
   std::vector<std::thread> threads;
   try { threads.reserve(size_t(parts - 1)); } catch (...) {}
   for (int part = 0; part < parts - 1; ++part) {
     const int64_t begin = range_begin(part), end = range_begin(part + 1);
     try {
-      threads.emplace_back([&body, begin, end] { body(begin, end); });
+      threads.emplace_back([&body, &caller_env, have_env, begin, end] {
+        if (have_env) std::fesetenv(&caller_env);
+        body(begin, end);
+      });
     } catch (...) {
       body(begin, end);
     }
