@@ -5,22 +5,23 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "format.h"
 
 namespace kbit::cpu {
 
-// fragment_k as a table. format.h's fragment_k is not constexpr, so the table is filled once
-// at load time and only read after.
-struct FragmentOrder {
-  int k_at[kBlockSize];  // element stored at fragment position p
-};
-inline FragmentOrder make_fragment_order() {
-  FragmentOrder order{};
-  for (int p = 0; p < kBlockSize; ++p) order.k_at[p] = fragment_k(p);
-  return order;
+// f(std::integral_constant<int, 0>{}) ... f(..., kCount - 1>{}): a loop unrolled by construction,
+// so expressions of the index (fragment_k of it, shift amounts) fold to constants.
+template <class F, int... kIndex>
+inline void static_for_impl(F&& f, std::integer_sequence<int, kIndex...>) {
+  (f(std::integral_constant<int, kIndex>{}), ...);
 }
-inline const FragmentOrder kFragmentOrder = make_fragment_order();
+template <int kCount, class F>
+inline void static_for(F&& f) {
+  static_for_impl(f, std::make_integer_sequence<int, kCount>{});
+}
 
 // Byte i of kSpreadBits[v] is bit i of v: turns one byte of a bit-plane into 8 one-bit codes.
 constexpr std::array<uint64_t, 256> make_spread_bits() {
@@ -40,7 +41,7 @@ inline void pack_cell(const uint8_t* codes, Layout layout, uint32_t* words) {
       for (int b = 0; b < kBits; ++b) packed[b] |= uint32_t((codes[j] >> b) & 1u) << j;
   } else {
     for (int p = 0; p < kBlockSize; ++p) {
-      const uint32_t code = codes[kFragmentOrder.k_at[p]];
+      const uint32_t code = codes[fragment_k(p)];
       const int bit = kBits * p, word = bit >> 5, offset = bit & 31;
       packed[word] |= code << offset;
       if (offset + kBits > 32) packed[word + 1] |= code >> (32 - offset);  // straddles a word
@@ -54,23 +55,24 @@ template <int kBits, Layout kLayout, class Emit>
 inline void unpack_cell(const uint32_t* words, Emit&& emit) {
   if constexpr (kLayout == kPlanes) {
     // Eight elements at a time: spread one byte of every plane into per-element bytes.
-    for (int q = 0; q < 4; ++q) {
+    static_for<4>([&](auto q) {
       uint64_t codes8 = 0;
       for (int b = 0; b < kBits; ++b) codes8 |= kSpreadBits[(words[b] >> (8 * q)) & 255u] << b;
-      for (int i = 0; i < 8; ++i) emit(8 * q + i, uint32_t(codes8 >> (8 * i)) & 255u);
-    }
+      static_for<8>([&](auto i) { emit(8 * q + i, uint32_t(codes8 >> (8 * i)) & 255u); });
+    });
   } else {
     // Positions 8t..8t+7 fill bits [8*kBits*t, 8*kBits*(t+1)), i.e. start at byte kBits*t:
     // one unaligned 64-bit load (from a zero-padded copy) holds all eight codes.
     uint8_t bytes[4 * kBits + 8] = {};
     std::memcpy(bytes, words, 4 * kBits);
     constexpr uint64_t kMask = (1u << kBits) - 1u;
-    for (int t = 0; t < 4; ++t) {
+    static_for<4>([&](auto t) {
       uint64_t window;
       std::memcpy(&window, bytes + kBits * t, 8);  // little-endian host, as the format is
-      for (int i = 0; i < 8; ++i)
-        emit(kFragmentOrder.k_at[8 * t + i], uint32_t((window >> (kBits * i)) & kMask));
-    }
+      static_for<8>([&](auto i) {
+        emit(fragment_k(8 * t + i), uint32_t((window >> (kBits * i)) & kMask));
+      });
+    });
   }
 }
 

@@ -22,6 +22,18 @@ constexpr int64_t kChunkBlocks = 8;   // panel of 256 x 16 floats = 16 KB
 constexpr int64_t kTileM = 64;        // accumulators 64 x 16 floats = 4 KB
 constexpr int64_t kChunkRows = kChunkBlocks * kBlockSize;
 
+// A tile's cells in consecutive K blocks lie N * bits words apart, too far for the hardware
+// prefetcher (it stays within a page), so they are requested a few blocks ahead.
+constexpr int64_t kPrefetchBlocks = 4;
+
+inline void prefetch_cells(const uint32_t* words, int64_t count, const uint8_t* scales) {
+#if defined(__GNUC__)
+  for (int64_t i = 0; i < count; i += 64 / int64_t(sizeof(uint32_t))) __builtin_prefetch(words + i);
+  __builtin_prefetch(words + count - 1);
+  __builtin_prefetch(scales);
+#endif
+}
+
 // The build targets baseline x86-64 (SSE2) so the module runs anywhere; the multiply-add loops
 // get AVX2/FMA and AVX-512 clones picked at load time (4-5x faster at M >= 16).
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && \
@@ -69,7 +81,23 @@ KBIT_VECTOR_CLONES void accumulate_4_rows(const float* x, int64_t x_stride, cons
 
 KBIT_VECTOR_CLONES void accumulate_1_row(const float* x, const float* panel, int64_t rows,
                                          float* acc) {
+#if defined(__GNUC__)
+  // Two partial sums (even and odd k; rows is even) halve the chain of dependent adds that
+  // otherwise bounds a single row.
+  PanelRow even, odd = {};
+  std::memcpy(&even, acc, sizeof(even));
+  for (int64_t k = 0; k < rows; k += 2) {
+    PanelRow p0, p1;
+    std::memcpy(&p0, panel + k * kTileN, sizeof(p0));
+    std::memcpy(&p1, panel + (k + 1) * kTileN, sizeof(p1));
+    even += x[k] * p0;
+    odd += x[k + 1] * p1;
+  }
+  even += odd;
+  std::memcpy(acc, &even, sizeof(even));
+#else
   accumulate_rows<1>(x, 0, panel, rows, acc);
+#endif
 }
 
 // x: float32 [B, M, K]; computes y[batch, :, n_begin:n_end].
@@ -96,6 +124,9 @@ void matmul_columns(const float* x, int64_t m, const PackedWeight& w, FloatType 
         const int64_t chunk_blocks = std::min(kChunkBlocks, blocks - kb0);
         for (int64_t kb = kb0; kb < kb0 + chunk_blocks; ++kb) {
           const int64_t first_cell = (batch * blocks + kb) * s.n + n0;
+          if (kb + kPrefetchBlocks < blocks)
+            prefetch_cells(w.planes + (first_cell + kPrefetchBlocks * s.n) * kBits,
+                           width * kBits, w.scales + first_cell + kPrefetchBlocks * s.n);
           for (int64_t c = 0; c < width; ++c) {
             cell_values<kBits>(codebook, w.scales[first_cell + c], tensor_scale, values);
             dequantize_cell<kBits, kLayout>(w.planes + (first_cell + c) * kBits, values,
