@@ -20,25 +20,54 @@ inline float absmax_nan_propagating(float current, float w) {
   return (a > current || a != a) && current == current ? a : current;
 }
 
+// codes[c] = nearest_code(normalized(w[c], absmax[c]), codebook) for the kTileN columns of one
+// row; the same float operations as format.h, arranged so the compiler vectorizes across
+// columns. (|r - e| is computed as fabs(r - e): a - b == -(b - a) exactly in IEEE arithmetic.)
+template <int kBits>
+inline void nearest_codes(const float* w, const float* absmax, const float* codebook,
+                          uint8_t* codes) {
+  float r[kTileN], best_distance[kTileN];
+  int32_t best[kTileN];
+  for (int64_t c = 0; c < kTileN; ++c) {
+    r[c] = normalized(w[c], absmax[c]);
+    best_distance[c] = std::fabs(r[c] - codebook[0]);
+    best[c] = 0;
+  }
+  for (int32_t e = 1; e < (1 << kBits); ++e) {
+    for (int64_t c = 0; c < kTileN; ++c) {
+      const float distance = std::fabs(r[c] - codebook[e]);
+      const bool closer = distance < best_distance[c];  // strict: ties keep the lower index
+      best_distance[c] = closer ? distance : best_distance[c];
+      best[c] = closer ? e : best[c];
+    }
+  }
+  for (int64_t c = 0; c < kTileN; ++c) codes[c] = uint8_t(best[c]);
+}
+
 template <int kBits>
 void quantize_columns(const void* w, FloatType w_type, const float* codebook, float tensor_scale,
                       const WeightShape& s, int64_t batch, int64_t n_begin, int64_t n_end,
                       uint32_t* planes, uint8_t* scales) {
   const int64_t blocks = s.k / kBlockSize;
-  float tile[kBlockSize][kTileN];
+  float tile[kBlockSize][kTileN] = {};  // columns past a ragged tile's width stay zero
+  float absmax[kTileN];
+  uint8_t codes_by_row[kBlockSize][kTileN];
   uint8_t codes[kBlockSize];
   for (int64_t kb = 0; kb < blocks; ++kb) {
     for (int64_t n0 = n_begin; n0 < n_end; n0 += kTileN) {
       const int64_t width = std::min(kTileN, n_end - n0);
       for (int j = 0; j < kBlockSize; ++j)
         load_floats(w, w_type, (batch * s.k + kb * kBlockSize + j) * s.n + n0, width, tile[j]);
+      std::fill(absmax, absmax + kTileN, 0.f);
+      for (int j = 0; j < kBlockSize; ++j)
+        for (int64_t c = 0; c < kTileN; ++c)
+          absmax[c] = absmax_nan_propagating(absmax[c], tile[j][c]);
+      for (int j = 0; j < kBlockSize; ++j)
+        nearest_codes<kBits>(tile[j], absmax, codebook, codes_by_row[j]);
       for (int64_t c = 0; c < width; ++c) {
-        float absmax = 0.f;
-        for (int j = 0; j < kBlockSize; ++j) absmax = absmax_nan_propagating(absmax, tile[j][c]);
-        for (int j = 0; j < kBlockSize; ++j)
-          codes[j] = uint8_t(nearest_code(normalized(tile[j][c], absmax), codebook, 1 << kBits));
+        for (int j = 0; j < kBlockSize; ++j) codes[j] = codes_by_row[j][c];
         const int64_t cell = (batch * blocks + kb) * s.n + n0 + c;
-        scales[cell] = uint8_t(encode_e4m4(absmax / tensor_scale));
+        scales[cell] = uint8_t(encode_e4m4(absmax[c] / tensor_scale));
         pack_cell<kBits>(codes, s.layout, planes + cell * kBits);
       }
     }
