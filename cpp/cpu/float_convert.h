@@ -56,14 +56,6 @@ inline uint16_t float_to_f16(float f) {
   return uint16_t(sign | (kept + (rest > 0x1000u || (rest == 0x1000u && (kept & 1u)))));
 }
 
-inline float load_float(const void* data, FloatType type, int64_t i) {
-  switch (type) {
-    case FloatType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
-    case FloatType::kF16: return f16_to_float(static_cast<const uint16_t*>(data)[i]);
-    default: return static_cast<const float*>(data)[i];
-  }
-}
-
 // Converts `count` contiguous values, rounding to `type`.
 inline void store_floats(const float* values, int64_t count, FloatType type, void* data,
                          int64_t offset) {

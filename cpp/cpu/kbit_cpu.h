@@ -10,9 +10,9 @@
 //   tensor_scale: [B]                  float32
 // Shapes are validated by the caller (the FFI handlers); the kernels trust them.
 //
-// The kernels are reentrant (no mutable globals) and may split work over std::threads. They
-// never throw: if a thread cannot be started its share runs on the calling thread. They may
-// throw std::bad_alloc for host scratch (x converted to float32); callers catch it.
+// The kernels are reentrant (no mutable globals) and may split work over std::threads; a thread
+// that cannot be started has its share run on the calling thread. Only matmul allocates (x
+// converted to float32) and so may throw std::bad_alloc; callers catch it.
 #pragma once
 
 #include <cstdint>

@@ -13,8 +13,8 @@ namespace {
 
 constexpr int64_t kTileN = 16;  // columns loaded together: a block's rows are then contiguous
 
-// max |w|, propagating NaN like jnp.max (so a NaN block gets scale 0 and codes of 0/absmax=0,
-// exactly as the reference).
+// max |w|, propagating NaN like jnp.max: a block holding a NaN gets absmax NaN, hence scale
+// byte 0 and every element normalized to 0, as in the reference.
 inline float absmax_nan_propagating(float current, float w) {
   const float a = std::fabs(w);
   return (a > current || a != a) && current == current ? a : current;
@@ -22,7 +22,8 @@ inline float absmax_nan_propagating(float current, float w) {
 
 // codes[c] = nearest_code(normalized(w[c], absmax[c]), codebook) for the kTileN columns of one
 // row; the same float operations as format.h, arranged so the compiler vectorizes across
-// columns. (|r - e| is computed as fabs(r - e): a - b == -(b - a) exactly in IEEE arithmetic.)
+// columns; keep it in step with kbit::nearest_code. (|r - e| is computed as fabs(r - e), which
+// equals format.h's branch because a - b == -(b - a) exactly in IEEE arithmetic.)
 template <int kBits>
 inline void nearest_codes(const float* w, const float* absmax, const float* codebook,
                           uint8_t* codes) {
