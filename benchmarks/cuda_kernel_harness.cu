@@ -438,7 +438,7 @@ static void test_matmul(bool quick) {
       {1, 33, 320, 257, 0, false}, {1, 64, 128, 200, 0, false}, {1, 65, 96, 72, 0, false},
       {1, 130, 64, 33, 0, false},  {1, 1, 32, 1, 0, false},     {1, 4, 2048, 192, 3, false},
       {1, 2, 4096, 160, 8, false}, {1, 1, 1024, 64, 1, false},  {2, 5, 512, 80, 0, true},
-      {1, 7, 4096, 2048, 0, false},
+      {1, 7, 4096, 2048, 0, false},   {300, 2, 64, 16, 0, false},  {3, 24, 1024, 96, 2, false},
   };
   if (quick) cases.resize(8);
   int n_ok = 0, n_total = 0;
@@ -690,7 +690,38 @@ static void test_sanitizer_subset() {
   printf("sanitizer subset done\n");
 }
 
+// One configuration, launched `reps` times on rotating cold copies (for ncu / nsys).
+static void run_one(int bits, int K, int N, int M, int reps) {
+  const size_t KB = K / 32, plane_bytes = KB * N * bits * 4, scale_bytes = KB * N;
+  const size_t one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
+  const int copies = int(std::max<size_t>(3, (size_t(480) << 20) / one + 1));
+  uint8_t* pool;
+  CK(cudaMalloc(&pool, one * copies));
+  fill_random<<<4096, 256>>>(reinterpret_cast<uint32_t*>(pool), one * copies / 4, 5u);
+  for (int c = 0; c < copies; ++c) tame_scales<<<1024, 256>>>(pool + c * one + (plane_bytes + 255) / 256 * 256, scale_bytes);
+  float *cb, *ts;
+  void *x, *y;
+  CK(cudaMalloc(&cb, 128)); CK(cudaMalloc(&ts, 4));
+  CK(cudaMalloc(&x, size_t(M) * K * 2)); CK(cudaMalloc(&y, size_t(M) * N * 2));
+  CK(cudaMemset(cb, 0, 128)); CK(cudaMemset(ts, 0, 4)); CK(cudaMemset(x, 0, size_t(M) * K * 2));
+  for (int r = 0; r < reps; ++r) {
+    kbit::cuda::MatmulArgs a;
+    a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
+    a.batch = 1; a.m = M; a.k = K; a.n = N; a.bits = bits; a.layout = kbit::kFragment;
+    a.planes = reinterpret_cast<const uint32_t*>(pool + (r % copies) * one);
+    a.scales = pool + (r % copies) * one + (plane_bytes + 255) / 256 * 256;
+    const std::string e = kbit::cuda::launch_matmul(a, 0);
+    if (!e.empty()) { printf("ERROR %s\n", e.c_str()); break; }
+  }
+  CK(cudaDeviceSynchronize());
+  cudaFree(pool); cudaFree(cb); cudaFree(ts); cudaFree(x); cudaFree(y);
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 6 && std::string(argv[1]) == "one") {
+    run_one(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), argc > 6 ? atoi(argv[6]) : 8);
+    return 0;
+  }
   setvbuf(stdout, nullptr, _IOLBF, 0);
   const std::string mode = argc > 1 ? argv[1] : "all";
   const bool quick = argc > 2 && std::string(argv[2]) == "quick";

@@ -14,26 +14,26 @@
 //  * Decoding is a table lookup in shared memory that returns two (bits 3..5) or four (bits 2)
 //    16-bit values per instruction. The table is replicated once per lane (lane l reads bank
 //    l: no conflicts) and its byte address is built with one PRMT (bits 2, 4: byte-aligned
-//    indices, 256-byte rows) or one shift + one LOP3 (bits 3, 5). Per weight: bits 2: 0.375
-//    integer ops + 0.125 LDS.64, bits 4: 0.5 PRMT + 0.5 LDS.32, bits 3/5: ~1.1 ops + 0.5 LDS.
+//    indices, 256-byte rows) or one shift + one LOP3 (bits 3, 5).
 //  * The E4M4 block scale multiplies the fp32 mma result of the cell's two k16 halves (mma into
 //    a zero accumulator, then FFMA into the running sum), and tensor_scale is applied once in
 //    the epilogue, so fp16 operands never hold scaled (possibly subnormal) values. The CTA
 //    decodes each scale byte once into a float in shared memory.
-//  * Weights are read exactly once, straight from global memory into registers with streaming
-//    (evict-first) loads, kStages deep per warp. K is split across the warps of a CTA (and,
-//    where the column tiles alone cannot fill the GPU, across the CTAs of a thread-block
-//    cluster, reduced through distributed shared memory): no workspace, no atomics, no memset.
+//  * Memory parallelism comes from a kStages-deep shared-memory ring filled with 16-byte
+//    cp.async copies (weights, activations, scale bytes of one "chunk" per stage): 30-64 KiB
+//    in flight per SM without spending registers, in requests of 512 B per warp instruction.
+//    (A first version kept the weights in registers, 4 stages of 32-bit loads per warp: ~3 MB
+//    in flight over the GPU, and it ran latency-bound at 0.8-1.3 TB/s on the H200.)
+//  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
+//    items (column group x k-range x block of M x batch entry); their chunk stream runs across
+//    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
+//    the column groups alone would leave SMs idle or unbalanced, across the CTAs of a
+//    thread-block cluster, reduced through distributed shared memory: no workspace, no atomics.
 //
 // ---- Work decomposition ----
-//  CTA   = kWarps warps, one column group of 16*kTN columns, one k-range (its cluster rank's
-//          share of K), one block of up to 8*MT rows of M, one batch entry.
-//  chunk = kKCH = kWarps*kKPW consecutive blocks of 32 along K; warp w owns blocks
-//          [w*kKPW, (w+1)*kKPW) of every chunk. Activations and decoded scales of a chunk are
-//          staged in shared memory (x: kXBuf-deep cp.async ring; scales: 2 buffers), with one
-//          __syncthreads per chunk.
-//  stage = one block row kb of the warp's kTN column tiles, held in registers; kStages stages
-//          are in flight per warp (the prefetch crosses chunk boundaries).
+//  chunk = kKCH consecutive k-blocks (32 k each) of one item's k-range; warp w handles k-block
+//          w of every chunk for all kTN 16-column tiles of the item's column group.
+//  stage = one chunk in the shared-memory ring; chunk q+kStages-1 is copied while q computes.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -46,13 +46,15 @@
 
 namespace kbit::cuda::fused {
 
-// Per-bits decode path. Every member is explained where it is defined; the shared interface:
-//   kLutBytes      shared-memory bytes of the replicated lookup table
-//   Raw            registers one thread loads per (stage, column tile)
-//   load<kFull>    issue the loads of one tile (p = planes row kb + thread offset)
-//   decode         Raw -> the 2 x 4 A-operand registers of the tile's two k16 halves
-//   lut_entry      value of table entry e (built once per CTA)
-//   colmap(j, r)   column (relative to the CTA's first) that mma row r of tile j stands for
+// Per-bits decode path. Shared interface:
+//   kLutBytes          shared-memory bytes of the replicated lookup table
+//   Raw                the registers of one thread's fields for one 16-column tile
+//   load(slab, off, j) read them from the staged weights of one k-block (slab = its first cell)
+//   decode             Raw -> the 2 x 4 A-operand registers of the tile's two k16 halves
+//   lut_entry          value of table entry e (built once per CTA)
+//   offset0/offset1    byte offsets of the thread's words inside a tile (rows g and g+8 follow
+//                      at compile-time distances)
+// mma row r of tile j always stands for column 16 j + r of the CTA's column group.
 template <int BITS>
 struct WeightPath;
 
@@ -64,19 +66,15 @@ template <>
 struct WeightPath<4> {
   static constexpr int kEntries = 256, kEntryBytes = 4, kRowBytes = 256;
   static constexpr int kLutBytes = kEntries * kRowBytes;  // 64 KiB
-  static constexpr int kTileWords = 16 * 4;                // 16 cells of 4 words
+  static constexpr int kTileBytes = 16 * 16;               // 16 cells of 4 words
   struct Raw { uint32_t w[2]; };                           // word t of rows g and g+8
   struct Lane { uint32_t base; };
   __device__ static Lane lane_consts(int lane) { return {uint32_t(lane) * 4u}; }
-  __device__ static int offset0(int g, int t) { return 4 * g + t; }
-  __device__ static int offset1(int g, int t) { return 4 * g + t; }
-  __device__ static int colmap(int j, int r) { return 16 * j + r; }
-  template <bool kFull>
-  __device__ static void load(Raw& r, const uint32_t* p0, const uint32_t*, int j, int colbase,
-                              int N) {
+  __device__ static uint32_t offset0(int g, int t) { return 4 * (4 * g + t); }
+  __device__ static uint32_t offset1(int g, int t) { return offset0(g, t); }
+  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t, int j) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (kFull || colbase + 16 * j + 8 * h < N) r.w[h] = ldg_stream(p0 + j * kTileWords + h * 32);
+    for (int h = 0; h < 2; ++h) r.w[h] = lds32(slab + o0 + j * kTileBytes + h * 128);
   }
   __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
 #pragma unroll
@@ -92,18 +90,15 @@ struct WeightPath<4> {
   }
 };
 
-// bits 2: a thread's field is 16 bits, half t&1 of word t>>1 of the cell; each thread loads
-// that word (two threads share it; a warp's load is 64 contiguous bytes). A 256-entry table of
+// bits 2: a thread's field is 16 bits, half t&1 of word t>>1 of the cell. A 256-entry table of
 // FOUR values (8 B: the two operand registers of one k16 half) indexed by one field byte halves
 // the lookups: per 8 weights 2 PRMT + 2 LDS.64. Rows of 32 lanes x 8 B = 256 B, so the PRMT
 // that moves the field byte into byte 1 also keeps the lane offset (lane*8) in byte 0.
-// (A 16-byte load of both cells per thread needs a quarter of the load instructions but four
-// times the registers per byte in flight, which the register file cannot afford.)
 template <>
 struct WeightPath<2> {
   static constexpr int kEntries = 256, kEntryBytes = 8, kRowBytes = 256;
   static constexpr int kLutBytes = kEntries * kRowBytes;  // 64 KiB
-  static constexpr int kTileWords = 16 * 2;
+  static constexpr int kTileBytes = 16 * 8;
   struct Raw { uint32_t w[2]; };  // word t>>1 of rows g and g+8
   struct Lane { uint32_t base; uint32_t sel[2]; };
   __device__ static Lane lane_consts(int lane) {
@@ -114,19 +109,15 @@ struct WeightPath<2> {
     L.sel[1] = 0x5504u | (uint32_t(2 * (t & 1) + 1) << 4);  // byte 2(t&1)+1: codes 4..7
     return L;
   }
-  __device__ static int offset0(int g, int t) { return 2 * g + (t >> 1); }
-  __device__ static int offset1(int g, int t) { return 2 * g + (t >> 1); }
-  __device__ static int colmap(int j, int r) { return 16 * j + r; }
-  template <bool kFull>
-  __device__ static void load(Raw& r, const uint32_t* p0, const uint32_t*, int j, int colbase,
-                              int N) {
+  __device__ static uint32_t offset0(int g, int t) { return 4 * (2 * g + (t >> 1)); }
+  __device__ static uint32_t offset1(int g, int t) { return offset0(g, t); }
+  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t, int j) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (kFull || colbase + 16 * j + 8 * h < N) r.w[h] = ldg_stream(p0 + j * kTileWords + h * 16);
+    for (int h = 0; h < 2; ++h) r.w[h] = lds32(slab + o0 + j * kTileBytes + h * 64);
   }
   __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
 #pragma unroll
-    for (int s = 0; s < 2; ++s)    // quad s = codes 4s..4s+3 = the k16 half s of the cell
+    for (int s = 0; s < 2; ++s)  // quad s = codes 4s..4s+3 = the k16 half s of the cell
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint2 q = lds64(lut + __byte_perm(r.w[h], L.base, L.sel[s]));
@@ -142,31 +133,27 @@ struct WeightPath<2> {
 };
 
 // bits 3: thread t's 24-bit field starts at bit 24t of the 96-bit cell: words a = 3t/4 and
-// a+1 (the last thread needs word 2 only; it loads it twice so that no load leaves the cell),
-// one funnel shift aligns it. 64-entry pair table, 128-byte rows (8 KiB); a pair's address is
-// one shift + one LOP3 ((f << 7 >> 6q) & 0x1f80 | lane*4).
+// a+1 (the last thread needs word 2 only and reads it twice), one funnel shift aligns it.
+// 64-entry pair table, 128-byte rows (8 KiB); a pair's address is one shift + one LOP3
+// ((f << 7 >> 6q) & 0x1f80 | lane*4).
 template <>
 struct WeightPath<3> {
   static constexpr int kEntries = 64, kEntryBytes = 4, kRowBytes = 128;
   static constexpr int kLutBytes = kEntries * kRowBytes;  // 8 KiB
-  static constexpr int kTileWords = 16 * 3;
+  static constexpr int kTileBytes = 16 * 12;
   struct Raw { uint32_t lo[2], hi[2]; };
   struct Lane { uint32_t base; uint32_t shift; };
   __device__ static Lane lane_consts(int lane) {
     return {uint32_t(lane) * 4u, uint32_t((24 * (lane & 3)) & 31)};
   }
-  __device__ static int offset0(int g, int t) { return 3 * g + (3 * t) / 4; }
-  __device__ static int offset1(int g, int t) { return 3 * g + min((3 * t) / 4 + 1, 2); }
-  __device__ static int colmap(int j, int r) { return 16 * j + r; }
-  template <bool kFull>
-  __device__ static void load(Raw& r, const uint32_t* p0, const uint32_t* p1, int j, int colbase,
-                              int N) {
+  __device__ static uint32_t offset0(int g, int t) { return 4 * (3 * g + (3 * t) / 4); }
+  __device__ static uint32_t offset1(int g, int t) { return 4 * (3 * g + min((3 * t) / 4 + 1, 2)); }
+  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t o1, int j) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (kFull || colbase + 16 * j + 8 * h < N) {
-        r.lo[h] = ldg_stream(p0 + j * kTileWords + h * 24);
-        r.hi[h] = ldg_stream(p1 + j * kTileWords + h * 24);
-      }
+    for (int h = 0; h < 2; ++h) {
+      r.lo[h] = lds32(slab + o0 + j * kTileBytes + h * 96);
+      r.hi[h] = lds32(slab + o1 + j * kTileBytes + h * 96);
+    }
   }
   __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
 #pragma unroll
@@ -186,31 +173,27 @@ struct WeightPath<3> {
 };
 
 // bits 5: thread t's 40-bit field starts at bit 40t of the 160-bit cell: words a = 5t/4 and
-// a+1 (both inside the cell for every t). 1024-entry pair table, 128-byte rows (128 KiB, so one
-// CTA per SM with 16 warps); addresses: one shift + one LOP3 per pair, the pair that straddles
-// the field's 32-bit boundary uses a funnel shift instead of the plain shift.
+// a+1 (both inside the cell for every t). 1024-entry pair table, 128-byte rows (128 KiB);
+// addresses: one shift + one LOP3 per pair, the pair that straddles the field's 32-bit
+// boundary uses a funnel shift instead of the plain shift.
 template <>
 struct WeightPath<5> {
   static constexpr int kEntries = 1024, kEntryBytes = 4, kRowBytes = 128;
   static constexpr int kLutBytes = kEntries * kRowBytes;  // 128 KiB
-  static constexpr int kTileWords = 16 * 5;
+  static constexpr int kTileBytes = 16 * 20;
   struct Raw { uint32_t lo[2], hi[2]; };
   struct Lane { uint32_t base; uint32_t shift; };
   __device__ static Lane lane_consts(int lane) {
     return {uint32_t(lane) * 4u, uint32_t((40 * (lane & 3)) & 31)};
   }
-  __device__ static int offset0(int g, int t) { return 5 * g + (5 * t) / 4; }
-  __device__ static int offset1(int g, int t) { return 5 * g + (5 * t) / 4 + 1; }
-  __device__ static int colmap(int j, int r) { return 16 * j + r; }
-  template <bool kFull>
-  __device__ static void load(Raw& r, const uint32_t* p0, const uint32_t*, int j, int colbase,
-                              int N) {
+  __device__ static uint32_t offset0(int g, int t) { return 4 * (5 * g + (5 * t) / 4); }
+  __device__ static uint32_t offset1(int g, int t) { return offset0(g, t) + 4; }
+  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t, int j) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (kFull || colbase + 16 * j + 8 * h < N) {
-        r.lo[h] = ldg_stream(p0 + j * kTileWords + h * 40);
-        r.hi[h] = ldg_stream(p0 + j * kTileWords + h * 40 + 1);
-      }
+    for (int h = 0; h < 2; ++h) {
+      r.lo[h] = lds32(slab + o0 + j * kTileBytes + h * 160);
+      r.hi[h] = lds32(slab + o0 + j * kTileBytes + h * 160 + 4);
+    }
   }
   __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
 #pragma unroll
@@ -230,42 +213,50 @@ struct WeightPath<5> {
   }
 };
 
-// Tiling per (bits, MT = number of n8 tiles along M = ceil(rows / 8)).
+constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
+
+// Tiling per (bits, MT = number of n8 tiles along M = ceil(rows / 8), 8 rows per tile).
 template <int BITS, int MT>
 struct Config {
-  // Warps per CTA. bits 5: its 128 KiB table allows one CTA per SM, so that CTA has 16 warps
-  // (at MT <= 2; above that the activation ring needs the room and 8 warps must do).
-  static constexpr int kWarps = (BITS == 5 && MT <= 2) ? 16 : 8;
+  // Warps per CTA (one CTA per SM). 16 keeps enough independent lookups and mmas in flight;
+  // at MT >= 4 the activation chunk grows with the rows, so 8 warps (smaller chunks) fit.
+  static constexpr int kWarps = MT >= 4 ? 8 : 16;
   static constexpr int kThreads = kWarps * 32;
-  // CTAs per SM the register budget is sized for (registers <= 65536 / (kThreads * this)).
-  static constexpr int kMinBlocks = (BITS == 5) ? 1 : 2;
-  // 16-column tiles per warp: amortizes the activation and scale loads (one ldmatrix and one or
-  // two LDS.128 per k-block serve kTN tiles) while the accumulators (kTN * MT * 4) stay <= 32
-  // and the weight registers (kStages * kTN * Raw) fit: bits 3 and 5 hold two words per cell.
-  static constexpr int kTN = MT == 8 ? 1 : (MT == 1 && (BITS == 2 || BITS == 4)) ? 4 : 2;
+  // 16-column tiles per warp: one ldmatrix (x) and one or two LDS.128 (scales) per k-block
+  // serve all kTN tiles; accumulators kTN * MT * 4 <= 32. bits 5 uses 2 to leave shared
+  // memory for the ring next to its 128 KiB table.
+  static constexpr int kTN = MT == 1 ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
   static constexpr int kCols = 16 * kTN;
-  // Register stages of weights per warp (prefetch depth). At MT <= 2, 4 stages x kTN tiles
-  // keep 1.5-4 KiB per warp in flight, 3-8 MiB over the GPU: at or above latency x bandwidth
-  // (~0.8 us x 4.3 TB/s = 3.4 MB). At MT >= 4 the accumulators need the registers.
-  static constexpr int kStages = MT >= 4 ? 2 : 4;
-  // k-blocks per warp per chunk: 2 at MT = 1; 1 above, where the activation chunk is larger.
-  static constexpr int kKPW = MT == 1 ? 2 : 1;
-  static constexpr int kCPI = kStages / kKPW;  // chunks spanned by the register pipeline
-  static constexpr int kKCH = kWarps * kKPW;   // k-blocks per chunk
-  // Activation ring depth: chunk c+kXBuf-1 is fetched while chunk c is computed.
-  static constexpr int kXBuf = MT >= 4 ? 2 : 3;
+  static constexpr int kKCH = kWarps;  // k-blocks per chunk: one per warp
+  static constexpr int kAcc = kTN * MT * 4;
+  static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
+  static constexpr int kWChunk = kKCH * kSlabBytes;
   static constexpr int kXRowBytes = kKCH * 64 + 16;  // +16 B: ldmatrix rows in distinct banks
-  static constexpr int kSfKbBytes = kCols * 4;         // decoded scales of one k-block
-  static constexpr int kAcc = kTN * MT * 4;            // fp32 accumulators per thread
-  static_assert(kStages % kKPW == 0, "the register pipeline must span whole chunks");
-  static_assert(kKCH * kCols / 4 <= kThreads, "one scale word per thread per chunk");
+  static constexpr int kScaleItems = kKCH * kTN * 4;  // 4 columns of one k-block each
+  static constexpr int kRawChunk = kScaleItems * 16;  // lo word, hi word, shift, valid
+  static constexpr int kSfKbBytes = kCols * 4;
+  static constexpr int kSfChunk = kKCH * kSfKbBytes;
+  static constexpr int kRedBytes = (kWarps / 2) * kAcc * 32 * 4;  // tree reduction, level 1
+  static constexpr int kPartBytes = kAcc * 32 * 4;                 // CTA partial for the cluster
+  static_assert(kScaleItems <= kThreads, "one scale item per thread");
 
-  static constexpr size_t smem_bytes(int x_rows) {
-    const size_t main = size_t(WeightPath<BITS>::kLutBytes) + size_t(kXBuf) * x_rows * kXRowBytes +
-                        2 * size_t(kKCH) * kSfKbBytes;
-    const size_t reduce = size_t(kWarps + 1) * kAcc * 32 * 4;
-    return main > reduce ? main : reduce;
+  static constexpr size_t fixed_bytes() {
+    return size_t(WeightPath<BITS>::kLutBytes) + 2 * kSfChunk + kRedBytes + kPartBytes;
   }
+  static constexpr size_t slot_bytes(int x_rows) {
+    return size_t(kWChunk) + size_t(x_rows) * kXRowBytes + kRawChunk;
+  }
+  // Ring depth: as deep as shared memory allows (sized for the largest row count of this MT)
+  // up to 64 KiB of weights in flight, at least 2.
+  static constexpr int pick_stages() {
+    for (int d = 8; d > 2; --d)
+      if (fixed_bytes() + d * slot_bytes(8 * MT) <= size_t(kMaxSmem) && (d - 1) * kWChunk <= 64 * 1024)
+        return d;
+    return 2;
+  }
+  static constexpr int kStages = pick_stages();
+  static_assert(fixed_bytes() + 2 * slot_bytes(8 * MT) <= size_t(kMaxSmem), "shared memory budget");
+  static constexpr size_t smem_bytes(int x_rows) { return fixed_bytes() + kStages * slot_bytes(x_rows); }
 };
 
 struct Params {
@@ -279,256 +270,327 @@ struct Params {
   int N, KB;
   int kb_per_split;  // k-blocks per cluster rank
   int k_split;       // cluster size along grid x (1 = no cluster)
-  int x_rows;        // rows of x the shared-memory layout is sized for (min(M, 8 * MT))
-  int64_t scale_bytes;  // B * KB * N, the end of the scales buffer
+  int col_groups, m_blocks, items;  // items = col_groups * m_blocks * batch
+  int x_rows;                       // rows the shared-memory layout is sized for
+  int vec16;                        // weight rows are 16-byte aligned: 16-byte copies
+  int64_t scale_bytes;              // B * KB * N, the end of the scales buffer
 };
 
-// Scale bytes are 4-byte loads of an aligned window; a load that would cross the end of the
-// buffer is assembled byte by byte.
-__device__ __forceinline__ uint32_t load_u32_clamped(const uint8_t* base, int64_t idx, int64_t end) {
-  if (idx + 4 <= end) return ldg_stream(reinterpret_cast<const uint32_t*>(base + idx));
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i)
-    if (idx + i < end) v |= uint32_t(base[idx + i]) << (8 * i);
+// cp.async with a source size: copies `src_bytes` (0..16 / 0..4) and zero-fills the rest.
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+}
+__device__ __forceinline__ float lds32f(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
 
+// Where a CTA's chunk stream is: work item (and what it implies) and chunk within the item.
+struct Cursor {
+  int item_local, c;  // item index among this cluster's items, chunk within the item
+  int b, col0, rows;
+  int64_t m0;
+};
+
 template <int BITS, class Act, int MT>
-__global__ void __launch_bounds__(Config<BITS, MT>::kThreads, Config<BITS, MT>::kMinBlocks)
+__global__ void __launch_bounds__(Config<BITS, MT>::kThreads, 1)
     kbit_matmul_fused_kernel(const Params p) {
   using Cfg = Config<BITS, MT>;
   using WP = WeightPath<BITS>;
   using T = typename Act::T;
-  constexpr int NW = Cfg::kWarps, NT = Cfg::kThreads, TN = Cfg::kTN, P = Cfg::kStages;
-  constexpr int KPW = Cfg::kKPW, CPI = Cfg::kCPI, KCH = Cfg::kKCH, XBUF = Cfg::kXBuf;
-  constexpr int XRB = Cfg::kXRowBytes, SFB = Cfg::kSfKbBytes, NACC = Cfg::kAcc;
+  constexpr int NW = Cfg::kWarps, NT = Cfg::kThreads, TN = Cfg::kTN, D = Cfg::kStages;
+  constexpr int KCH = Cfg::kKCH, XRB = Cfg::kXRowBytes, NACC = Cfg::kAcc, COLS = Cfg::kCols;
+  constexpr int SLAB = Cfg::kSlabBytes, SFB = Cfg::kSfKbBytes;
 
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int rank = blockIdx.x % p.k_split, cgrp = blockIdx.x / p.k_split;
-  const int b = blockIdx.y;
-  const int col0 = cgrp * Cfg::kCols;
+  const int KS = p.k_split, rank = blockIdx.x % KS, cluster_id = blockIdx.x / KS;
+  const int n_clusters = gridDim.x / KS;
   const int kbA = rank * p.kb_per_split, kbEnd = min(p.KB, kbA + p.kb_per_split);
-  const int nchunks = kbEnd > kbA ? (kbEnd - kbA + KCH - 1) / KCH : 0;
-  const int64_t m0 = int64_t(blockIdx.z) * 8 * MT;
-  const int rows = int(min(int64_t(8 * MT), p.M - m0));
+  const int nch = kbEnd > kbA ? (kbEnd - kbA + KCH - 1) / KCH : 0;
+  const int my_items = cluster_id < p.items ? (p.items - cluster_id + n_clusters - 1) / n_clusters : 0;
+  const int Q = my_items * nch;
   const int64_t K = int64_t(p.KB) * 32;
 
+  // ---- shared memory: [LUT][reduction][partial][sf x 2][ring: D x (weights | x | raw scales)]
   const uint32_t s_lut = smem_u32(smem);
-  const uint32_t s_x = s_lut + WP::kLutBytes;
-  const uint32_t x_buf_bytes = uint32_t(p.x_rows) * XRB;
-  const uint32_t s_sf = s_x + XBUF * x_buf_bytes;
-  constexpr uint32_t kSfBufBytes = KCH * SFB;
+  const uint32_t s_red = s_lut + WP::kLutBytes;
+  const uint32_t s_part = s_red + Cfg::kRedBytes;
+  const uint32_t s_sf = s_part + Cfg::kPartBytes;
+  const uint32_t s_ring = s_sf + 2 * Cfg::kSfChunk;
+  const uint32_t x_slot = uint32_t(p.x_rows) * XRB;
+  const uint32_t slot_bytes = Cfg::kWChunk + x_slot + Cfg::kRawChunk;
+  float* part_ptr = reinterpret_cast<float*>(smem + WP::kLutBytes + Cfg::kRedBytes);
 
-  // ---- per-thread constants ----
-  const typename WP::Lane L = WP::lane_consts(lane);
-  const int64_t kb_stride = int64_t(p.N) * BITS;  // words per block row of the weight
-  const uint32_t* wbase = p.planes + (int64_t(b) * p.KB * p.N + col0) * BITS;
-  const int off0 = WP::offset0(g, t), off1 = WP::offset1(g, t);
-  const int colbase = col0 + g;  // column of mma row g in tile 0 (row g+8: +8)
-  // ldmatrix: lane l supplies row l%8 of matrix l/8 (= k sub-block of 8 within the 32-block).
-  uint32_t x_lane_off[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-    x_lane_off[mt] = uint32_t(min(8 * mt + (lane & 7), rows - 1)) * XRB + (lane >> 3) * 16;
-  const uint32_t sf_lane_off = uint32_t(g) * (2 * TN * 4);
-
-  const T* xg = static_cast<const T*>(p.x) + (int64_t(b) * p.M + m0) * K;
-  const uint8_t* sg = p.scales;
-
-  // Scale staging item of this thread: k-block kbl of the chunk, columns 4cq..4cq+3.
-  constexpr int kScaleItems = KCH * TN * 4;
-  const bool scale_item = tid < kScaleItems;
-  const int s_kbl = tid / (TN * 4), s_cq = tid % (TN * 4);
-
-  auto scale_byte_index = [&](int c) -> int64_t {
-    const int kb = kbA + c * KCH + s_kbl;
-    return (int64_t(b) * p.KB + kb) * p.N + col0 + 4 * s_cq;
+  auto make_cursor = [&](int item_local) {
+    Cursor cur;
+    cur.item_local = item_local;
+    cur.c = 0;
+    const int item = cluster_id + item_local * n_clusters;
+    const int cg = item % p.col_groups, rest = item / p.col_groups;
+    cur.b = rest / p.m_blocks;
+    cur.m0 = int64_t(rest % p.m_blocks) * 8 * MT;
+    cur.col0 = cg * COLS;
+    cur.rows = int(min(int64_t(8 * MT), p.M - cur.m0));
+    return cur;
   };
-  auto load_scales = [&](uint32_t& lo, uint32_t& hi, int c) {
-    const int kb = kbA + c * KCH + s_kbl;
-    if (!scale_item || kb >= kbEnd) return;
-    const int64_t idx = scale_byte_index(c), w = idx & ~int64_t(3);
-    lo = load_u32_clamped(sg, w, p.scale_bytes);
-    hi = (idx & 3) ? load_u32_clamped(sg, w + 4, p.scale_bytes) : 0u;
+  auto advance = [&](Cursor& cur) {
+    if (++cur.c == nch) cur = make_cursor(cur.item_local + 1);
   };
-  auto decode_scales = [&](uint32_t lo, uint32_t hi, int c) {
-    const int kb = kbA + c * KCH + s_kbl;
-    if (!scale_item || kb >= kbEnd) return;
-    const uint32_t v = __funnelshift_r(lo, hi, uint32_t(scale_byte_index(c) & 3) * 8);
-    const uint32_t dst = s_sf + (c & 1) * kSfBufBytes + s_kbl * SFB;
+
+  // ---- issue the copies of one chunk into ring slot `slot` (one commit group per chunk) ----
+  const uint32_t valid_cols_bytes_full = uint32_t(COLS) * BITS * 4;
+  auto issue = [&](const Cursor& cur, int slot) {
+    const uint32_t base = s_ring + slot * slot_bytes;
+    const int kb0 = kbA + cur.c * KCH;
+    // weights: KCH rows of the column group, each SLAB contiguous bytes in global memory
+    const int ncols = min(COLS, p.N - cur.col0);
+    const uint32_t valid = ncols >= COLS ? valid_cols_bytes_full : uint32_t(ncols) * BITS * 4;
+    const uint8_t* wsrc = reinterpret_cast<const uint8_t*>(p.planes) +
+                          ((int64_t(cur.b) * p.KB + kb0) * p.N + cur.col0) * (BITS * 4);
+    const int64_t row_bytes = int64_t(p.N) * BITS * 4;
+    if (p.vec16) {
+      constexpr int kPieces = KCH * SLAB / 16;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = 4 * (s_cq & 3) + i;  // column within the tile = its mma row (colmap)
-      const uint32_t byte19 = i < 3 ? (v << (19 - 8 * i)) & 0x07f80000u : (v >> 5) & 0x07f80000u;
-      sts32f(dst + (((r & 7) * TN + (s_cq >> 2)) * 2 + (r >> 3)) * 4, decode_e4m4_fast(byte19));
+      for (int i0 = 0; i0 < kPieces; i0 += NT) {
+        const int i = i0 + tid;
+        if (kPieces % NT == 0 || i < kPieces) {
+          const int kbl = i / (SLAB / 16), off = (i % (SLAB / 16)) * 16;
+          if (kb0 + kbl < kbEnd) {
+            const int rem = int(valid) - off;
+            const uint32_t n = rem >= 16 ? 16u : (rem > 0 ? uint32_t(rem) : 0u);
+            cp_async16_zfill(base + kbl * SLAB + off, wsrc + kbl * row_bytes + (n ? off : 0), n);
+          }
+        }
+      }
+    } else {  // rows not 16-byte aligned (N * bits not a multiple of 4): 4-byte copies
+      constexpr int kPieces = KCH * SLAB / 4;
+      for (int i = tid; i < kPieces; i += NT) {
+        const int kbl = i / (SLAB / 4), off = (i % (SLAB / 4)) * 4;
+        if (kb0 + kbl < kbEnd)
+          cp_async4_zfill(base + kbl * SLAB + off, wsrc + kbl * row_bytes + (uint32_t(off) < valid ? off : 0),
+                          uint32_t(off) < valid ? 4u : 0u);
+      }
+    }
+    // activations: rows x KCH k-blocks x 4 pieces of 16 B (64 B = 32 elements per k-block)
+    const uint32_t xbase = base + Cfg::kWChunk;
+    const T* xsrc = static_cast<const T*>(p.x) + (int64_t(cur.b) * p.M + cur.m0) * K + int64_t(kb0) * 32;
+    const int xpieces = cur.rows * KCH * 4;
+    for (int i = tid; i < xpieces; i += NT) {
+      const int row = i / (KCH * 4), kbl = (i / 4) % KCH, piece = i & 3;
+      if (kb0 + kbl < kbEnd)
+        cp_async16(xbase + row * XRB + kbl * 64 + piece * 16, xsrc + row * K + kbl * 32 + piece * 8);
+    }
+    // scale bytes: thread tid < kScaleItems copies the aligned 8-byte window holding the 4 bytes
+    // of columns 4cq..4cq+3 of k-block kbl, and notes the shift and validity for its decode.
+    if (tid < Cfg::kScaleItems) {
+      const int kbl = tid / (TN * 4), cq = tid % (TN * 4);
+      const uint32_t raw = xbase + x_slot + tid * 16;
+      const int kb = kb0 + kbl;
+      if (kb < kbEnd) {
+        const int64_t idx = (int64_t(cur.b) * p.KB + kb) * p.N + cur.col0 + 4 * cq;
+        const int64_t w = idx & ~int64_t(3);
+        const int64_t left = p.scale_bytes - w;
+        cp_async4_zfill(raw, p.scales + w, left >= 4 ? 4u : uint32_t(left > 0 ? left : 0));
+        const int64_t left2 = left - 4;
+        cp_async4_zfill(raw + 4, p.scales + (left2 > 0 ? w + 4 : w), left2 >= 4 ? 4u : uint32_t(left2 > 0 ? left2 : 0));
+        sts32(raw + 8, uint32_t(idx & 3) * 8);
+        sts32(raw + 12, 1u);
+      } else {
+        sts32(raw + 12, 0u);
+      }
     }
   };
-  // Activation staging: thread tid copies piece tid%4 of k-block (tid/4)%KCH of rows
-  // tid/(4*KCH) + i*kXRowStep (16 bytes each, cp.async, no L1 allocation).
-  constexpr int kXRowStep = NT / (KCH * 4);
-  static_assert(NT % (KCH * 4) == 0, "x staging pattern");
-  const int x_kbl = (tid / 4) % KCH, x_row0 = tid / (4 * KCH);
-  const T* x_src0 = xg + int64_t(x_row0) * K + (kbA + x_kbl) * 32 + (tid & 3) * 8;
-  const uint32_t x_dst0 = uint32_t(x_row0) * XRB + x_kbl * 64 + (tid & 3) * 16;
-  auto stage_x = [&](int c) {
-    if (kbA + c * KCH + x_kbl >= kbEnd) return;
-    const uint32_t dst = s_x + (c % XBUF) * x_buf_bytes + x_dst0;
-    const T* src = x_src0 + int64_t(c) * KCH * 32;
-    for (int row = x_row0, i = 0; row < rows; row += kXRowStep, ++i)
-      cp_async16(dst + i * kXRowStep * XRB, src + int64_t(i) * kXRowStep * K);
+
+  // ---- decode this thread's scale item of a landed chunk into floats ----
+  auto decode_scales = [&](int slot, int sfbuf) {
+    if (tid >= Cfg::kScaleItems) return;
+    const uint32_t raw = s_ring + slot * slot_bytes + Cfg::kWChunk + x_slot + tid * 16;
+    const uint4 r = lds128(raw);
+    if (!r.w) return;
+    const uint32_t v = __funnelshift_r(r.x, r.y, r.z);
+    const int kbl = tid / (TN * 4), cq = tid % (TN * 4);
+    const uint32_t dst = s_sf + sfbuf * Cfg::kSfChunk + kbl * SFB;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int rr = 4 * (cq & 3) + i;  // column within the tile = its mma row
+      const uint32_t byte19 = i < 3 ? (v << (19 - 8 * i)) & 0x07f80000u : (v >> 5) & 0x07f80000u;
+      sts32f(dst + (((rr & 7) * TN + (cq >> 2)) * 2 + (rr >> 3)) * 4, decode_e4m4_fast(byte19));
+    }
   };
+
+  // ---- per-thread constants of the compute path ----
+  const typename WP::Lane L = WP::lane_consts(lane);
+  const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
+  const uint32_t sf_lane_off = uint32_t(g) * (2 * TN * 4);
 
   float acc[NACC];
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 
-  auto run = [&](auto full_tag) {
-    constexpr bool kFull = decltype(full_tag)::value;
-    typename WP::Raw wbuf[P][TN];
+  auto compute = [&](const Cursor& cur, int slot, int sfbuf) {
+    const int kb = kbA + cur.c * KCH + warp;
+    if (kb >= kbEnd) return;  // warp-uniform
+    const uint32_t base = s_ring + slot * slot_bytes;
+    const uint32_t slab = base + warp * SLAB;
+    uint32_t xb[MT][4];
 #pragma unroll
-    for (int s = 0; s < P; ++s)
+    for (int mt = 0; mt < MT; ++mt) {
+      // lane l supplies row l%8 of matrix l/8 (= the 8-wide k sub-block l/8 of the 32-block)
+      const int row = min(8 * mt + (lane & 7), cur.rows - 1);
+      ldmatrix_x4(xb[mt], base + Cfg::kWChunk + row * XRB + warp * 64 + (lane >> 3) * 16);
+    }
+    float sc[2 * TN];
+    const uint32_t sfa = s_sf + sfbuf * Cfg::kSfChunk + warp * SFB + sf_lane_off;
+    if constexpr (TN >= 2) {
 #pragma unroll
-      for (int j = 0; j < TN; ++j) wbuf[s][j] = {};
-    auto load_stage = [&](typename WP::Raw (&st)[TN], int kb) {
-      const uint32_t* row = wbase + int64_t(kb) * kb_stride;
-#pragma unroll
-      for (int j = 0; j < TN; ++j) WP::template load<kFull>(st[j], row + off0, row + off1, j, colbase, p.N);
-    };
-    auto compute = [&](const typename WP::Raw (&st)[TN], uint32_t xbuf, uint32_t sfbuf, int kbl) {
-      uint32_t xb[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(xb[mt], xbuf + x_lane_off[mt] + kbl * 64);
-      float sc[2 * TN];
-      const uint32_t sfa = sfbuf + kbl * SFB + sf_lane_off;
-      if constexpr (TN >= 2) {
-#pragma unroll
-        for (int i = 0; i < TN / 2; ++i) {
-          const float4 v = lds128f(sfa + 16 * i);
-          sc[4 * i] = v.x; sc[4 * i + 1] = v.y; sc[4 * i + 2] = v.z; sc[4 * i + 3] = v.w;
-        }
-      } else {
-        const float2 v = lds64f(sfa);
-        sc[0] = v.x; sc[1] = v.y;
+      for (int i = 0; i < TN / 2; ++i) {
+        const float4 v = lds128f(sfa + 16 * i);
+        sc[4 * i] = v.x; sc[4 * i + 1] = v.y; sc[4 * i + 2] = v.z; sc[4 * i + 3] = v.w;
       }
+    } else {
+      const float2 v = lds64f(sfa);
+      sc[0] = v.x; sc[1] = v.y;
+    }
 #pragma unroll
-      for (int j = 0; j < TN; ++j) {
-        uint32_t a[2][4];
-        WP::decode(st[j], s_lut, L, a);
+    for (int j = 0; j < TN; ++j) {
+      typename WP::Raw raw;
+      WP::load(raw, slab, o0, o1, j);
+      uint32_t a[2][4];
+      WP::decode(raw, s_lut, L, a);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-          float d[4];
-          mma_16816<Act>(d, a[0], xb[mt][0], xb[mt][1], zero);  // k 0..15 of the block
-          mma_16816<Act>(d, a[1], xb[mt][2], xb[mt][3], d);     // k 16..31
-          float* c = acc + (j * MT + mt) * 4;
-          c[0] = fmaf(d[0], sc[2 * j], c[0]);      // row g   (column colmap(j, g))
-          c[1] = fmaf(d[1], sc[2 * j], c[1]);
-          c[2] = fmaf(d[2], sc[2 * j + 1], c[2]);  // row g+8
-          c[3] = fmaf(d[3], sc[2 * j + 1], c[3]);
-        }
+      for (int mt = 0; mt < MT; ++mt) {
+        const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+        float d[4];
+        mma_16816<Act>(d, a[0], xb[mt][0], xb[mt][1], zero);  // k 0..15 of the block
+        mma_16816<Act>(d, a[1], xb[mt][2], xb[mt][3], d);     // k 16..31
+        float* c = acc + (j * MT + mt) * 4;
+        c[0] = fmaf(d[0], sc[2 * j], c[0]);  // row g   = column 16 j + g
+        c[1] = fmaf(d[1], sc[2 * j], c[1]);
+        c[2] = fmaf(d[2], sc[2 * j + 1], c[2]);  // row g+8 = column 16 j + g + 8
+        c[3] = fmaf(d[3], sc[2 * j + 1], c[3]);
       }
-    };
+    }
+  };
 
-    // ---- prologue: weights of the first kStages stages, scales of the first kCPI chunks,
-    // activations of the first kXBuf-1 chunks; the table is built while they are in flight.
+  // ---- end of an item: reduce the warps' partial sums (tree, fixed order), then the
+  // cluster's (rank 0 adds the ranks' partials in rank order), scale, round, store ----
+  auto epilogue = [&](const Cursor& cur) {
 #pragma unroll
-    for (int s = 0; s < P; ++s) {
-      const int kb = kbA + (s / KPW) * KCH + warp * KPW + (s % KPW);
-      if (kb < kbEnd) load_stage(wbuf[s], kb);
+    for (int half = NW / 2; half >= 1; half >>= 1) {
+      if (warp >= half && warp < 2 * half)
+#pragma unroll
+        for (int e = 0; e < NACC; ++e) sts32f(s_red + (((warp - half) * NACC + e) * 32 + lane) * 4, acc[e]);
+      __syncthreads();
+      if (warp < half)
+#pragma unroll
+        for (int e = 0; e < NACC; ++e) acc[e] += lds32f(s_red + ((warp * NACC + e) * 32 + lane) * 4);
+      __syncthreads();
     }
-    uint32_t rs_lo[CPI], rs_hi[CPI];
+    const float ts = p.tensor_scale[cur.b];
+    T* yg = static_cast<T*>(p.y) + int64_t(cur.b) * p.M * p.N;
+    auto store = [&](const float (&v)[NACC]) {
 #pragma unroll
-    for (int i = 0; i < CPI; ++i) { rs_lo[i] = 0; rs_hi[i] = 0; load_scales(rs_lo[i], rs_hi[i], i); }
+      for (int e = 0; e < NACC; ++e) {
+        const int c = e & 3, mt = (e >> 2) % MT, j = (e >> 2) / MT;
+        const int64_t m = cur.m0 + 8 * mt + 2 * t + (c & 1);
+        const int n = cur.col0 + 16 * j + g + 8 * (c >> 1);
+        if (m < p.M && n < p.N) yg[m * p.N + n] = from_f32<T>(v[e] * ts);
+      }
+    };
+    if (KS == 1) {
+      if (warp == 0) store(acc);
+    } else {
+      namespace cg = cooperative_groups;
+      cg::cluster_group cluster = cg::this_cluster();
+      if (warp == 0)
 #pragma unroll
-    for (int c = 0; c < XBUF - 1; ++c) { if (c < nchunks) stage_x(c); cp_async_commit(); }
-    {
-      constexpr int kChunks = 2 * WP::kEntryBytes;  // 16-byte pieces per table row
-      const float* cb = p.codebook + int64_t(b) * (1 << BITS);
-      for (int i = tid; i < WP::kEntries * kChunks; i += NT) {
-        const int e = i / kChunks, piece = i % kChunks;
-        const uint2 v = WP::template lut_entry<Act>(e, cb);
-        sts128(s_lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
+        for (int e = 0; e < NACC; ++e) sts32f(s_part + (e * 32 + lane) * 4, acc[e]);
+      cluster.sync();  // every rank's partial is in its shared memory
+      if (rank == 0 && warp == 0) {
+        float v[NACC];
+#pragma unroll
+        for (int e = 0; e < NACC; ++e) v[e] = 0.f;
+        for (int r = 0; r < KS; ++r) {
+          const float* rp = cluster.map_shared_rank(part_ptr, r);
+#pragma unroll
+          for (int e = 0; e < NACC; ++e) v[e] += rp[e * 32 + lane];
+        }
+        store(v);
+      }
+      cluster.sync();  // partials may be overwritten only after rank 0 has read them
+    }
+#pragma unroll
+    for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
+  };
+
+  // ---- prologue: copies of the first D-1 chunks, the table while they fly ----
+  Cursor ic = make_cursor(0);  // next chunk to issue
+#pragma unroll
+  for (int s = 0; s < D - 1; ++s) {
+    if (s < Q) { issue(ic, s); advance(ic); }
+    cp_async_commit();
+  }
+  // The table holds one batch entry's codebook; a CTA whose items span batch entries rebuilds
+  // it where b changes (at an item boundary, see the main loop).
+  auto build_lut = [&](int b) {
+    constexpr int kPieces = 2 * WP::kEntryBytes;
+    const float* cb = p.codebook + int64_t(b) * (1 << BITS);
+    for (int i = tid; i < WP::kEntries * kPieces; i += NT) {
+      const int e = i / kPieces, piece = i % kPieces;
+      const uint2 v = WP::template lut_entry<Act>(e, cb);
+      sts128(s_lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
+    }
+  };
+  Cursor cc = make_cursor(0);  // chunk being computed
+  int lut_b = -1;
+  if (Q > 0) {
+    build_lut(cc.b);
+    lut_b = cc.b;
+  }
+  cp_async_wait<D - 2>();
+  if (Q > 0) decode_scales(0, 0);
+  __syncthreads();
+
+  // ---- main loop over this CTA's chunks ----
+  for (int q = 0; q < Q; ++q) {
+    if (q + D - 1 < Q) { issue(ic, (q + D - 1) % D); advance(ic); }
+    cp_async_commit();
+    compute(cc, q % D, q & 1);
+    const bool last = cc.c == nch - 1;
+    if (last) epilogue(cc);
+    advance(cc);
+    cp_async_wait<D - 2>();
+    if (q + 1 < Q) {
+      decode_scales((q + 1) % D, (q + 1) & 1);
+      if (last && cc.b != lut_b) {  // next item belongs to another batch entry: new codebook
+        __syncthreads();            // (every warp finished reading the old table)
+        build_lut(cc.b);
+        lut_b = cc.b;
       }
     }
-    decode_scales(rs_lo[0], rs_hi[0], 0);
-    cp_async_wait<XBUF - 2>();
     __syncthreads();
-
-    // ---- main loop: kCPI chunks (= kStages register stages) per iteration ----
-    for (int cbase = 0; cbase < nchunks; cbase += CPI) {
-#pragma unroll
-      for (int ci = 0; ci < CPI; ++ci) {
-        const int c = cbase + ci;
-        if (c >= nchunks) break;  // CTA-uniform
-        if (c + XBUF - 1 < nchunks) stage_x(c + XBUF - 1);
-        cp_async_commit();
-        if (c + CPI < nchunks) load_scales(rs_lo[ci], rs_hi[ci], c + CPI);
-        const uint32_t xbuf = s_x + (c % XBUF) * x_buf_bytes;
-        const uint32_t sfbuf = s_sf + (c & 1) * kSfBufBytes;
-#pragma unroll
-        for (int u = 0; u < KPW; ++u) {
-          const int s = ci * KPW + u;  // register stage slot (compile-time)
-          const int kbl = warp * KPW + u;
-          const int kb = kbA + c * KCH + kbl;
-          if (kb < kbEnd) compute(wbuf[s], xbuf, sfbuf, kbl);
-          const int kb_next = kb + CPI * KCH;  // the same slot, kStages stages later
-          if (kb_next < kbEnd) load_stage(wbuf[s], kb_next);
-        }
-        if (c + 1 < nchunks) decode_scales(rs_lo[(ci + 1) % CPI], rs_hi[(ci + 1) % CPI], c + 1);
-        cp_async_wait<XBUF - 2>();
-        __syncthreads();
-      }
-    }
-  };
-  if (col0 + Cfg::kCols <= p.N) run(std::true_type{});
-  else run(std::false_type{});
-
-  // ---- epilogue: reduce the warps' partial sums (they split K), then the cluster's ----
+  }
   cp_async_wait<0>();
-  __syncthreads();
-  float* red = reinterpret_cast<float*>(smem);  // [NW][NACC][32]
-#pragma unroll
-  for (int i = 0; i < NACC; ++i) red[(warp * NACC + i) * 32 + lane] = acc[i];
-  __syncthreads();
-  float* part = red + NW * NACC * 32;  // [NACC][32]
-  const float ts = p.tensor_scale[b];
-  T* yg = static_cast<T*>(p.y) + (int64_t(b) * p.M) * p.N;
-  auto write_out = [&](int idx, float v) {
-    const int e = idx >> 5, ln = idx & 31, c = e & 3, mt = (e >> 2) % MT, j = (e >> 2) / MT;
-    const int r = (ln >> 2) + 8 * (c >> 1);
-    const int64_t m = m0 + 8 * mt + 2 * (ln & 3) + (c & 1);
-    const int n = col0 + WP::colmap(j, r);
-    if (m < p.M && n < p.N) yg[m * p.N + n] = from_f32<T>(v * ts);
-  };
-  for (int idx = tid; idx < NACC * 32; idx += NT) {
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) s += red[w * NACC * 32 + idx];
-    if (p.k_split == 1) write_out(idx, s);
-    else part[idx] = s;
-  }
-  if (p.k_split > 1) {
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();  // every rank's partial sums are in its shared memory
-    for (int idx = rank * NT + tid; idx < NACC * 32; idx += NT * p.k_split) {
-      float s = 0.f;
-      for (int r = 0; r < p.k_split; ++r) s += cluster.map_shared_rank(part, r)[idx];
-      write_out(idx, s);
-    }
-    cluster.sync();  // no CTA leaves while another still reads its shared memory
-  }
 }
 
-}  // namespace kbit::cuda::fused
-
 // ---- host side: launch configuration ----
-namespace kbit::cuda::fused {
-
 // Per-device facts and per-(kernel, device) settings are cached: the launcher runs on every
 // eager call, and a driver query per launch would make small kernels host-bound. The caches
-// are benign-race atomics (every writer stores the same value).
+// are benign-race atomics (every writer stores the same value); they live in the class
+// template below, so each kernel instantiation has its own.
 constexpr int kMaxDevices = 64;
 
 inline int current_device() {
@@ -546,117 +608,147 @@ inline int device_sm_count(int dev) {
   return sms;
 }
 
-// Raises the kernel's dynamic shared-memory limit to at least `bytes` on device `dev` (once
-// per size increase) and returns the resident CTAs per SM at `bytes` (cached per row count).
-template <class Kernel>
-cudaError_t prepare_kernel(Kernel* kernel, int dev, size_t bytes, int threads, int x_rows, int* per_sm) {
-  static std::atomic<int> smem_set[kMaxDevices];
-  static std::atomic<int> occupancy[kMaxDevices][65];
-  if (smem_set[dev].load(std::memory_order_relaxed) < int(bytes)) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-    if (err != cudaSuccess) return err;
-    smem_set[dev].store(int(bytes), std::memory_order_relaxed);
-  }
-  const int slot = x_rows < 0 ? 0 : (x_rows > 64 ? 64 : x_rows);
-  int occ = occupancy[dev][slot].load(std::memory_order_relaxed);
-  if (occ <= 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, bytes) != cudaSuccess || occ < 1)
-      occ = 1;
-    occupancy[dev][slot].store(occ, std::memory_order_relaxed);
-  }
-  *per_sm = occ;
-  return cudaSuccess;
-}
-
 // n8 tiles along M for a problem with M rows (blocks of 64 rows above that).
 inline int m_tiles(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
 
 template <int BITS, class Act, int MT>
-std::string launch_fused_config(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
+struct Launcher {
   using Cfg = Config<BITS, MT>;
-  auto* kernel = &kbit_matmul_fused_kernel<BITS, Act, MT>;
-  const std::string shape = "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) +
-                            " K=" + std::to_string(a.k) + " N=" + std::to_string(a.n) +
-                            " bits=" + std::to_string(BITS) + " dtype=" + Act::kName +
-                            " MT=" + std::to_string(MT);
-  const int KB = static_cast<int>(a.k / 32);
-  const int x_rows = static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
-  const size_t smem = Cfg::smem_bytes(x_rows);
-  const char* name = "kbit_matmul_fused_kernel";
-  const int dev = current_device();
-  int per_sm = 1;
-  cudaError_t err = prepare_kernel(kernel, dev, smem, Cfg::kThreads, x_rows, &per_sm);
-  if (err != cudaSuccess)
-    return std::string(name) + ": cannot reserve " + std::to_string(smem) +
-           " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape + ")";
-
-  const int64_t col_groups = (a.n + Cfg::kCols - 1) / Cfg::kCols;
-  const int64_t m_blocks = (a.m + 8 * MT - 1) / (8 * MT);
-  if (a.batch > 65535 || m_blocks > 65535 || col_groups * 8 > 0x7fffffffLL)
-    return std::string(name) + ": grid too large for " + shape;
-
-  // Split K over a thread-block cluster when the column groups alone leave SMs idle: as many
-  // ranks as fit the resident-CTA capacity in one wave, at most 8 (the portable cluster size),
-  // and at least 8 k-blocks per rank.
-  int k_split = 1;
-  if (tuning && tuning->k_split > 0) {
-    k_split = tuning->k_split;
-  } else {
-    const int64_t capacity = int64_t(device_sm_count(dev)) * per_sm;
-    const int64_t base = col_groups * a.batch * m_blocks;
-    if (base < capacity) k_split = static_cast<int>(std::min<int64_t>(8, capacity / base));
-    k_split = std::max(1, std::min(k_split, KB / 8));
+  static constexpr auto kernel = &kbit_matmul_fused_kernel<BITS, Act, MT>;
+  static std::atomic<int>& smem_set(int dev) {
+    static std::atomic<int> v[kMaxDevices];
+    return v[dev];
   }
-  k_split = std::max(1, std::min({k_split, 8, std::max(KB, 1)}));
-  const int kb_per_split = (KB + k_split - 1) / k_split;
-  k_split = std::max(1, (KB + kb_per_split - 1) / std::max(kb_per_split, 1));  // no empty ranks
-
-  Params prm;
-  prm.x = a.x;
-  prm.planes = a.planes;
-  prm.scales = a.scales;
-  prm.codebook = a.codebook;
-  prm.tensor_scale = a.tensor_scale;
-  prm.y = a.y;
-  prm.M = a.m;
-  prm.N = static_cast<int>(a.n);
-  prm.KB = KB;
-  prm.kb_per_split = std::max(kb_per_split, 1);
-  prm.k_split = k_split;
-  prm.x_rows = x_rows;
-  prm.scale_bytes = a.batch * int64_t(KB) * a.n;
-
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(col_groups * k_split), static_cast<unsigned>(a.batch),
-                     static_cast<unsigned>(m_blocks));
-  cfg.blockDim = dim3(Cfg::kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  if (k_split > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(k_split);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+  // Resident clusters of `ks` CTAs at `smem` bytes (cached per device and ks, keyed by smem).
+  static int max_clusters(int dev, int ks, size_t smem) {
+    static std::atomic<int64_t> cache[kMaxDevices][9];
+    std::atomic<int64_t>& slot = cache[dev][ks];
+    const int64_t c = slot.load(std::memory_order_relaxed);
+    if (c > 0 && (c >> 32) == int64_t(smem)) return int(c & 0xffffffff);
+    int n = 0;
+    if (ks == 1) {
+      int per_sm = 0;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem) != cudaSuccess)
+        per_sm = 1;
+      n = std::max(per_sm, 1) * device_sm_count(dev);
+    } else {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(ks * 64);
+      cfg.blockDim = dim3(Cfg::kThreads);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = ks;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n < 1) {
+        cudaGetLastError();
+        n = std::max(1, device_sm_count(dev) / ks / 2);
+      }
+    }
+    slot.store((int64_t(smem) << 32) | int64_t(n), std::memory_order_relaxed);
+    return n;
   }
-  err = cudaLaunchKernelEx(&cfg, kernel, prm);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear
-    return std::string(name) + " failed to launch: " + cudaGetErrorName(err) + " (" +
-           cudaGetErrorString(err) + ") for " + shape + " k_split=" + std::to_string(k_split);
+
+  static std::string launch(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
+    const std::string shape = "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) +
+                              " K=" + std::to_string(a.k) + " N=" + std::to_string(a.n) +
+                              " bits=" + std::to_string(BITS) + " dtype=" + Act::kName +
+                              " MT=" + std::to_string(MT);
+    const char* name = "kbit_matmul_fused_kernel";
+    const int KB = static_cast<int>(a.k / 32);
+    const int x_rows = static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
+    const size_t smem = Cfg::smem_bytes(x_rows);
+    const int dev = current_device();
+    if (smem_set(dev).load(std::memory_order_relaxed) < int(smem)) {
+      const cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      if (err != cudaSuccess)
+        return std::string(name) + ": cannot reserve " + std::to_string(smem) +
+               " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape + ")";
+      smem_set(dev).store(int(smem), std::memory_order_relaxed);
+    }
+    const int64_t col_groups = (a.n + Cfg::kCols - 1) / Cfg::kCols;
+    const int64_t m_blocks = (a.m + 8 * MT - 1) / (8 * MT);
+    const int64_t items = col_groups * m_blocks * a.batch;
+    if (items > 0x7fffffffLL) return std::string(name) + ": too many work items for " + shape;
+
+    // Choose the cluster size (k-split) that minimizes the critical path: the most items a
+    // cluster processes times the chunks per item, plus a per-item cost for the epilogue.
+    int best_ks = 1;
+    double best_cost = 1e30;
+    const int ks_max = std::min(8, std::max(KB, 1));
+    for (int ks = 1; ks <= ks_max; ++ks) {
+      if (tuning && tuning->k_split > 0 && ks != std::min(tuning->k_split, ks_max)) continue;
+      const int kps = (KB + ks - 1) / ks;
+      if ((KB + kps - 1) / kps != ks) continue;  // would leave a rank empty
+      const int64_t ncl = std::min<int64_t>(items, max_clusters(dev, ks, smem));
+      const int64_t per_cluster = (items + ncl - 1) / ncl;
+      const double chunks = double((kps + Cfg::kKCH - 1) / Cfg::kKCH);
+      const double cost = per_cluster * (chunks + (ks > 1 ? 1.0 : 0.5));
+      if (cost < best_cost - 1e-9) { best_cost = cost; best_ks = ks; }
+    }
+    const int ks = best_ks;
+    const int kps = (KB + ks - 1) / std::max(ks, 1);
+    const int64_t ncl = std::min<int64_t>(items, max_clusters(dev, ks, smem));
+
+    Params prm;
+    prm.x = a.x;
+    prm.planes = a.planes;
+    prm.scales = a.scales;
+    prm.codebook = a.codebook;
+    prm.tensor_scale = a.tensor_scale;
+    prm.y = a.y;
+    prm.M = a.m;
+    prm.N = static_cast<int>(a.n);
+    prm.KB = KB;
+    prm.kb_per_split = std::max(kps, 1);
+    prm.k_split = ks;
+    prm.col_groups = static_cast<int>(col_groups);
+    prm.m_blocks = static_cast<int>(m_blocks);
+    prm.items = static_cast<int>(items);
+    prm.x_rows = x_rows;
+    prm.vec16 = ((a.n * BITS) % 4 == 0 && (reinterpret_cast<uintptr_t>(a.planes) & 15) == 0) ? 1 : 0;
+    prm.scale_bytes = a.batch * int64_t(KB) * a.n;
+
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(ncl * ks));
+    cfg.blockDim = dim3(Cfg::kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    if (ks > 1) {
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = static_cast<unsigned>(ks);
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+    }
+    const std::string where = shape + " k_split=" + std::to_string(ks) + " ctas=" + std::to_string(ncl * ks) +
+                              " smem=" + std::to_string(smem);
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, prm);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // clear
+      return std::string(name) + " failed to launch: " + cudaGetErrorName(err) + " (" +
+             cudaGetErrorString(err) + ") for " + where;
+    }
+    return check_launch(name, where);
   }
-  return check_launch(name, shape + " k_split=" + std::to_string(k_split));
-}
+};
 
 template <int BITS>
 std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
+  if (a.k == 0) {  // empty contraction: y = 0 (+0.0 is all-zero bits in every dtype)
+    const cudaError_t err = cudaMemsetAsync(a.y, 0, size_t(a.batch * a.m * a.n) * 2, stream);
+    return err == cudaSuccess ? std::string() : std::string("kbit_matmul: memset failed: ") + cudaGetErrorString(err);
+  }
   auto by_act = [&](auto mt_tag) -> std::string {
     constexpr int MT = decltype(mt_tag)::value;
-    if (a.dtype == DType::kBF16) return launch_fused_config<BITS, ActBF16, MT>(a, stream, tuning);
-    return launch_fused_config<BITS, ActF16, MT>(a, stream, tuning);
+    if (a.dtype == DType::kBF16) return Launcher<BITS, ActBF16, MT>::launch(a, stream, tuning);
+    return Launcher<BITS, ActF16, MT>::launch(a, stream, tuning);
   };
   switch (m_tiles(a.m)) {
     case 1: return by_act(std::integral_constant<int, 1>{});
