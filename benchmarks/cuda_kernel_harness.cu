@@ -349,7 +349,7 @@ static void test_dequantize(bool quick) {
   printf("dequantize: %d / %d cases bit-exact\n", n_ok, n_total);
 }
 
-struct MMCase { int B, M, K, N; int k_split; bool force_generic; };
+struct MMCase { int B, M, K, N; int k_split; bool force_generic; int variant = -1; };
 
 // One matmul check; returns the relative Frobenius error (or +inf on failure to run).
 static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, uint32_t seed,
@@ -409,6 +409,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   kbit::cuda::MatmulTuning tune;
   tune.k_split = c.k_split;
   tune.force_generic = c.force_generic;
+  tune.variant = c.variant;
   *path_out = c.force_generic ? "generic (forced)" : kbit::cuda::matmul_path(a);
   const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
   CK(cudaDeviceSynchronize());
@@ -441,6 +442,16 @@ static void test_matmul(bool quick) {
       {1, 7, 4096, 2048, 0, false},   {300, 2, 64, 16, 0, false},  {3, 24, 1024, 96, 2, false},
   };
   if (quick) cases.resize(8);
+  // The second tiling variant of the fused kernel (M <= 8 only).
+  {
+    const size_t n = cases.size();
+    for (size_t i = 0; i < n; ++i)
+      if (cases[i].M <= 8 && !cases[i].force_generic) {
+        MMCase v = cases[i];
+        v.variant = 1;
+        cases.push_back(v);
+      }
+  }
   int n_ok = 0, n_total = 0;
   uint32_t seed = 9000;
   double worst[3] = {0, 0, 0};
@@ -458,9 +469,9 @@ static void test_matmul(bool quick) {
           ++n_total;
           n_ok += ok;
           worst[int(dt)] = std::max(worst[int(dt)], rel);
-          EXPECT(ok, "matmul B=%d M=%d K=%d N=%d bits=%d layout=%d dtype=%s k_split=%d path=%s: "
+          EXPECT(ok, "matmul B=%d M=%d K=%d N=%d bits=%d layout=%d dtype=%s k_split=%d variant=%d path=%s: "
                      "rel err %.3g (tol %.1g), max err / max |ref| %.3g",
-                 c.B, c.M, c.K, c.N, bits, layout, kbit::cuda::dtype_name(dt), c.k_split, path.c_str(),
+                 c.B, c.M, c.K, c.N, bits, layout, kbit::cuda::dtype_name(dt), c.k_split, c.variant, path.c_str(),
                  rel, tol, max_rel);
         }
   // M = 0 launches nothing and succeeds.
@@ -526,7 +537,7 @@ static void bench(const char* csv_path, bool full) {
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("\ndevice: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   FILE* csv = csv_path ? fopen(csv_path, "w") : nullptr;
-  if (csv) fprintf(csv, "kind,shape,K,N,bits,M,k_split,us,GBps,pct_copy,stream_us,dense_floor_us\n");
+  if (csv) fprintf(csv, "kind,shape,K,N,bits,M,k_split,us,GBps,pct_copy,stream_us,dense_floor_us,us_variant1\n");
   Timer tm;
 
   // Copy bandwidth (bytes read + written), 1 GiB.
@@ -581,10 +592,9 @@ static void bench(const char* csv_path, bool full) {
       {"qwen3.q", 2048, 4096},            {"qwen3.o", 4096, 2048},
       {"glm4.7.gate_up", 2048, 10240},    {"glm4.7.down", 10240, 2048},
   };
-  std::vector<int> Ms = full ? std::vector<int>{1, 4, 16, 32, 64} : std::vector<int>{1, 16};
-
-  printf("\n%-20s %5s %6s %4s %3s %9s %8s %7s %9s %9s\n", "shape", "K", "N", "bits", "M", "us", "GB/s",
-         "%copy", "stream_us", "bf16floor");
+  (void)full;
+  printf("\n%-20s %5s %6s %4s %3s %9s %9s %8s %7s %9s %9s\n", "shape", "K", "N", "bits", "M", "us(V0)", "us(V1)",
+         "GB/s", "%copy", "stream_us", "bf16floor");
   for (const Shape& s : shapes)
     for (int bits = 2; bits <= 5; ++bits) {
       const size_t KB = s.K / 32;
@@ -602,52 +612,62 @@ static void bench(const char* csv_path, bool full) {
         stream_read<<<prop.multiProcessorCount * 8, 256>>>(reinterpret_cast<const uint4*>(planes_of(c)),
                                                            (plane_bytes + scale_bytes) / 16, sink);
       }, 7, 20);
+      const std::vector<int> Ms = bits == 4 ? std::vector<int>{1, 4, 16, 32, 64} : std::vector<int>{1, 4, 16};
       for (int M : Ms) {
         kbit::cuda::MatmulArgs a;
         a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
         a.batch = 1; a.m = M; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
-        std::string err;
-        const double us = tm.median_us([&](int c) {
-          a.planes = planes_of(c);
-          a.scales = scales_of(c);
-          std::string e = kbit::cuda::launch_matmul(a, 0);
-          if (!e.empty() && err.empty()) err = e;
-        }, 7, 20);
-        if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+        double us_v[2] = {0, 0};
+        for (int v = 0; v < (M <= 8 ? 2 : 1); ++v) {
+          kbit::cuda::MatmulTuning tune;
+          tune.variant = v;
+          std::string err;
+          us_v[v] = tm.median_us([&](int c) {
+            a.planes = planes_of(c);
+            a.scales = scales_of(c);
+            std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
+            if (!e.empty() && err.empty()) err = e;
+          }, 7, 20);
+          if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+        }
+        const double us = us_v[1] > 0 ? std::min(us_v[0], us_v[1]) : us_v[0];
         const double gbs = (plane_bytes + scale_bytes) / (us * 1e-6) / 1e9;
         const double floor_us = double(s.K) * s.N * 2 / (copy_gbs * 1e9) * 1e6;
-        printf("%-20s %5d %6d %4d %3d %9.2f %8.0f %6.1f%% %9.2f %9.2f\n", s.name, s.K, s.N, bits, M, us, gbs,
-               100 * gbs / copy_gbs, stream_us, floor_us);
-        if (csv) fprintf(csv, "matmul,%s,%d,%d,%d,%d,0,%.3f,%.1f,%.1f,%.3f,%.3f\n", s.name, s.K, s.N, bits, M, us,
-                         gbs, 100 * gbs / copy_gbs, stream_us, floor_us);
+        printf("%-20s %5d %6d %4d %3d %9.2f %9.2f %8.0f %6.1f%% %9.2f %9.2f\n", s.name, s.K, s.N, bits, M, us_v[0],
+               us_v[1], gbs, 100 * gbs / copy_gbs, stream_us, floor_us);
+        if (csv) fprintf(csv, "matmul,%s,%d,%d,%d,%d,0,%.3f,%.1f,%.1f,%.3f,%.3f,%.3f\n", s.name, s.K, s.N, bits, M, us_v[0],
+                         gbs, 100 * gbs / copy_gbs, stream_us, floor_us, us_v[1]);
       }
     }
 
   // k-split sweep at bits 4, M = 1 on the shapes whose column tiles do not fill the GPU.
   printf("\nk_split sweep (bits 4, M = 1): us per call\n");
   for (const Shape& s : shapes) {
-    if (s.N > 5120) continue;
+    if (s.N > 5120 && s.N != 14336) continue;
     const int bits = 4;
     const size_t KB = s.K / 32, plane_bytes = KB * s.N * bits * 4, scale_bytes = KB * s.N;
     const size_t one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
     const int copies = int(std::min<size_t>(pool_bytes / one, (size_t(480) << 20) / one + 1));
-    printf("%-20s", s.name);
+    for (int v = 0; v < 2; ++v) {
+    printf("%-20s V%d", s.name, v);
     for (int ks : {1, 2, 3, 4, 6, 8}) {
       kbit::cuda::MatmulArgs a;
       a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
       a.batch = 1; a.m = 1; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
       kbit::cuda::MatmulTuning tune;
       tune.k_split = ks;
+      tune.variant = v;
       const double us = tm.median_us([&](int c) {
         a.planes = reinterpret_cast<const uint32_t*>(pool + size_t(c % copies) * one);
         a.scales = pool + size_t(c % copies) * one + (plane_bytes + 255) / 256 * 256;
         kbit::cuda::launch_matmul(a, 0, &tune);
       }, 7, 20);
       printf("  ks=%d %7.2f", ks, us);
-      if (csv) fprintf(csv, "ksplit,%s,%d,%d,%d,1,%d,%.3f,%.1f,0,0,0\n", s.name, s.K, s.N, bits, ks, us,
+      if (csv) fprintf(csv, "ksplit_v%d,%s,%d,%d,%d,1,%d,%.3f,%.1f,0,0,0\n", v, s.name, s.K, s.N, bits, ks, us,
                        (plane_bytes + scale_bytes) / (us * 1e-6) / 1e9);
     }
     printf("\n");
+    }
   }
 
   // Dequantize to bf16 (the large-M path): bytes read + written.
@@ -678,7 +698,7 @@ static void bench(const char* csv_path, bool full) {
 // A few small fused cases (every bits value, M tilings 1 and 2, a cluster split), for
 // compute-sanitizer racecheck / memcheck runs, which are slow.
 static void test_sanitizer_subset() {
-  const MMCase cases[] = {{1, 3, 256, 72, 2, false}, {1, 12, 128, 40, 0, false}};
+  const MMCase cases[] = {{1, 3, 256, 72, 2, false}, {1, 12, 128, 40, 0, false}, {2, 5, 512, 100, 2, false, 1}};
   uint32_t seed = 777;
   for (const MMCase& c : cases)
     for (int bits = 2; bits <= 5; ++bits) {
@@ -691,7 +711,7 @@ static void test_sanitizer_subset() {
 }
 
 // One configuration, launched `reps` times on rotating cold copies (for ncu / nsys).
-static void run_one(int bits, int K, int N, int M, int reps) {
+static void run_one(int bits, int K, int N, int M, int reps, int variant) {
   const size_t KB = K / 32, plane_bytes = KB * N * bits * 4, scale_bytes = KB * N;
   const size_t one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
   const int copies = int(std::max<size_t>(3, (size_t(480) << 20) / one + 1));
@@ -710,7 +730,9 @@ static void run_one(int bits, int K, int N, int M, int reps) {
     a.batch = 1; a.m = M; a.k = K; a.n = N; a.bits = bits; a.layout = kbit::kFragment;
     a.planes = reinterpret_cast<const uint32_t*>(pool + (r % copies) * one);
     a.scales = pool + (r % copies) * one + (plane_bytes + 255) / 256 * 256;
-    const std::string e = kbit::cuda::launch_matmul(a, 0);
+    kbit::cuda::MatmulTuning tune;
+    tune.variant = variant;
+    const std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
     if (!e.empty()) { printf("ERROR %s\n", e.c_str()); break; }
   }
   CK(cudaDeviceSynchronize());
@@ -719,7 +741,8 @@ static void run_one(int bits, int K, int N, int M, int reps) {
 
 int main(int argc, char** argv) {
   if (argc >= 6 && std::string(argv[1]) == "one") {
-    run_one(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), argc > 6 ? atoi(argv[6]) : 8);
+    run_one(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), argc > 6 ? atoi(argv[6]) : 8,
+            argc > 7 ? atoi(argv[7]) : -1);
     return 0;
   }
   setvbuf(stdout, nullptr, _IOLBF, 0);

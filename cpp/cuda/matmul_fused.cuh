@@ -215,23 +215,28 @@ struct WeightPath<5> {
 
 constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 
-// Tiling per (bits, MT = number of n8 tiles along M = ceil(rows / 8), 8 rows per tile).
-template <int BITS, int MT>
+// Tiling per (bits, MT = number of n8 tiles along M = ceil(rows / 8), 8 rows per tile, V).
+// V = 0: 16 warps, one k-block per warp per chunk. V = 1 (MT = 1 only): 8 warps, two k-blocks
+// per warp per chunk: the same chunk with half the per-chunk bookkeeping per unit of work, but
+// fewer warps to hide latency; the harness measures both.
+template <int BITS, int MT, int V = 0>
 struct Config {
-  // Warps per CTA (one CTA per SM). 16 keeps enough independent lookups and mmas in flight;
-  // at MT >= 4 the activation chunk grows with the rows, so 8 warps (smaller chunks) fit.
-  static constexpr int kWarps = MT >= 4 ? 8 : 16;
+  // Warps per CTA (one CTA per SM). At MT >= 4 the activation chunk grows with the rows, so
+  // 8 warps (smaller chunks) fit.
+  static constexpr int kWarps = (MT >= 4 || V == 1) ? 8 : 16;
   static constexpr int kThreads = kWarps * 32;
+  static constexpr int kKPW = V == 1 ? 2 : 1;  // k-blocks per warp per chunk
   // 16-column tiles per warp: one ldmatrix (x) and one or two LDS.128 (scales) per k-block
   // serve all kTN tiles; accumulators kTN * MT * 4 <= 32. bits 5 uses 2 to leave shared
   // memory for the ring next to its 128 KiB table.
   static constexpr int kTN = MT == 1 ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
   static constexpr int kCols = 16 * kTN;
-  static constexpr int kKCH = kWarps;  // k-blocks per chunk: one per warp
+  static constexpr int kKCH = kWarps * kKPW;  // k-blocks per chunk
   static constexpr int kAcc = kTN * MT * 4;
   static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
   static constexpr int kWChunk = kKCH * kSlabBytes;
   static constexpr int kXRowBytes = kKCH * 64 + 16;  // +16 B: ldmatrix rows in distinct banks
+  static constexpr int kXRowStep = kThreads / (kKCH * 4);  // rows of x one pass of threads covers
   static constexpr int kScaleItems = kKCH * kTN * 4;  // 4 columns of one k-block each
   static constexpr int kRawChunk = kScaleItems * 16;  // lo word, hi word, shift, valid
   static constexpr int kSfKbBytes = kCols * 4;
@@ -239,6 +244,7 @@ struct Config {
   static constexpr int kRedBytes = (kWarps / 2) * kAcc * 32 * 4;  // tree reduction, level 1
   static constexpr int kPartBytes = kAcc * 32 * 4;                 // CTA partial for the cluster
   static_assert(kScaleItems <= kThreads, "one scale item per thread");
+  static_assert(kThreads % (kKCH * 4) == 0 && (8 * MT) % kXRowStep == 0, "x staging pattern");
 
   static constexpr size_t fixed_bytes() {
     return size_t(WeightPath<BITS>::kLutBytes) + 2 * kSfChunk + kRedBytes + kPartBytes;
@@ -297,22 +303,27 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   return v;
 }
 
-// Where a CTA's chunk stream is: work item (and what it implies) and chunk within the item.
+// Where a CTA's chunk stream is: chunk within the item and the item's coordinates, advanced
+// incrementally (the item index grows by the number of clusters) so that the hot loop has no
+// integer division.
 struct Cursor {
-  int item_local, c;  // item index among this cluster's items, chunk within the item
-  int b, col0, rows;
-  int64_t m0;
+  int c;           // chunk within the item
+  int cg, mb, b;   // column group, block of M, batch entry
+  int col0, rows;  // first column, rows of M in the block
+  int64_t m0;      // first row
+  int64_t cell0;   // first cell (b, kb0, col0) of the chunk
+  int64_t x0;      // first activation element (b, m0, 32 kb0) of the chunk
 };
 
-template <int BITS, class Act, int MT>
-__global__ void __launch_bounds__(Config<BITS, MT>::kThreads, 1)
+template <int BITS, class Act, int MT, int V>
+__global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
     kbit_matmul_fused_kernel(const Params p) {
-  using Cfg = Config<BITS, MT>;
+  using Cfg = Config<BITS, MT, V>;
   using WP = WeightPath<BITS>;
   using T = typename Act::T;
   constexpr int NW = Cfg::kWarps, NT = Cfg::kThreads, TN = Cfg::kTN, D = Cfg::kStages;
   constexpr int KCH = Cfg::kKCH, XRB = Cfg::kXRowBytes, NACC = Cfg::kAcc, COLS = Cfg::kCols;
-  constexpr int SLAB = Cfg::kSlabBytes, SFB = Cfg::kSfKbBytes;
+  constexpr int SLAB = Cfg::kSlabBytes, SFB = Cfg::kSfKbBytes, KPW = Cfg::kKPW;
 
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -334,78 +345,108 @@ __global__ void __launch_bounds__(Config<BITS, MT>::kThreads, 1)
   const uint32_t slot_bytes = Cfg::kWChunk + x_slot + Cfg::kRawChunk;
   float* part_ptr = reinterpret_cast<float*>(smem + WP::kLutBytes + Cfg::kRedBytes);
 
-  auto make_cursor = [&](int item_local) {
-    Cursor cur;
-    cur.item_local = item_local;
-    cur.c = 0;
-    const int item = cluster_id + item_local * n_clusters;
-    const int cg = item % p.col_groups, rest = item / p.col_groups;
-    cur.b = rest / p.m_blocks;
-    cur.m0 = int64_t(rest % p.m_blocks) * 8 * MT;
-    cur.col0 = cg * COLS;
+  auto set_derived = [&](Cursor& cur) {
+    cur.col0 = cur.cg * COLS;
+    cur.m0 = int64_t(cur.mb) * 8 * MT;
     cur.rows = int(min(int64_t(8 * MT), p.M - cur.m0));
+    cur.cell0 = (int64_t(cur.b) * p.KB + kbA) * p.N + cur.col0;
+    cur.x0 = (int64_t(cur.b) * p.M + cur.m0) * K + int64_t(kbA) * 32;
+  };
+  auto first_cursor = [&]() {
+    Cursor cur;
+    cur.c = 0;
+    cur.cg = cluster_id % p.col_groups;
+    const int rest = cluster_id / p.col_groups;
+    cur.mb = rest % p.m_blocks;
+    cur.b = rest / p.m_blocks;
+    set_derived(cur);
     return cur;
   };
+  const int64_t chunk_cells = int64_t(KCH) * p.N;
   auto advance = [&](Cursor& cur) {
-    if (++cur.c == nch) cur = make_cursor(cur.item_local + 1);
+    if (++cur.c < nch) {
+      cur.cell0 += chunk_cells;
+      cur.x0 += KCH * 32;
+      return;
+    }
+    cur.c = 0;
+    cur.cg += n_clusters;
+    while (cur.cg >= p.col_groups) {  // runs only at item boundaries
+      cur.cg -= p.col_groups;
+      if (++cur.mb == p.m_blocks) { cur.mb = 0; ++cur.b; }
+    }
+    set_derived(cur);
   };
 
-  // ---- issue the copies of one chunk into ring slot `slot` (one commit group per chunk) ----
-  const uint32_t valid_cols_bytes_full = uint32_t(COLS) * BITS * 4;
+  // ---- issue the copies of one chunk into ring slot `slot` (one commit group per chunk).
+  // Every thread's pieces are fixed by its index: their offsets are computed once here, so a
+  // chunk costs a few uniform 64-bit products and one add + one cp.async per piece.
+  const int64_t row_bytes = int64_t(p.N) * BITS * 4;  // one k-block row of the weight
+  constexpr int kPPK = SLAB / 16;                      // 16-byte pieces per k-block slab
+  constexpr int kWPieces = KCH * kPPK;
+  constexpr int kWPer = (kWPieces + NT - 1) / NT;
+  int64_t w_goff[kWPer];
+  uint32_t w_soff[kWPer];
+  int w_kbl[kWPer];
+#pragma unroll
+  for (int r = 0; r < kWPer; ++r) {
+    const int i = tid + r * NT;
+    w_kbl[r] = i < kWPieces ? i / kPPK : (1 << 29);  // no piece: fails the k-range test
+    w_soff[r] = uint32_t((i / kPPK) * SLAB + (i % kPPK) * 16);
+    w_goff[r] = int64_t(i / kPPK) * row_bytes + (i % kPPK) * 16;
+  }
+  constexpr int XRS = Cfg::kXRowStep;
+  const int x_row0 = tid / (KCH * 4), x_kbl = (tid / 4) % KCH, x_piece = tid & 3;
+  const int64_t x_goff = (int64_t(x_row0) * K + x_kbl * 32 + x_piece * 8) * int64_t(sizeof(T));
+  const uint32_t x_soff = uint32_t(x_row0) * XRB + x_kbl * 64 + x_piece * 16;
+  // Scale items live on the last kScaleItems threads (the first ones copy the activations).
+  const int s_item = tid - (NT - Cfg::kScaleItems);  // < 0: none
+  const int s_kbl = max(s_item, 0) / (TN * 4), s_cq = max(s_item, 0) % (TN * 4);
+  const int64_t s_goff = int64_t(s_kbl) * p.N + 4 * s_cq;
+
   auto issue = [&](const Cursor& cur, int slot) {
     const uint32_t base = s_ring + slot * slot_bytes;
     const int kb0 = kbA + cur.c * KCH;
-    // weights: KCH rows of the column group, each SLAB contiguous bytes in global memory
-    const int ncols = min(COLS, p.N - cur.col0);
-    const uint32_t valid = ncols >= COLS ? valid_cols_bytes_full : uint32_t(ncols) * BITS * 4;
-    const uint8_t* wsrc = reinterpret_cast<const uint8_t*>(p.planes) +
-                          ((int64_t(cur.b) * p.KB + kb0) * p.N + cur.col0) * (BITS * 4);
-    const int64_t row_bytes = int64_t(p.N) * BITS * 4;
-    if (p.vec16) {
-      constexpr int kPieces = KCH * SLAB / 16;
+    const int64_t cell0 = cur.cell0;  // first cell of the chunk
+    const uint8_t* wsrc = reinterpret_cast<const uint8_t*>(p.planes) + cell0 * (BITS * 4);
+    const bool full_cols = cur.col0 + COLS <= p.N;
+    if (p.vec16 && full_cols) {
 #pragma unroll
-      for (int i0 = 0; i0 < kPieces; i0 += NT) {
-        const int i = i0 + tid;
-        if (kPieces % NT == 0 || i < kPieces) {
-          const int kbl = i / (SLAB / 16), off = (i % (SLAB / 16)) * 16;
-          if (kb0 + kbl < kbEnd) {
-            const int rem = int(valid) - off;
-            const uint32_t n = rem >= 16 ? 16u : (rem > 0 ? uint32_t(rem) : 0u);
-            cp_async16_zfill(base + kbl * SLAB + off, wsrc + kbl * row_bytes + (n ? off : 0), n);
-          }
-        }
-      }
-    } else {  // rows not 16-byte aligned (N * bits not a multiple of 4): 4-byte copies
-      constexpr int kPieces = KCH * SLAB / 4;
-      for (int i = tid; i < kPieces; i += NT) {
+      for (int r = 0; r < kWPer; ++r)
+        if (kb0 + w_kbl[r] < kbEnd) cp_async16(base + w_soff[r], wsrc + w_goff[r]);
+    } else {  // last column group (zero-fill past N) or rows not 16-byte aligned: 4-byte copies
+      const uint32_t valid = uint32_t(min(COLS, p.N - cur.col0)) * BITS * 4;
+      for (int i = tid; i < KCH * SLAB / 4; i += NT) {
         const int kbl = i / (SLAB / 4), off = (i % (SLAB / 4)) * 4;
         if (kb0 + kbl < kbEnd)
           cp_async4_zfill(base + kbl * SLAB + off, wsrc + kbl * row_bytes + (uint32_t(off) < valid ? off : 0),
                           uint32_t(off) < valid ? 4u : 0u);
       }
     }
-    // activations: rows x KCH k-blocks x 4 pieces of 16 B (64 B = 32 elements per k-block)
-    const uint32_t xbase = base + Cfg::kWChunk;
-    const T* xsrc = static_cast<const T*>(p.x) + (int64_t(cur.b) * p.M + cur.m0) * K + int64_t(kb0) * 32;
-    const int xpieces = cur.rows * KCH * 4;
-    for (int i = tid; i < xpieces; i += NT) {
-      const int row = i / (KCH * 4), kbl = (i / 4) % KCH, piece = i & 3;
-      if (kb0 + kbl < kbEnd)
-        cp_async16(xbase + row * XRB + kbl * 64 + piece * 16, xsrc + row * K + kbl * 32 + piece * 8);
+    // activations: 16-byte pieces (8 elements) of rows x_row0 + 8 i, k-block x_kbl
+    if (kb0 + x_kbl < kbEnd) {
+      const uint8_t* xsrc = reinterpret_cast<const uint8_t*>(p.x) + cur.x0 * int64_t(sizeof(T)) + x_goff;
+      const uint32_t xdst = base + Cfg::kWChunk + x_soff;
+#pragma unroll
+      for (int i = 0; i < 8 * MT / XRS; ++i)
+        if (x_row0 + XRS * i < cur.rows)
+          cp_async16(xdst + i * XRS * XRB, xsrc + int64_t(i) * XRS * K * int64_t(sizeof(T)));
     }
     // scale bytes: thread tid < kScaleItems copies the aligned 8-byte window holding the 4 bytes
     // of columns 4cq..4cq+3 of k-block kbl, and notes the shift and validity for its decode.
-    if (tid < Cfg::kScaleItems) {
-      const int kbl = tid / (TN * 4), cq = tid % (TN * 4);
-      const uint32_t raw = xbase + x_slot + tid * 16;
-      const int kb = kb0 + kbl;
-      if (kb < kbEnd) {
-        const int64_t idx = (int64_t(cur.b) * p.KB + kb) * p.N + cur.col0 + 4 * cq;
+    if (s_item >= 0) {
+      const uint32_t raw = base + Cfg::kWChunk + x_slot + s_item * 16;
+      if (kb0 + s_kbl < kbEnd) {
+        const int64_t idx = cell0 + s_goff;
         const int64_t w = idx & ~int64_t(3);
-        const int64_t left = p.scale_bytes - w;
-        cp_async4_zfill(raw, p.scales + w, left >= 4 ? 4u : uint32_t(left > 0 ? left : 0));
-        const int64_t left2 = left - 4;
-        cp_async4_zfill(raw + 4, p.scales + (left2 > 0 ? w + 4 : w), left2 >= 4 ? 4u : uint32_t(left2 > 0 ? left2 : 0));
+        if (cell0 + int64_t(KCH) * p.N + 16 * TN + 8 <= p.scale_bytes) {  // uniform fast path
+          cp_async4_zfill(raw, p.scales + w, 4u);
+          cp_async4_zfill(raw + 4, p.scales + w + 4, 4u);
+        } else {  // near the end of the buffer: clamp the window
+          const int64_t left = p.scale_bytes - w, left2 = left - 4;
+          cp_async4_zfill(raw, p.scales + w, left >= 4 ? 4u : uint32_t(left > 0 ? left : 0));
+          cp_async4_zfill(raw + 4, p.scales + (left2 > 0 ? w + 4 : w), left2 >= 4 ? 4u : uint32_t(left2 > 0 ? left2 : 0));
+        }
         sts32(raw + 8, uint32_t(idx & 3) * 8);
         sts32(raw + 12, 1u);
       } else {
@@ -416,13 +457,13 @@ __global__ void __launch_bounds__(Config<BITS, MT>::kThreads, 1)
 
   // ---- decode this thread's scale item of a landed chunk into floats ----
   auto decode_scales = [&](int slot, int sfbuf) {
-    if (tid >= Cfg::kScaleItems) return;
-    const uint32_t raw = s_ring + slot * slot_bytes + Cfg::kWChunk + x_slot + tid * 16;
+    if (s_item < 0) return;
+    const uint32_t raw = s_ring + slot * slot_bytes + Cfg::kWChunk + x_slot + s_item * 16;
     const uint4 r = lds128(raw);
     if (!r.w) return;
     const uint32_t v = __funnelshift_r(r.x, r.y, r.z);
-    const int kbl = tid / (TN * 4), cq = tid % (TN * 4);
-    const uint32_t dst = s_sf + sfbuf * Cfg::kSfChunk + kbl * SFB;
+    const int cq = s_cq;
+    const uint32_t dst = s_sf + sfbuf * Cfg::kSfChunk + s_kbl * SFB;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int rr = 4 * (cq & 3) + i;  // column within the tile = its mma row
@@ -441,46 +482,49 @@ __global__ void __launch_bounds__(Config<BITS, MT>::kThreads, 1)
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 
   auto compute = [&](const Cursor& cur, int slot, int sfbuf) {
-    const int kb = kbA + cur.c * KCH + warp;
-    if (kb >= kbEnd) return;  // warp-uniform
     const uint32_t base = s_ring + slot * slot_bytes;
-    const uint32_t slab = base + warp * SLAB;
-    uint32_t xb[MT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      // lane l supplies row l%8 of matrix l/8 (= the 8-wide k sub-block l/8 of the 32-block)
-      const int row = min(8 * mt + (lane & 7), cur.rows - 1);
-      ldmatrix_x4(xb[mt], base + Cfg::kWChunk + row * XRB + warp * 64 + (lane >> 3) * 16);
-    }
-    float sc[2 * TN];
-    const uint32_t sfa = s_sf + sfbuf * Cfg::kSfChunk + warp * SFB + sf_lane_off;
-    if constexpr (TN >= 2) {
-#pragma unroll
-      for (int i = 0; i < TN / 2; ++i) {
-        const float4 v = lds128f(sfa + 16 * i);
-        sc[4 * i] = v.x; sc[4 * i + 1] = v.y; sc[4 * i + 2] = v.z; sc[4 * i + 3] = v.w;
-      }
-    } else {
-      const float2 v = lds64f(sfa);
-      sc[0] = v.x; sc[1] = v.y;
-    }
-#pragma unroll
-    for (int j = 0; j < TN; ++j) {
-      typename WP::Raw raw;
-      WP::load(raw, slab, o0, o1, j);
-      uint32_t a[2][4];
-      WP::decode(raw, s_lut, L, a);
+    for (int u = 0; u < KPW; ++u) {
+      const int kbl = warp * KPW + u;
+      if (kbA + cur.c * KCH + kbl >= kbEnd) return;  // warp-uniform
+      const uint32_t slab = base + kbl * SLAB;
+      uint32_t xb[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-        float d[4];
-        mma_16816<Act>(d, a[0], xb[mt][0], xb[mt][1], zero);  // k 0..15 of the block
-        mma_16816<Act>(d, a[1], xb[mt][2], xb[mt][3], d);     // k 16..31
-        float* c = acc + (j * MT + mt) * 4;
-        c[0] = fmaf(d[0], sc[2 * j], c[0]);  // row g   = column 16 j + g
-        c[1] = fmaf(d[1], sc[2 * j], c[1]);
-        c[2] = fmaf(d[2], sc[2 * j + 1], c[2]);  // row g+8 = column 16 j + g + 8
-        c[3] = fmaf(d[3], sc[2 * j + 1], c[3]);
+        // lane l supplies row l%8 of matrix l/8 (= the 8-wide k sub-block l/8 of the 32-block)
+        const int row = min(8 * mt + (lane & 7), cur.rows - 1);
+        ldmatrix_x4(xb[mt], base + Cfg::kWChunk + row * XRB + kbl * 64 + (lane >> 3) * 16);
+      }
+      float sc[2 * TN];
+      const uint32_t sfa = s_sf + sfbuf * Cfg::kSfChunk + kbl * SFB + sf_lane_off;
+      if constexpr (TN >= 2) {
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) {
+          const float4 v = lds128f(sfa + 16 * i);
+          sc[4 * i] = v.x; sc[4 * i + 1] = v.y; sc[4 * i + 2] = v.z; sc[4 * i + 3] = v.w;
+        }
+      } else {
+        const float2 v = lds64f(sfa);
+        sc[0] = v.x; sc[1] = v.y;
+      }
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        typename WP::Raw raw;
+        WP::load(raw, slab, o0, o1, j);
+        uint32_t a[2][4];
+        WP::decode(raw, s_lut, L, a);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+          float d[4];
+          mma_16816<Act>(d, a[0], xb[mt][0], xb[mt][1], zero);  // k 0..15 of the block
+          mma_16816<Act>(d, a[1], xb[mt][2], xb[mt][3], d);     // k 16..31
+          float* c = acc + (j * MT + mt) * 4;
+          c[0] = fmaf(d[0], sc[2 * j], c[0]);  // row g   = column 16 j + g
+          c[1] = fmaf(d[1], sc[2 * j], c[1]);
+          c[2] = fmaf(d[2], sc[2 * j + 1], c[2]);  // row g+8 = column 16 j + g + 8
+          c[3] = fmaf(d[3], sc[2 * j + 1], c[3]);
+        }
       }
     }
   };
@@ -537,7 +581,7 @@ __global__ void __launch_bounds__(Config<BITS, MT>::kThreads, 1)
   };
 
   // ---- prologue: copies of the first D-1 chunks, the table while they fly ----
-  Cursor ic = make_cursor(0);  // next chunk to issue
+  Cursor ic = first_cursor();  // next chunk to issue
 #pragma unroll
   for (int s = 0; s < D - 1; ++s) {
     if (s < Q) { issue(ic, s); advance(ic); }
@@ -554,7 +598,7 @@ __global__ void __launch_bounds__(Config<BITS, MT>::kThreads, 1)
       sts128(s_lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
     }
   };
-  Cursor cc = make_cursor(0);  // chunk being computed
+  Cursor cc = first_cursor();  // chunk being computed
   int lut_b = -1;
   if (Q > 0) {
     build_lut(cc.b);
@@ -611,10 +655,10 @@ inline int device_sm_count(int dev) {
 // n8 tiles along M for a problem with M rows (blocks of 64 rows above that).
 inline int m_tiles(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
 
-template <int BITS, class Act, int MT>
+template <int BITS, class Act, int MT, int V>
 struct Launcher {
-  using Cfg = Config<BITS, MT>;
-  static constexpr auto kernel = &kbit_matmul_fused_kernel<BITS, Act, MT>;
+  using Cfg = Config<BITS, MT, V>;
+  static constexpr auto kernel = &kbit_matmul_fused_kernel<BITS, Act, MT, V>;
   static std::atomic<int>& smem_set(int dev) {
     static std::atomic<int> v[kMaxDevices];
     return v[dev];
@@ -656,7 +700,7 @@ struct Launcher {
     const std::string shape = "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) +
                               " K=" + std::to_string(a.k) + " N=" + std::to_string(a.n) +
                               " bits=" + std::to_string(BITS) + " dtype=" + Act::kName +
-                              " MT=" + std::to_string(MT);
+                              " MT=" + std::to_string(MT) + " V=" + std::to_string(V);
     const char* name = "kbit_matmul_fused_kernel";
     const int KB = static_cast<int>(a.k / 32);
     const int x_rows = static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
@@ -745,10 +789,19 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
     const cudaError_t err = cudaMemsetAsync(a.y, 0, size_t(a.batch * a.m * a.n) * 2, stream);
     return err == cudaSuccess ? std::string() : std::string("kbit_matmul: memset failed: ") + cudaGetErrorString(err);
   }
+  // Default tiling variant per bits at M <= 8 (see Config); tuning->variant overrides.
+  constexpr int kDefaultV = 0;
+  const int v1 = tuning && tuning->variant >= 0 ? tuning->variant : kDefaultV;
   auto by_act = [&](auto mt_tag) -> std::string {
     constexpr int MT = decltype(mt_tag)::value;
-    if (a.dtype == DType::kBF16) return Launcher<BITS, ActBF16, MT>::launch(a, stream, tuning);
-    return Launcher<BITS, ActF16, MT>::launch(a, stream, tuning);
+    if constexpr (MT == 1) {
+      if (v1 == 1) {
+        if (a.dtype == DType::kBF16) return Launcher<BITS, ActBF16, 1, 1>::launch(a, stream, tuning);
+        return Launcher<BITS, ActF16, 1, 1>::launch(a, stream, tuning);
+      }
+    }
+    if (a.dtype == DType::kBF16) return Launcher<BITS, ActBF16, MT, 0>::launch(a, stream, tuning);
+    return Launcher<BITS, ActF16, MT, 0>::launch(a, stream, tuning);
   };
   switch (m_tiles(a.m)) {
     case 1: return by_act(std::integral_constant<int, 1>{});
