@@ -44,8 +44,10 @@ def quantize_codes(w, codebook, tensor_scale):
     cells = _cells(w.astype(jnp.float32))
     absmax = jnp.max(jnp.abs(cells), axis=-1)
     scales = encode_e4m4(absmax / tensor_scale[..., None, None])
-    safe = jnp.where(absmax > 0, absmax, 1.0)[..., None]
-    normalized = jnp.where(absmax[..., None] > 0, cells / safe, 0.0)
+    # w * (1 / absmax), written out: XLA would turn a division by the broadcast absmax into
+    # this anyway, and cpp/format.h `normalized` does the same, so the codes agree exactly.
+    inv_absmax = 1.0 / jnp.where(absmax > 0, absmax, 1.0)
+    normalized = jnp.where(absmax[..., None] > 0, cells * inv_absmax[..., None], 0.0)
     cb = codebook[..., None, None, None, :]
     # argmin returns the first minimum: ties go to the lower codebook index.
     codes = jnp.argmin(jnp.abs(normalized[..., None] - cb), axis=-1).astype(jnp.int32)
