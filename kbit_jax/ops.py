@@ -17,6 +17,7 @@ from . import reference
 from .format import BLOCK, KbitWeight, check_layout, pack_codes, unpack_codes
 from .primitives import dequantize_p, matmul_p, quantize_p
 from .primitives.matmul import METHODS
+from .sharding import reshape as _reshape  # jnp.reshape that keeps Explicit shardings
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -59,8 +60,8 @@ def _flat_weight(w_q: KbitWeight):
     """The four leaves with the batch axes folded into one leading axis B."""
     b = math.prod(w_q.batch_shape)
     kb, n, bits = w_q.planes.shape[-3:]
-    return (w_q.planes.reshape(b, kb, n, bits), w_q.scales.reshape(b, kb, n),
-            w_q.codebook.reshape(b, 1 << bits), w_q.tensor_scale.reshape(b))
+    return (_reshape(w_q.planes, (b, kb, n, bits)), _reshape(w_q.scales, (b, kb, n)),
+            _reshape(w_q.codebook, (b, 1 << bits)), _reshape(w_q.tensor_scale, (b,)))
 
 
 def quantize(w, bits: int = 4, codebook="nf", *, layout: str = "fragment") -> KbitWeight:
@@ -105,8 +106,8 @@ def quantize(w, bits: int = 4, codebook="nf", *, layout: str = "fragment") -> Kb
     ts = reference.tensor_scale(w)
     b = math.prod(batch)
     planes, scales = quantize_p.bind(
-        w.reshape(b, k, n), jnp.broadcast_to(cb, (b, cb.shape[-1])), ts.reshape(b), layout=layout)
-    return KbitWeight(planes.reshape(*batch, k // BLOCK, n, bits), scales.reshape(*batch, k // BLOCK, n),
+        _reshape(w, (b, k, n)), jnp.broadcast_to(cb, (b, cb.shape[-1])), _reshape(ts, (b,)), layout=layout)
+    return KbitWeight(_reshape(planes, (*batch, k // BLOCK, n, bits)), _reshape(scales, (*batch, k // BLOCK, n)),
                       jnp.broadcast_to(cb, (*batch, cb.shape[-1])), ts, layout=layout)
 
 
@@ -117,7 +118,7 @@ def dequantize(w_q: KbitWeight, dtype=jnp.float32) -> jax.Array:
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of {[d.name for d in FLOAT_DTYPES]}, got {dtype}")
     w = dequantize_p.bind(*_flat_weight(w_q), layout=w_q.layout, dtype=dtype)
-    return w.reshape(w_q.shape)
+    return _reshape(w, w_q.shape)
 
 
 def matmul(x, w_q: KbitWeight, *, method: str = "auto") -> jax.Array:
@@ -146,8 +147,8 @@ def matmul(x, w_q: KbitWeight, *, method: str = "auto") -> jax.Array:
                          f"shape {batch} (x.shape={x.shape})")
     rows = x.shape[len(batch):-1]
     b, m = math.prod(batch), math.prod(rows)
-    y = matmul_p.bind(jnp.reshape(x, (b, m, k)), *_flat_weight(w_q), layout=w_q.layout, method=method)
-    return y.reshape(*batch, *rows, n)
+    y = matmul_p.bind(_reshape(x, (b, m, k)), *_flat_weight(w_q), layout=w_q.layout, method=method)
+    return _reshape(y, (*batch, *rows, n))
 
 
 def convert_layout(w_q: KbitWeight, layout: str) -> KbitWeight:

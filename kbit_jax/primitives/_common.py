@@ -41,18 +41,31 @@ def out_aval(shape, dtype, avals_in: Sequence) -> jax.core.ShapedArray:
 
 def define(prim: jax.extend.core.Primitive, *, abstract_eval: Callable, reference: Callable,
            ffi_attrs: Callable[..., dict], batcher: Callable | None = None,
-           cuda_lowering: Callable | None = None) -> None:
+           cuda_lowering: Callable | None = None, rule=None) -> jax.extend.core.Primitive:
     """Give `prim` its rules. Eager calls compile the primitive alone with XLA; lowering:
     cpu -> the C++ FFI target named like the primitive, cuda -> the CUDA target (or
     `cuda_lowering`), any platform without a kernel -> `reference` traced to HLO. The default
-    batcher folds vmapped axes into the leading batch axis."""
+    batcher folds vmapped axes into the leading batch axis.
+
+    With a `kbit_jax.sharding.FactorRule` ``rule``, those platform lowerings go to a twin
+    *kernel* primitive (``<name>_kernel``, returned) and `prim` (which keeps the abstract
+    eval, batching and AD rules) lowers through ``custom_partitioning`` so that XLA
+    partitions it without gathering operands; the rule also gives results their sharding
+    type under Explicit mesh axes. See `kbit_jax.sharding`."""
     from jax._src import dispatch  # apply_primitive: the standard eager impl of a primitive
 
     target = prim.name
     prim.def_impl(lambda *args, **params: dispatch.apply_primitive(prim, *args, **params))
-    prim.def_abstract_eval(abstract_eval)
+    prim.def_abstract_eval(abstract_eval if rule is None
+                           else _with_sharding_types(abstract_eval, rule, prim.multiple_results))
     batching.primitive_batchers[prim] = batcher or (
         lambda args, dims, **params: fold_batch_into_leading_axis(prim, args, dims, **params))
+    kernel = prim
+    if rule is not None:
+        kernel = jax.extend.core.Primitive(prim.name + "_kernel")
+        kernel.multiple_results = prim.multiple_results
+        kernel.def_abstract_eval(abstract_eval)
+        _partition_through_kernel(prim, kernel, rule)
     reference_lowering = mlir.lower_fun(reference, multiple_results=prim.multiple_results)
     ffi_rule = jax.ffi.ffi_lowering(target)
 
@@ -68,9 +81,55 @@ def define(prim: jax.extend.core.Primitive, *, abstract_eval: Callable, referenc
             return cuda_lowering(ctx, *args, **params)
         return ffi_rule(ctx, *args, **ffi_attrs(**params))
 
-    mlir.register_lowering(prim, reference_lowering)
-    mlir.register_lowering(prim, cpu_rule, platform="cpu")
-    mlir.register_lowering(prim, cuda_rule, platform="cuda")
+    mlir.register_lowering(kernel, reference_lowering)
+    mlir.register_lowering(kernel, cpu_rule, platform="cpu")
+    mlir.register_lowering(kernel, cuda_rule, platform="cuda")
+    return kernel
+
+
+def _with_sharding_types(abstract_eval: Callable, rule, multiple_results: bool) -> Callable:
+    """Wrap an abstract eval so results carry the sharding the rule derives from the inputs'
+    sharding types (needed under Explicit mesh axes; a no-op for plain avals)."""
+    from ..sharding import result_shardings
+
+    def wrapped(*avals, **params):
+        out = abstract_eval(*avals, **params)
+        shardings = result_shardings(rule, avals)
+        if shardings is None:
+            return out
+        outs = [o.update(sharding=s) for o, s in zip(out if multiple_results else (out,), shardings)]
+        return outs if multiple_results else outs[0]
+
+    return wrapped
+
+
+def _partition_through_kernel(prim, kernel, rule) -> None:
+    """Lower `prim` to `kernel`: through custom_partitioning when XLA partitions the program
+    over several devices, directly otherwise (one device, or inside shard_map/pmap)."""
+    import functools
+
+    from jax._src import dispatch
+    from ..sharding import needs_partitioning, partitioned, strip_aval
+
+    @functools.lru_cache(maxsize=None)
+    def partitioned_fn(params):
+        kw = dict(params)
+        return partitioned(lambda *args: kernel.bind(*args, **kw), rule,
+                           multiple_results=prim.multiple_results)
+
+    def lowering(ctx, *args, **params):
+        # The kernel sees plain local shapes: no sharding types, no manual-axis types.
+        ctx = ctx.replace(avals_in=[strip_aval(a) for a in ctx.avals_in],
+                          avals_out=[strip_aval(a) for a in ctx.avals_out])
+        if needs_partitioning(ctx):
+            fn = partitioned_fn(tuple(sorted(params.items())))
+        else:
+            fn = lambda *a: kernel.bind(*a, **params)  # noqa: E731
+        return mlir.lower_fun(fn, multiple_results=prim.multiple_results)(ctx, *args)
+
+    mlir.register_lowering(prim, lowering)
+    # custom_partitioning needs the device assignment while lowering; `prim` hides it.
+    getattr(dispatch, "prim_requires_devices_during_lowering", set()).add(prim)
 
 
 def fold_batch_into_leading_axis(prim, args, dims, **params):

@@ -7,6 +7,7 @@ from jax.extend.core import Primitive
 
 from .. import reference
 from ..format import BLOCK
+from ..sharding import FactorRule
 from ._common import define, layout_attr, out_aval
 
 dequantize_p = Primitive("kbit_dequantize")
@@ -22,5 +23,10 @@ def _reference(planes, scales, codebook, tensor_scale, *, layout, dtype):
 
 
 # The output dtype is the result buffer's type: the FFI target needs only the layout.
-define(dequantize_p, abstract_eval=_abstract_eval, reference=_reference,
-       ffi_attrs=lambda *, layout, dtype: {"layout": layout_attr(layout)})
+#: How dequantize_p partitions (kbit_jax.sharding): cell-local, so shards on K (at whole
+#: blocks) and N stay shards.
+SHARDING_RULE = FactorRule("b k n j, b k n, b c, b -> b (k i) n", replicated=("i", "j", "c"),
+                           i=BLOCK)
+dequantize_kernel_p = define(dequantize_p, abstract_eval=_abstract_eval, reference=_reference,
+                             ffi_attrs=lambda *, layout, dtype: {"layout": layout_attr(layout)},
+                             rule=SHARDING_RULE)

@@ -14,7 +14,9 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .. import reference
-from ._common import define, fold_batch_into_leading_axis, layout_attr, out_aval
+from ..format import BLOCK
+from ..sharding import FactorRule
+from ._common import _varying_axes, define, fold_batch_into_leading_axis, layout_attr, out_aval
 from .dequantize import dequantize_p
 
 matmul_p = Primitive("kbit_matmul")
@@ -66,9 +68,15 @@ def _batcher(args, dims, *, layout, method):
     return fold_batch_into_leading_axis(matmul_p, args, dims, layout=layout, method=method)
 
 
-define(matmul_p, abstract_eval=_abstract_eval, reference=_reference,
-       ffi_attrs=lambda *, layout, method: {"layout": layout_attr(layout)},
-       batcher=_batcher, cuda_lowering=_cuda_lowering)
+#: How matmul_p partitions (kbit_jax.sharding): x's K is the K/32 blocks `k` times 32; `k` is
+#: contracted (psum over its mesh axes); weights' shardings win (order: planes, scales, x).
+SHARDING_RULE = FactorRule("b m (k i), b k n j, b k n, b c, b -> b m n", reduction=("k",),
+                           replicated=("i", "j", "c"), order=(1, 2, 0, 3, 4), i=BLOCK)
+
+#: The kernel primitive matmul_p lowers to (directly, or per shard via custom_partitioning).
+matmul_kernel_p = define(matmul_p, abstract_eval=_abstract_eval, reference=_reference,
+                         ffi_attrs=lambda *, layout, method: {"layout": layout_attr(layout)},
+                         batcher=_batcher, cuda_lowering=_cuda_lowering, rule=SHARDING_RULE)
 
 
 # -- differentiation: y is linear in x; the quantized weight is a constant -------------------
@@ -87,8 +95,17 @@ def _transpose(ct, x, planes, scales, codebook, tensor_scale, *, layout, method)
     if type(ct) is ad.Zero:
         return [ad.Zero(x_aval), None, None, None, None]
     w = dequantize_p.bind(planes, scales, codebook, tensor_scale, layout=layout, dtype=jnp.float32)
+    # Under Explicit mesh axes a contraction over a sharded N needs its result type spelled out:
+    # the cotangent has x's type.
+    explicit = jax.sharding.AxisType.Explicit in getattr(x_aval.sharding.mesh, "axis_types", ())
     ct_x = jnp.einsum("bmn,bkn->bmk", ct.astype(jnp.float32), w,
-                      precision=jax.lax.Precision.HIGHEST)
+                      precision=jax.lax.Precision.HIGHEST,
+                      **({"out_sharding": x_aval.sharding} if explicit else {}))
+    # Inside shard_map an x that is invariant over a mesh axis the weight varies over was
+    # implicitly broadcast (pvary) into the op; its cotangent is the sum over that axis.
+    extra = _varying_axes(jax.typeof(ct_x)) - _varying_axes(x_aval)
+    if extra:
+        ct_x = jax.lax.psum(ct_x, tuple(sorted(extra)))
     return [ct_x.astype(x_aval.dtype), None, None, None, None]
 
 

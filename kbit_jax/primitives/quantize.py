@@ -7,6 +7,7 @@ from jax.extend.core import Primitive
 
 from .. import reference
 from ..format import BLOCK
+from ..sharding import FactorRule
 from ._common import define, layout_attr, out_aval
 
 quantize_p = Primitive("kbit_quantize")
@@ -25,5 +26,9 @@ def _reference(w, codebook, tensor_scale, *, layout):
     return reference.quantize(w, codebook, tensor_scale, layout=layout)
 
 
-define(quantize_p, abstract_eval=_abstract_eval, reference=_reference,
-       ffi_attrs=lambda *, layout: {"layout": layout_attr(layout)})
+#: How quantize_p partitions (kbit_jax.sharding): cell-local given the tensor_scale.
+SHARDING_RULE = FactorRule("b (k i) n, b c, b -> b k n j, b k n", replicated=("i", "j", "c"),
+                           i=BLOCK)
+quantize_kernel_p = define(quantize_p, abstract_eval=_abstract_eval, reference=_reference,
+                           ffi_attrs=lambda *, layout: {"layout": layout_attr(layout)},
+                           rule=SHARDING_RULE)
