@@ -1,0 +1,360 @@
+"""Sharded use of the kbit primitives on 8 simulated CPU devices.
+
+Numerics against the unsharded result, and the compiled HLO: no all-gather anywhere (so no
+weight leaf is ever gathered), no collective for data- or column-parallel layouts, exactly
+one all-reduce for row-parallel. Plus shard_map (check_vma, grads), pmap and bad specs.
+"""
+
+import os
+
+# Needs 8 devices; must be set before jax initializes (tests/conftest.py does the same).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import kbit_jax as kj  # noqa: E402
+from kbit_jax import sharding as ks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) < 8,
+    reason="needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+AXIS_TYPES = [pytest.param(AxisType.Auto, id="auto"), pytest.param(AxisType.Explicit, id="explicit")]
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast")
+
+
+def collectives(compiled_text: str) -> dict:
+    """Count collective instructions (async -start forms included) in compiled HLO."""
+    return {c: len(re.findall(rf"\s{c}(?:-start)?\(", compiled_text)) for c in COLLECTIVES}
+
+
+def compiled(f, *args):
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def mesh_1d(axis_type, name="tp"):
+    return jax.make_mesh((8,), (name,), axis_types=(axis_type,))
+
+
+def mesh_2d(axis_type):
+    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
+
+
+def put(x, mesh, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """One 4-bit weight per (K, N) used below, quantized once (module scope keeps it fast)."""
+    r = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    out = {}
+    for k, n in ((512, 256), (256, 512), (256, 64)):
+        w = jnp.asarray(r.standard_normal((k, n)).astype(np.float32))
+        out[(k, n)] = kj.quantize(w, 4)
+    return out
+
+
+def run(mesh, f, *args):
+    """jit(f)(*args) under the mesh, plus the collectives of its compiled program."""
+    with jax.set_mesh(mesh):
+        y = jax.jit(f)(*args)
+        text = compiled(f, *args)
+    return y, collectives(text)
+
+
+def assert_close(y, ref, rtol=2e-5):
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    scale = np.abs(ref).max() + 1e-30
+    np.testing.assert_allclose(y, ref, atol=rtol * scale, rtol=0)
+
+
+NONE = dict.fromkeys(COLLECTIVES, 0)
+ONE_ALL_REDUCE = {**NONE, "all-reduce": 1}
+
+
+# -- jit with NamedSharding inputs -------------------------------------------------------------
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_data_parallel(weights, axis_type, rng):
+    wq = weights[(256, 512)]
+    mesh = mesh_1d(axis_type, "dp")
+    x = jnp.asarray(rng.standard_normal((8, 3, 256)), jnp.float32)    # [batch, seq, K]
+    y, coll = run(mesh, kj.matmul, put(x, mesh, P("dp")), ks.shard_weight(wq, mesh, P()))
+    assert_close(y, kj.matmul(x, wq))
+    assert coll == NONE, coll
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_column_parallel(weights, axis_type, rng):
+    wq = weights[(256, 512)]
+    mesh = mesh_1d(axis_type)
+    x = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
+    y, coll = run(mesh, kj.matmul, put(x, mesh, P()), ks.column_parallel(wq, mesh))
+    assert_close(y, kj.matmul(x, wq))
+    assert y.sharding.spec == P(None, "tp")
+    assert coll == NONE, coll
+
+
+@pytest.mark.parametrize("x_spec", [P(None, "tp"), P()], ids=["x_on_K", "x_replicated"])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_row_parallel(weights, axis_type, x_spec, rng):
+    wq = weights[(512, 256)]
+    mesh = mesh_1d(axis_type)
+    x = jnp.asarray(rng.standard_normal((16, 512)), jnp.float32)
+    y, coll = run(mesh, kj.matmul, put(x, mesh, x_spec), ks.row_parallel(wq, mesh))
+    assert_close(y, kj.matmul(x, wq))
+    assert coll == ONE_ALL_REDUCE, coll
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_2d_mesh_data_and_tensor_parallel(weights, axis_type, rng):
+    """dp x tp: column-parallel then row-parallel (an MLP): one all-reduce in total."""
+    w1, w2 = weights[(256, 512)], weights[(512, 256)]
+    mesh = mesh_2d(axis_type)
+    x = jnp.asarray(rng.standard_normal((8, 4, 256)), jnp.bfloat16)
+
+    def col(x, w1):
+        return kj.matmul(x, w1)
+
+    def mlp(x, w1, w2):
+        return kj.matmul(jax.nn.relu(kj.matmul(x, w1)), w2)
+
+    xs, w1s, w2s = put(x, mesh, P("dp")), ks.column_parallel(w1, mesh), ks.row_parallel(w2, mesh)
+    h, coll = run(mesh, col, xs, w1s)
+    assert h.sharding.spec == P("dp", None, "tp")
+    assert coll == NONE, coll
+    assert_close(h, kj.matmul(x, w1), rtol=1e-2)
+
+    y, coll = run(mesh, mlp, xs, w1s, w2s)
+    assert coll == ONE_ALL_REDUCE, coll
+    ref = kj.matmul(jax.nn.relu(kj.matmul(x, w1)), w2)
+    assert_close(y, ref, rtol=2e-2)
+
+
+def test_2d_weight_sharding(weights, rng):
+    """W sharded on K over dp and on N over tp: output sharded on N, one all-reduce over dp."""
+    wq = weights[(512, 256)]
+    mesh = mesh_2d(AxisType.Auto)
+    x = jnp.asarray(rng.standard_normal((16, 512)), jnp.float32)
+    y, coll = run(mesh, kj.matmul, put(x, mesh, P(None, "dp")),
+                  ks.shard_weight(wq, mesh, P("dp", "tp")))
+    assert_close(y, kj.matmul(x, wq))
+    assert coll == ONE_ALL_REDUCE, coll
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_stacked_weights_sharded_on_batch(axis_type, rng):
+    """Experts [E, K, N] sharded on E with x [E, M, K] sharded on E: no collective."""
+    w = jnp.asarray(rng.standard_normal((8, 64, 32)), jnp.float32)
+    wq = kj.quantize(w, 3)
+    mesh = mesh_1d(axis_type, "ep")
+    x = jnp.asarray(rng.standard_normal((8, 5, 64)), jnp.float32)
+    y, coll = run(mesh, kj.matmul, put(x, mesh, P("ep")), ks.shard_weight(wq, mesh, P("ep", None, None)))
+    assert_close(y, kj.matmul(x, wq))
+    assert coll == NONE, coll
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_scan_over_stacked_tensor_parallel_layers(axis_type, rng):
+    """A decoder-style scan over stacked (column, row) layer pairs: one all-reduce (in the
+    loop body), no gather, carry stays replicated."""
+    w1 = kj.quantize(jnp.asarray(rng.standard_normal((2, 128, 256)), jnp.float32), 4)
+    w2 = kj.quantize(jnp.asarray(rng.standard_normal((2, 256, 128)) * 0.05, jnp.float32), 4)
+    mesh = mesh_1d(axis_type)
+    x = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+
+    def body(h, w):
+        return h + kj.matmul(jax.nn.relu(kj.matmul(h, w[0])), w[1]), None
+
+    def net(x, w1, w2):
+        return jax.lax.scan(body, x, (w1, w2))[0]
+
+    y, coll = run(mesh, net, put(x, mesh, P()), ks.shard_weight(w1, mesh, P(None, None, "tp")),
+                  ks.shard_weight(w2, mesh, P(None, "tp", None)))
+    assert_close(y, net(x, w1, w2), rtol=1e-4)
+    assert coll == ONE_ALL_REDUCE, coll
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_eager_and_vmap_on_sharded_inputs(weights, axis_type, rng):
+    wq = weights[(512, 256)]
+    mesh = mesh_1d(axis_type)
+    x = jnp.asarray(rng.standard_normal((2, 16, 512)), jnp.float32)
+    xs, ws = put(x, mesh, P(None, None, "tp")), ks.row_parallel(wq, mesh)
+    with jax.set_mesh(mesh):
+        assert_close(kj.matmul(xs[0], ws), kj.matmul(x[0], wq))             # eager
+    y, coll = run(mesh, jax.vmap(kj.matmul, (0, None)), xs, ws)
+    assert_close(y, kj.matmul(x, wq))
+    assert coll == ONE_ALL_REDUCE, coll
+
+
+@pytest.mark.parametrize("spec", [P(None, "tp"), P("tp", None)], ids=["on_N", "on_K"])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_dequantize_stays_sharded(weights, axis_type, spec):
+    wq = weights[(256, 512)]
+    mesh = mesh_1d(axis_type)
+    w, coll = run(mesh, lambda w: kj.dequantize(w, jnp.bfloat16), ks.shard_weight(wq, mesh, spec))
+    np.testing.assert_array_equal(np.asarray(w, np.float32),
+                                  np.asarray(kj.dequantize(wq, jnp.bfloat16), np.float32))
+    assert w.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+    assert coll == NONE, coll
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_grad_column_parallel_jit(weights, axis_type, rng):
+    """grad w.r.t. x through a column-parallel matmul under sharded jit."""
+    wq = weights[(256, 512)]
+    mesh = mesh_1d(axis_type)
+    x = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(kj.matmul(x, w)))
+
+    g, coll = run(mesh, jax.grad(loss), put(x, mesh, P()), ks.column_parallel(wq, mesh))
+    assert_close(g, jax.grad(loss)(x, wq), rtol=1e-4)
+    assert coll["all-gather"] == 0, coll
+
+
+# -- shard_map and pmap ------------------------------------------------------------------------
+def test_shard_map_column_parallel_grad(weights, rng):
+    wq = weights[(256, 512)]
+    mesh = mesh_1d(AxisType.Explicit)
+    x = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
+    wspec = ks.weight_specs(wq, P(None, "tp"))
+
+    @jax.shard_map(mesh=mesh, in_specs=(P(), wspec), out_specs=P(None, "tp"), check_vma=True)
+    def layer(x, w):
+        return kj.matmul(x, w)
+
+    def loss_sharded(x, w):
+        return jnp.sum(jnp.sin(layer(x, w)))
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(kj.matmul(x, w)))
+
+    ws = ks.column_parallel(wq, mesh)
+    with jax.set_mesh(mesh):
+        y = jax.jit(layer)(x, ws)
+        g = jax.jit(jax.grad(loss_sharded))(x, ws)
+    assert_close(y, kj.matmul(x, wq))
+    assert_close(g, jax.grad(loss)(x, wq), rtol=1e-4)
+
+
+def test_shard_map_row_parallel_grad(weights, rng):
+    wq = weights[(512, 256)]
+    mesh = mesh_1d(AxisType.Auto)
+    x = jnp.asarray(rng.standard_normal((16, 512)), jnp.float32)
+    wspec = ks.weight_specs(wq, P("tp", None))
+
+    @jax.shard_map(mesh=mesh, in_specs=(P(None, "tp"), wspec), out_specs=P(), check_vma=True)
+    def layer(x, w):
+        return jax.lax.psum(kj.matmul(x, w), "tp")
+
+    def loss(f):
+        return lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+
+    ws = ks.row_parallel(wq, mesh)
+    with jax.set_mesh(mesh):
+        y = jax.jit(layer)(x, ws)
+        g = jax.jit(jax.grad(loss(layer)))(x, ws)
+        text = compiled(layer, x, ws)
+    assert_close(y, kj.matmul(x, wq))
+    assert_close(g, jax.grad(loss(kj.matmul))(x, wq), rtol=1e-4)
+    assert collectives(text) == ONE_ALL_REDUCE
+
+
+def test_shard_map_varying_output(weights, rng):
+    """A result that varies over the mesh axis must come back from every device (not one)."""
+    wq = weights[(256, 64)]
+    mesh = mesh_1d(AxisType.Auto, "dp")
+    x = jnp.asarray(rng.standard_normal((8, 3, 256)), jnp.float32)
+
+    @jax.shard_map(mesh=mesh, in_specs=(P("dp"), ks.weight_specs(wq, P())), out_specs=P("dp"),
+                   check_vma=True)
+    def f(x, w):
+        return kj.matmul(x, w)
+
+    assert_close(jax.jit(f)(x, wq), kj.matmul(x, wq))
+
+
+def test_pmap_stacked_weights(rng):
+    w = jnp.asarray(rng.standard_normal((8, 64, 48)), jnp.float32)
+    wq = kj.quantize(w, 4)
+    x = jnp.asarray(rng.standard_normal((8, 3, 64)), jnp.float32)
+    y = jax.pmap(kj.matmul)(x, wq)
+    assert_close(y, kj.matmul(x, wq))
+    g = jax.pmap(jax.grad(lambda x, w: jnp.sum(kj.matmul(x, w) ** 2)))(x, wq)
+    assert_close(g, jax.grad(lambda x, w: jnp.sum(kj.matmul(x, w) ** 2))(x, wq), rtol=1e-4)
+
+
+# -- unsharded behaviour is unchanged ----------------------------------------------------------
+def test_unsharded_paths(weights, rng):
+    wq = weights[(256, 64)]
+    x = jnp.asarray(rng.standard_normal((2, 5, 256)), jnp.float32)
+    ref = np.asarray(x, np.float64) @ np.asarray(kj.dequantize(wq), np.float64)
+    assert_close(kj.matmul(x, wq), ref, rtol=1e-5)                       # eager
+    assert_close(jax.jit(kj.matmul)(x, wq), ref, rtol=1e-5)              # jit, one device
+    assert_close(jax.vmap(kj.matmul, (0, None))(x, wq), ref, rtol=1e-5)  # vmap over x
+    g = jax.grad(lambda x: jnp.sum(kj.matmul(x, wq)))(x)
+    assert_close(g, jnp.broadcast_to(jnp.sum(kj.dequantize(wq), 1), x.shape), rtol=1e-5)
+
+
+def test_quantize_sharded_weight(rng):
+    """quantize of an N-sharded dense weight: planes/scales come out sharded, no gather."""
+    mesh = mesh_1d(AxisType.Auto)
+    w = jnp.asarray(rng.standard_normal((128, 256)), jnp.float32)
+    wq, _ = run(mesh, lambda w: kj.quantize(w, 4), put(w, mesh, P(None, "tp")))
+    ref = kj.quantize(w, 4)
+    np.testing.assert_array_equal(np.asarray(wq.planes), np.asarray(ref.planes))
+    np.testing.assert_array_equal(np.asarray(wq.scales), np.asarray(ref.scales))
+    assert wq.planes.sharding.spec[1] == "tp"
+    text = compiled(lambda w: kj.quantize(w, 4), put(w, mesh, P(None, "tp")))
+    assert collectives(text)["all-gather"] == 0
+
+
+# -- placement helpers -------------------------------------------------------------------------
+def test_shard_weight_leaf_specs(weights):
+    wq = weights[(256, 512)]
+    mesh = mesh_2d(AxisType.Auto)
+    ws = ks.shard_weight(wq, mesh, P("dp", "tp"))
+    assert ws.planes.sharding.spec == P("dp", "tp", None)
+    assert ws.scales.sharding.spec == P("dp", "tp")
+    assert ws.codebook.sharding.is_fully_replicated
+    assert ws.tensor_scale.sharding.is_fully_replicated
+    # Each shard is a valid weight: K/32 blocks split 2 ways, N split 4 ways.
+    assert ws.planes.addressable_shards[0].data.shape == (4, 128, 4)
+
+
+@pytest.mark.parametrize("shape, spec, match", [
+    ((64, 16), P("tp", None), r"\('tp', None\): K=64 .* whole 32-element blocks "
+                              r"and K/32=2 is not divisible by 8"),
+    ((256, 12), P(None, "tp"), r"N \(size 12\) is sharded over mesh axes \('tp',\).* not divisible"),
+    ((3, 256, 16), P("tp", None, None), r"batch axis 0 \(size 3\)"),
+    ((256, 16), P("nope", None), r"mesh axis 'nope'.*not in the mesh"),
+    ((256, 16), P("tp", "tp"), r"'tp' is used more than once"),
+    ((256, 16), P("tp"), r"expected 2 entries, got 1"),
+])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_bad_specs_raise(shape, spec, match, axis_type, rng):
+    mesh = mesh_1d(axis_type)
+    wq = kj.quantize(jnp.asarray(rng.standard_normal(shape), jnp.float32), 2)
+    with pytest.raises(ValueError, match=match):
+        ks.shard_weight(wq, mesh, spec)
+
+
+def test_tp_helpers_raise(rng):
+    mesh = mesh_1d(AxisType.Explicit)
+    wq = kj.quantize(jnp.asarray(rng.standard_normal((64, 12)), jnp.float32), 4)
+    with pytest.raises(ValueError, match=r"K/32=2 is not divisible by 8"):
+        ks.row_parallel(wq, mesh)
+    with pytest.raises(ValueError, match=r"N \(size 12\)"):
+        ks.column_parallel(wq, mesh)
