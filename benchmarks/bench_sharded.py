@@ -1,0 +1,248 @@
+"""Tensor-parallel matmul microbenchmark: kbit column/row-parallel layers vs the dense sharded dot.
+
+For each device count n (a 1-D mesh ``("tp",)`` over the first n devices), each weight shape
+and each layout:
+
+- **column**: W sharded on N (``kbit_jax.column_parallel``), x replicated -> y sharded on N;
+  no collective;
+- **row**: W sharded on K at whole blocks (``kbit_jax.row_parallel``), x sharded on K ->
+  local product + one all-reduce of y;
+
+it times ``kbit_jax.matmul`` and the dense ``jnp.dot`` on a weight sharded the same way
+(bf16 by default), under ``jit`` with NamedSharding inputs. The compiled HLO of both is
+checked for collectives (recorded; a kbit program with an all-gather is reported as an error).
+
+Timing (DESIGN.md §7): one jitted call applies the layer to R different weight buffers (R so
+that the per-GPU weight bytes exceed the 60 MB L2 at least four times: weights come from HBM
+as in decoding), median over repeats of the whole call, divided by R. Weights are random
+codes/scales generated on the devices (values do not matter for speed). The floor is the
+per-GPU bytes (weight shard + activations) / the copy bandwidth measured in the same run.
+
+    python benchmarks/bench_sharded.py --out benchmarks/results               # all GPUs
+    python benchmarks/bench_sharded.py --ndev 1 2 --m 1 16 --bits 4 --out /tmp/r
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
+        python benchmarks/bench_sharded.py --shapes 1024x512 --m 1 8 --repeats 2 --out /tmp/r  # smoke test
+
+Writes ``sharded_matmul.json`` and ``sharded_matmul.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(__file__))
+import kbit_jax as kj  # noqa: E402
+from kbit_jax import codebooks, sharding as ks  # noqa: E402
+from shapes import SHAPES  # noqa: E402
+
+L2_BYTES = 60e6
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DEFAULT_SHAPES = ("llama3_70b_gate_up", "llama3_70b_down")
+DEFAULT_M = (1, 4, 16, 64, 256)
+
+
+def collectives(text: str) -> dict:
+    return {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in COLLECTIVES}
+
+
+def median_call_seconds(fn, args, repeats):
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, repeats):
+    """Bytes read + written per second by a large copy on one device (x + 1, 1 GiB bf16)."""
+    on_cpu = device.platform == "cpu"
+    x = jax.device_put(jnp.ones((1 << (24 if on_cpu else 29),), jnp.bfloat16), device)
+    t = median_call_seconds(jax.jit(lambda x: x + 1), (x,), repeats)
+    return 2 * x.nbytes / t
+
+
+def rotation_count(bytes_per_device):
+    return int(min(32, max(2, math.ceil(4 * L2_BYTES / max(bytes_per_device, 1)))))
+
+
+def parse_shape(name):
+    if name in SHAPES:
+        return SHAPES[name]
+    try:
+        k, n = (int(v) for v in name.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"unknown shape {name!r}: use one of {list(SHAPES)} or KxN") from None
+    return k, n
+
+
+def layout_specs(layout):
+    """(logical weight spec, x spec) of a layout over the mesh axis "tp"."""
+    return {"column": (P(None, "tp"), P()), "row": (P("tp", None), P(None, "tp"))}[layout]
+
+
+def random_kbit(key, k, n, bits, shardings: kj.KbitWeight) -> kj.KbitWeight:
+    """A valid weight with random codes and scales, generated in place on the devices."""
+    cb = jnp.asarray(codebooks.get_codebook("nf", bits))
+
+    def make(key):
+        k1, k2 = jax.random.split(key)
+        planes = jax.random.bits(k1, (k // 32, n, bits), jnp.uint32)
+        scales = jax.random.randint(k2, (k // 32, n), 0x60, 0x90, jnp.int32).astype(jnp.uint8)
+        return kj.KbitWeight(planes, scales, cb, jnp.float32(2.0 ** -6), layout="fragment")
+
+    return jax.jit(make, out_shardings=shardings)(key)
+
+
+def random_dense(key, k, n, dtype, sharding):
+    return jax.jit(lambda key: (jax.random.normal(key, (k, n), jnp.float32) * 0.02).astype(dtype),
+                   out_shardings=sharding)(key)
+
+
+def bench_config(mesh, name, k, n, layout, ms, bits_list, dtype, method, repeats, bw, key):
+    ndev = mesh.size
+    w_spec, x_spec = layout_specs(layout)
+    x_sharding = NamedSharding(mesh, x_spec)
+    rows = []
+    dense_sharding = NamedSharding(mesh, w_spec)
+    dense_bytes = k * n * dtype.itemsize / ndev
+    dense_ws = [random_dense(jax.random.fold_in(key, r), k, n, dtype, dense_sharding)
+                for r in range(rotation_count(dense_bytes))]
+    dense_f = jax.jit(lambda x, ws: [jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+                                     for w in ws])
+    kbit_sets = {}
+    for bits in bits_list:
+        template = jax.ShapeDtypeStruct((k // 32, n, bits), jnp.uint32)
+        shape_only = kj.KbitWeight(template, jax.ShapeDtypeStruct((k // 32, n), jnp.uint8),
+                                   jax.ShapeDtypeStruct((1 << bits,), jnp.float32),
+                                   jax.ShapeDtypeStruct((), jnp.float32), layout="fragment")
+        shardings = ks.weight_shardings(shape_only, mesh, w_spec)
+        wbytes = (k * n * bits / 8 + k * n / 32) / ndev
+        kbit_sets[bits] = (wbytes, [random_kbit(jax.random.fold_in(key, 1000 + r), k, n, bits, shardings)
+                                    for r in range(rotation_count(wbytes))])
+    kbit_f = jax.jit(lambda x, ws: [kj.matmul(x, w, method=method) for w in ws])
+
+    for m in ms:
+        x = jax.device_put((jax.random.normal(jax.random.fold_in(key, m), (m, k)) * 0.5).astype(dtype),
+                           x_sharding)
+        t_dense = median_call_seconds(dense_f, (x, dense_ws), repeats) / len(dense_ws)
+        dense_coll = collectives(dense_f.lower(x, dense_ws[:1]).compile().as_text())
+        act_bytes = (m * k / (ndev if layout == "row" else 1) + m * n / (ndev if layout == "column" else 1)) \
+            * dtype.itemsize
+        for bits in bits_list:
+            wbytes, ws = kbit_sets[bits]
+            t = median_call_seconds(kbit_f, (x, ws), repeats) / len(ws)
+            coll = collectives(kbit_f.lower(x, ws[:1]).compile().as_text())
+            # Sanity: kbit == dense product of its own dequantized weight (same sharding).
+            y = kj.matmul(x, ws[0], method=method)
+            ref = jnp.dot(x.astype(jnp.float32), kj.dequantize(ws[0], jnp.float32))
+            err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
+            row = dict(ndev=ndev, shape=name, k=k, n=n, layout=layout, m=m, bits=bits,
+                       dtype=dtype.name, kbit_us=t * 1e6, dense_us=t_dense * 1e6,
+                       speedup=t_dense / t, floor_us=(wbytes + act_bytes) / bw * 1e6,
+                       bw_fraction=(wbytes + act_bytes) / bw / t,
+                       dense_bw_fraction=(dense_bytes + act_bytes) / bw / t_dense,
+                       kbit_collectives=coll, dense_collectives=dense_coll, rel_err=err,
+                       ok=coll["all-gather"] == 0 and err < 3e-2)
+            rows.append(row)
+            print(f"n={ndev} {name:20s} {layout:6s} M={m:<4d} K={bits} kbit {t * 1e6:8.1f} us  "
+                  f"dense {t_dense * 1e6:8.1f} us  x{t_dense / t:5.2f}  "
+                  f"{100 * row['bw_fraction']:5.1f}% BW  coll {_fmt(coll)}  err {err:.1e}"
+                  + ("" if row["ok"] else "  <-- CHECK"), flush=True)
+    return rows
+
+
+def _fmt(coll):
+    return ",".join(f"{c}x{v}" for c, v in coll.items() if v) or "none"
+
+
+def markdown(result) -> str:
+    lines = [f"# Tensor-parallel kbit matmul vs dense sharded dot: {result['device']} x "
+             f"{result['devices_available']}, jax {result['jax']}, {result['date']}",
+             "",
+             f"Copy bandwidth (one device, same run): {result['copy_bandwidth_tbs']:.2f} TB/s. "
+             "Time per layer call under jit with NamedSharding inputs, cold weights (see "
+             "bench_sharded.py); floor = per-GPU bytes / copy bandwidth. column: W on N, x "
+             "replicated; row: W on K, x on K, one all-reduce. "
+             f"method={result['method']}.",
+             "",
+             "| GPUs | shape (K x N) | layout | dtype | M | bits | kbit us | dense us | speedup | "
+             "% BW | floor us | kbit collectives | dense collectives |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['ndev']} | {r['shape']} ({r['k']}x{r['n']}) | {r['layout']} | {r['dtype']} | "
+            f"{r['m']} | {r['bits']} | {r['kbit_us']:.1f} | {r['dense_us']:.1f} | "
+            f"{r['speedup']:.2f}x | {100 * r['bw_fraction']:.0f}% | {r['floor_us']:.1f} | "
+            f"{_fmt(r['kbit_collectives'])} | {_fmt(r['dense_collectives'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
+                   help=f"names from shapes.py ({', '.join(SHAPES)}) or KxN, e.g. 1024x2048")
+    p.add_argument("--layouts", nargs="+", default=["column", "row"], choices=["column", "row"])
+    p.add_argument("--ndev", nargs="+", type=int, default=None,
+                   help="device counts to run (default: 1 and every power of two up to all devices)")
+    p.add_argument("--m", nargs="+", type=int, default=list(DEFAULT_M))
+    p.add_argument("--bits", nargs="+", type=int, default=[4, 2])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--method", default="auto", choices=["auto", "fused", "dequantize"])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=None, help="directory for sharded_matmul.json (+ .md)")
+    args = p.parse_args(argv)
+
+    devices = jax.devices()
+    ndevs = args.ndev or sorted({1, *[2 ** i for i in range(1, 8) if 2 ** i <= len(devices)], len(devices)})
+    if max(ndevs) > len(devices):
+        p.error(f"--ndev {max(ndevs)} > {len(devices)} available devices")
+    dtype = jnp.dtype(args.dtype)
+    bw = copy_bandwidth(devices[0], args.repeats)
+    print(f"{len(devices)} x {devices[0].device_kind}, jax {jax.__version__}, copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s, build {kj.build_info()}", flush=True)
+    rows = []
+    for ndev in ndevs:
+        mesh = jax.sharding.Mesh(np.array(devices[:ndev]), ("tp",))
+        for name in args.shapes:
+            k, n = parse_shape(name)
+            for layout in args.layouts:
+                key = jax.random.key(hash((name, layout)) & 0xFFFF)
+                try:
+                    rows += bench_config(mesh, name, k, n, layout, args.m, args.bits, dtype,
+                                         args.method, args.repeats, bw, key)
+                except ValueError as e:           # e.g. K/32 or N not divisible by ndev
+                    print(f"n={ndev} {name} {layout}: skipped ({e})", flush=True)
+    result = dict(device=devices[0].device_kind, devices_available=len(devices), jax=jax.__version__,
+                  date=datetime.date.today().isoformat(), copy_bandwidth_tbs=bw / 1e12,
+                  build=kj.build_info(), method=args.method, rows=rows,
+                  all_ok=all(r["ok"] for r in rows))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "sharded_matmul.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        with open(os.path.join(args.out, "sharded_matmul.md"), "w") as f:
+            f.write(markdown(result))
+        print(f"wrote {args.out}/sharded_matmul.json and .md")
+    if not result["all_ok"]:
+        print("WARNING: some rows failed the all-gather / numerics check (see 'ok')", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
