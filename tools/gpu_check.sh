@@ -7,24 +7,25 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=${PYTHON:-python3}   # on the GPU machine python3 is the interpreter that has jax
 
 echo "== build"
-KBIT_JAX_CUDA=ON pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+KBIT_JAX_CUDA=ON $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
-python -c "import kbit_jax; print(kbit_jax.build_info())"
+$PY -c "import kbit_jax; print(kbit_jax.build_info())"
 
 if [[ $what == test || $what == all ]]; then
   echo "== pytest -m gpu"
-  python -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 fi
 if [[ $what == sanitize || $what == all ]]; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
-    compute-sanitizer --tool "$tool" --error-exitcode 3 python tools/sanitize_case.py \
+    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 $PY tools/sanitize_case.py \
       > "$OUT/sanitize_$tool.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/sanitize_$tool.log"
   done
 fi
 if [[ $what == bench || $what == all ]]; then
   echo "== benchmark"
-  python benchmarks/bench_matmul.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
+  $PY benchmarks/bench_matmul.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
 fi
