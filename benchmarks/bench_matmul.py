@@ -90,15 +90,19 @@ def main(argv=None):
                                    for _ in range(rotation_count(w_q.nbytes))]
             for m in args.m:
                 x = (jax.random.normal(jax.random.key(m), (m, k), jnp.float32)).astype(dtype)
-                t_dense = time_products(
-                    lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype),
-                    x, dense_ws, args.repeats)
+                dot = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+                t_dense = time_products(dot, x, dense_ws, args.repeats)
+                # the other 16-bit dense baseline (fp16 for bf16 runs and vice versa)
+                other = jnp.float16 if dtype == jnp.bfloat16 else jnp.bfloat16
+                t_dense_other = time_products(dot, x.astype(other), [d.astype(other) for d in dense_ws[:4]],
+                                              args.repeats) if len(dense_ws) >= 4 else float("nan")
                 for bits in args.bits:
                     ws = quantized[bits]
                     t = time_products(lambda x, w: kj.matmul(x, w, method=args.method), x, ws, args.repeats)
                     moved = ws[0].planes.nbytes + ws[0].scales.nbytes + x.nbytes + m * n * dtype.itemsize
                     row = dict(shape=name, k=k, n=n, m=m, bits=bits, dtype=dtype_name,
                                kbit_us=t * 1e6, dense_us=t_dense * 1e6, speedup=t_dense / t,
+                               dense_other_us=t_dense_other * 1e6,
                                floor_us=moved / bw * 1e6, bw_fraction=moved / bw / t,
                                dense_bw_fraction=(dense.nbytes + x.nbytes + m * n * dtype.itemsize) / bw / t_dense)
                     rows.append(row)

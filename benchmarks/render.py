@@ -18,11 +18,11 @@ def markdown(result) -> str:
              f"Times are device time per product with cold weights (see bench_matmul.py). "
              f"'% BW' = bytes moved by the kbit product / copy bandwidth / its time. method={result['method']}.",
              "",
-             "| shape (K x N) | dtype | M | bits | kbit us | dense us | speedup | % BW | floor us |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| shape (K x N) | dtype | M | bits | kbit us | dense us | other 16-bit dense us | speedup | % BW | floor us |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['shape']} ({r['k']}x{r['n']}) | {r['dtype']} | {r['m']} | {r['bits']} | "
-                     f"{r['kbit_us']:.1f} | {r['dense_us']:.1f} | {r['speedup']:.2f}x | "
+                     f"{r['kbit_us']:.1f} | {r['dense_us']:.1f} | {r.get('dense_other_us', float('nan')):.1f} | {r['speedup']:.2f}x | "
                      f"{100 * r['bw_fraction']:.0f}% | {r['floor_us']:.1f} |")
     return "\n".join(lines) + "\n"
 
