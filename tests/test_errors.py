@@ -107,6 +107,9 @@ def test_ffi_handler_errors_reach_python_without_crashing():
     with pytest.raises(Exception, match="kbit_quantize"):
         jax.block_until_ready(call(jnp.ones((1, 48, 4)), jnp.zeros((1, 16)), jnp.ones((1,)),
                                    layout=np.int32(1)))
+    with pytest.raises(Exception, match="kbit_quantize: codebook must be float32, got float16"):
+        jax.block_until_ready(call(jnp.ones((1, 64, 4)), jnp.zeros((1, 16), jnp.float16), jnp.ones((1,)),
+                                   layout=np.int32(1)))
     with pytest.raises(Exception, match="layout"):
         jax.block_until_ready(call(jnp.ones((1, 64, 4)), jnp.zeros((1, 16)), jnp.ones((1,)),
                                    layout=np.int32(7)))
