@@ -421,6 +421,21 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
   const int s_kbl = max(s_item, 0) / (TN * 4), s_cq = max(s_item, 0) % (TN * 4);
   const int64_t s_goff = int64_t(s_kbl) * p.N + 4 * s_cq;
 
+  // Four scale bytes at `off` into shared memory, zeros past the end of the buffer. A partial
+  // cp.async (src-size < 4) still reads all four bytes on the H200 (compute-sanitizer flags
+  // it), so the last, partial word is gathered byte by byte with ordinary loads; like the
+  // bookkeeping words stored next to it, it is visible after the chunk's barrier.
+  auto copy_scale_word = [&](uint32_t dst, int64_t off) {
+    const int64_t avail = p.scale_bytes - off;
+    if (avail >= 4) {
+      cp_async4_zfill(dst, p.scales + off, 4u);
+      return;
+    }
+    uint32_t v = 0;
+    for (int64_t i = 0; i < avail; ++i) v |= uint32_t(p.scales[off + i]) << (8 * i);
+    sts32(dst, v);
+  };
+
   auto issue = [&](const Cursor& cur, int slot) {
     const uint32_t base = s_ring + slot * slot_bytes;
     const int kb0 = kbA + cur.c * KCH;
@@ -459,10 +474,9 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
         if (cell0 + int64_t(KCH) * p.N + 16 * TN + 8 <= p.scale_bytes) {  // uniform fast path
           cp_async4_zfill(raw, p.scales + w, 4u);
           cp_async4_zfill(raw + 4, p.scales + w + 4, 4u);
-        } else {  // near the end of the buffer: clamp the window
-          const int64_t left = p.scale_bytes - w, left2 = left - 4;
-          cp_async4_zfill(raw, p.scales + w, left >= 4 ? 4u : uint32_t(left > 0 ? left : 0));
-          cp_async4_zfill(raw + 4, p.scales + (left2 > 0 ? w + 4 : w), left2 >= 4 ? 4u : uint32_t(left2 > 0 ? left2 : 0));
+        } else {  // near the end of the buffer: never touch a byte past it
+          copy_scale_word(raw, w);
+          copy_scale_word(raw + 4, w + 4);
         }
         sts32(raw + 8, uint32_t(idx & 3) * 8);
         sts32(raw + 12, 1u);
