@@ -7,6 +7,7 @@
 //   build/cuda_kernel_harness test [quick]      correctness against host references (format.h)
 //   build/cuda_kernel_harness bench [csv_path]  timings on cold weights (H200 shapes)
 //   build/cuda_kernel_harness all [csv_path]
+//   build/cuda_kernel_harness sel                four shapes x bits 2..5 x M 1, 4, 16 ("SEL" lines)
 //
 // Correctness: quantize (both layouts, three input dtypes) bit-exact against a host quantizer
 // built from format.h; dequantize bit-exact; matmul (fused and generic paths, forced k-splits,
@@ -440,6 +441,10 @@ static void test_matmul(bool quick) {
       {1, 130, 64, 33, 0, false},  {1, 1, 32, 1, 0, false},     {1, 4, 2048, 192, 3, false},
       {1, 2, 4096, 160, 8, false}, {1, 1, 1024, 64, 1, false},  {2, 5, 512, 80, 0, true},
       {1, 7, 4096, 2048, 0, false},   {300, 2, 64, 16, 0, false},  {3, 24, 1024, 96, 2, false},
+      // partial chunks (K = 33 k-blocks), k-split clusters over several batch entries (table
+      // rebuilt per item), larger M tilings with a k-split
+      {1, 3, 1056, 48, 0, false},  {2, 1, 2048, 80, 2, false},  {2, 12, 3072, 208, 3, false},
+      {1, 40, 1024, 64, 2, false}, {4, 1, 512, 32, 4, false},
   };
   if (quick) cases.resize(8);
   // The second tiling variant of the fused kernel (M <= 8 only).
@@ -531,6 +536,87 @@ struct Timer {
     return t[t.size() / 2];
   }
 };
+
+// Selected shapes (both tiling variants at M <= 8): one "SEL" line per case, for comparing
+// two builds of the kernel.
+static void bench_sel() {
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  Timer tm;
+  const size_t copy_bytes = size_t(1) << 30;
+  uint8_t *src, *dst;
+  CK(cudaMalloc(&src, copy_bytes));
+  CK(cudaMalloc(&dst, copy_bytes));
+  CK(cudaMemset(src, 1, copy_bytes));
+  const double copy_us = tm.median_us([&](int) { CK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice)); }, 7, 5);
+  const double copy_gbs = 2.0 * copy_bytes / (copy_us * 1e-6) / 1e9;
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", prop.name, copy_gbs);
+  CK(cudaFree(dst));
+  CK(cudaFree(src));
+  const size_t pool_bytes = size_t(1600) << 20;
+  uint8_t* pool;
+  CK(cudaMalloc(&pool, pool_bytes));
+  fill_random<<<4096, 256>>>(reinterpret_cast<uint32_t*>(pool), pool_bytes / 4, 12345u);
+  CK(cudaGetLastError());
+  float *cb, *ts;
+  CK(cudaMalloc(&cb, 32 * 4));
+  CK(cudaMalloc(&ts, 4));
+  {
+    std::mt19937 rng(7);
+    std::vector<float> h = make_codebook(5, 0, rng);
+    CK(cudaMemcpy(cb, h.data(), 32 * 4, cudaMemcpyHostToDevice));
+    const float one = 1.f;
+    CK(cudaMemcpy(ts, &one, 4, cudaMemcpyHostToDevice));
+  }
+  const size_t max_m = 16, max_k = 28672, max_n = 28672;
+  void *x, *y;
+  CK(cudaMalloc(&x, max_m * max_k * 2));
+  CK(cudaMalloc(&y, max_m * max_n * 2));
+  {
+    std::vector<uint16_t> hx(max_m * max_k);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : hx) v = f32_to_raw16(nd(rng), DType::kBF16);
+    CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+  }
+  struct Shape { const char* name; int K, N; };
+  const Shape shapes[] = {{"llama3-8b.gate_up", 4096, 14336}, {"llama3-70b.down", 28672, 8192},
+                          {"qwen3.gate_up", 2048, 5120},      {"glm4.7.down", 10240, 2048}};
+  for (const Shape& s : shapes)
+    for (int bits = 2; bits <= 5; ++bits) {
+      const size_t KB = s.K / 32;
+      const size_t plane_bytes = KB * s.N * bits * 4, scale_bytes = KB * s.N;
+      const size_t one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
+      const int copies = int(std::min<size_t>(pool_bytes / one, std::max<size_t>(3, (size_t(480) << 20) / one + 1)));
+      for (int c = 0; c < copies; ++c)
+        tame_scales<<<1024, 256>>>(pool + size_t(c) * one + (plane_bytes + 255) / 256 * 256, scale_bytes);
+      CK(cudaGetLastError());
+      for (int M : {1, 4, 16}) {
+        kbit::cuda::MatmulArgs a;
+        a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
+        a.batch = 1; a.m = M; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
+        double us_v[2] = {0, 0};
+        for (int v = 0; v < (M <= 8 ? 2 : 1); ++v) {
+          kbit::cuda::MatmulTuning tune;
+          tune.variant = v;
+          std::string err;
+          us_v[v] = tm.median_us([&](int c) {
+            a.planes = reinterpret_cast<const uint32_t*>(pool + size_t(c % copies) * one);
+            a.scales = pool + size_t(c % copies) * one + (plane_bytes + 255) / 256 * 256;
+            std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
+            if (!e.empty() && err.empty()) err = e;
+          }, 7, 20);
+          if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+        }
+        const double us = us_v[1] > 0 ? std::min(us_v[0], us_v[1]) : us_v[0];
+        const double gbs = (plane_bytes + scale_bytes) / (us * 1e-6) / 1e9;
+        printf("SEL %-18s %5d %6d %d %2d %8.2f %8.2f %8.2f %6.0f %5.1f\n", s.name, s.K, s.N, bits, M, us_v[0], us_v[1],
+               us, gbs, 100 * gbs / copy_gbs);
+      }
+    }
+  CK(cudaDeviceSynchronize());
+  cudaFree(pool); cudaFree(cb); cudaFree(ts); cudaFree(x); cudaFree(y);
+}
 
 static void bench(const char* csv_path, bool full) {
   cudaDeviceProp prop;
@@ -751,6 +837,10 @@ int main(int argc, char** argv) {
   if (mode == "race") {
     test_sanitizer_subset();
     printf("\nTESTS: %d checks, %d failures\n", g_checks, g_failures);
+    return g_failures ? 1 : 0;
+  }
+  if (mode == "sel") {
+    bench_sel();
     return g_failures ? 1 : 0;
   }
   if (mode == "test" || mode == "all") {

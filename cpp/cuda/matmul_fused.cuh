@@ -26,21 +26,36 @@
 //    in flight over the GPU, and it ran latency-bound at 0.8-1.3 TB/s on the H200.)
 //
 // ---- Where it stands (H200, measured; see benchmarks/cuda_kernel_harness.cu) ----
-//  Bit-exact decode, tested against a float64 reference (bf16 rel. error <= 3.7e-3). Speed:
-//  1.2-1.8 TB/s of compressed bytes on the large Llama shapes at M <= 4 (29-43 % of the copy
-//  bandwidth), 0.3-0.9 TB/s on the small Qwen3/GLM shapes. The limit is not DRAM (26 % busy)
+//  Bit-exact decode, tested against a float64 reference (bf16 rel. error <= 3.7e-3).
+//  Speed, M <= 8 (warp-specialized kernel below, harness "sel", bf16, cold weights, copy
+//  4.23-4.27 TB/s): llama3-8b gate_up 18-19 us at M = 1 (0.9-1.8 TB/s, 21-41 % of copy;
+//  bits 4: 41 %), llama3-70b down 50-89 us (1.2-2.5 TB/s, 29-59 %; bits 4: 59 %), qwen3
+//  gate_up and glm down 7.8-13.6 us (8-24 %). That is 1.13-1.40x the cp.async kernel at
+//  M = 1 and 1.10-1.33x at M = 4. M = 16 keeps the cp.async kernel (below 26 % of copy).
+//  The time is still nearly independent of bits (e.g. llama3-70b down 53/53/50/89 us at
+//  bits 2..5): the consumers' decode + mma, not the copies, set it.
+//  History of the cp.async kernel (one __syncthreads per chunk, every warp issuing copies):
+//  1.2-1.8 TB/s on the large Llama shapes at M <= 4 (29-43 % of the copy bandwidth), 0.3-0.9
+//  TB/s on the small Qwen3/GLM shapes. The limit is not DRAM (26 % busy)
 //  but the SM: one chunk (16 k-blocks x 64 columns, 32 K weights) takes ~2.5 K cycles against
 //  ~1.05 K needed at bits 4; the time is nearly independent of bits (it scales with weights
 //  decoded, ~10 per SM per clock). Nsight Compute: 0.48 instructions issued per scheduler per
 //  cycle, no eligible warp half of the time, 4 warps per scheduler; SM idle 25 % of the
 //  elapsed time (work imbalance and prologue). Per warp and chunk: ~124 instructions of
 //  decode + mma (8 LDS weights, 32 PRMT, 32 LDS table, 8 HMMA, 16 FFMA at bits 4) plus ~120
-//  of copy issue / scale decode / barrier bookkeeping. Next steps, in expected order of gain:
-//  warp-specialized producer (TMA bulk copies + mbarrier full/empty pairs instead of per-thread
-//  cp.async and one __syncthreads per chunk), decoding scales in the producer, more
-//  independent work per consumer warp between barriers (two k-blocks, two column groups), and
-//  for bits 2 the non-swapped mma orientation (the LDS.64 quad lookups land in operand order
-//  there, removing ~32 register moves per stage).
+//  of copy issue / scale decode / barrier bookkeeping. The warp-specialized kernel moved the
+//  copies and the barrier off the consumers (above). Tried and dropped: the producer issuing
+//  one 1-D cp.async.bulk per k-block row / scale row / activation row (~33 per chunk): ~55 ns
+//  per bulk copy per SM, 0.55-0.86x the speed of the cp.async kernel (per-lane operands
+//  of the uniform-datapath UBLKCP are serialized; a 2-D tensor map, one copy per chunk,
+//  would avoid it). Next steps, in expected order of gain: profile the warp-specialized
+//  kernel (ncu: issue slots of the consumers, producer stalls); M = 16 through the
+//  warp-specialized kernel with x in a separate, once-per-item buffer or a TMA tensor-map
+//  copy (at M = 16 x is half of the copied bytes and the producer warps fall behind); more
+//  independent work per consumer warp (two column groups); for bits 2 the non-swapped mma
+//  orientation (the LDS.64 quad lookups land in operand order there, removing ~32 register
+//  moves per stage); 16 consumer warps need <= 96 registers next to the producers (17-18
+//  warps allocate as 20), 8 consumer warps (V1) have room.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -661,6 +676,399 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
   cp_async_wait<0>();
 }
 
+// =============================================================================================
+// Warp-specialized version (the default where every copy is a whole 16-byte piece, see
+// launch_fused_bits): kWsProducerWarps producer warps stream each chunk into the ring with
+// 16-byte cp.async copies and signal the stage's "full" mbarrier with
+// cp.async.mbarrier.arrive.noinc; the kWarps consumer warps wait on it, compute, and release
+// the stage through its "empty" mbarrier (one arrival per warp). No CTA-wide barrier in the
+// steady state; consumer warps drift freely by up to kStages - 1 chunks. Each consumer warp
+// decodes the scale bytes of its own k-block (two per lane at kTN = 4) into a warp-private
+// float buffer (__syncwarp only). The epilogue's tree reduction uses a named barrier over the
+// consumer warps; with a k-split cluster the producers join the consumers' cluster barriers
+// in item order, before they wait for a stage that the consumers can free only after them.
+// =============================================================================================
+#ifndef KBIT_WS_PRODUCER_WARPS
+#define KBIT_WS_PRODUCER_WARPS 2  // measured: 2 beat 1 by 1-5 % at M <= 4 (and by 1.4x at M = 16)
+#endif
+constexpr int kWsProducerWarps = KBIT_WS_PRODUCER_WARPS;
+
+template <int BITS, int MT, int V>
+struct WsConfig {
+  using C = Config<BITS, MT, V>;
+  static constexpr int kWarps = C::kWarps;  // consumer warps
+  static constexpr int kThreads = C::kThreads + 32 * kWsProducerWarps;
+  static constexpr int kSfWarpBytes = 2 * C::kTN * 8 * 4;  // one k-block: 8 g x kTN x 2 floats
+  static constexpr int kSfBytes = kWarps * C::kKPW * 2 * kSfWarpBytes;  // double-buffered
+  static constexpr int kSChunk = C::kKCH * C::kCols;                  // raw scale bytes
+  static constexpr size_t fixed_bytes() {
+    return size_t(WeightPath<BITS>::kLutBytes) + C::kRedBytes + C::kPartBytes + kSfBytes + 2 * 8 * 8;
+  }
+  static constexpr size_t slot_bytes(int x_rows) {
+    return size_t(C::kWChunk) + size_t(x_rows) * C::kXRowBytes + kSChunk;
+  }
+  static constexpr int pick_stages() {
+    for (int d = 8; d > 2; --d)
+      if (fixed_bytes() + d * slot_bytes(8 * MT) <= size_t(kMaxSmem) && (d - 1) * C::kWChunk <= 64 * 1024)
+        return d;
+    return 2;
+  }
+  static constexpr int kStages = pick_stages();
+  static_assert(fixed_bytes() + 2 * slot_bytes(8 * MT) <= size_t(kMaxSmem), "shared memory budget");
+  static constexpr size_t smem_bytes(int x_rows) { return fixed_bytes() + kStages * slot_bytes(x_rows); }
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Arrive on the mbarrier once all of this thread's earlier cp.async copies have landed; the
+// arrival counts against the barrier's expected count (.noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts64f(uint32_t addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1,%2};\n" ::"r"(addr), "f"(a), "f"(b));
+}
+template <int N>
+__device__ __forceinline__ void named_bar_sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(N) : "memory");
+}
+
+template <int BITS, class Act, int MT, int V>
+__global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
+    kbit_matmul_ws_kernel(const Params p) {
+  using Cfg = Config<BITS, MT, V>;
+  using WC = WsConfig<BITS, MT, V>;
+  using WP = WeightPath<BITS>;
+  using T = typename Act::T;
+  constexpr int NW = Cfg::kWarps, NT = Cfg::kThreads, TN = Cfg::kTN, D = WC::kStages;
+  constexpr int KCH = Cfg::kKCH, XRB = Cfg::kXRowBytes, NACC = Cfg::kAcc, COLS = Cfg::kCols;
+  constexpr int SLAB = Cfg::kSlabBytes, KPW = Cfg::kKPW, SFW = WC::kSfWarpBytes;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int KS = p.k_split, rank = blockIdx.x % KS, cluster_id = blockIdx.x / KS;
+  const int n_clusters = gridDim.x / KS;
+  const int kbA = rank * p.kb_per_split, kbEnd = min(p.KB, kbA + p.kb_per_split);
+  const int nch = kbEnd > kbA ? (kbEnd - kbA + KCH - 1) / KCH : 0;
+  const int my_items = cluster_id < p.items ? (p.items - cluster_id + n_clusters - 1) / n_clusters : 0;
+  const int Q = my_items * nch;
+  const int64_t K = int64_t(p.KB) * 32;
+
+  // ---- shared memory: [LUT][reduction][partial][sf][full x 8, empty x 8][ring: D x (weights | x | scales)]
+  const uint32_t s_lut = smem_u32(smem);
+  const uint32_t s_red = s_lut + WP::kLutBytes;
+  const uint32_t s_part = s_red + Cfg::kRedBytes;
+  const uint32_t s_sf = s_part + Cfg::kPartBytes;
+  const uint32_t s_full = s_sf + WC::kSfBytes, s_empty = s_full + 64;
+  const uint32_t s_ring = s_full + 128;
+  const uint32_t x_slot = uint32_t(p.x_rows) * XRB;
+  const uint32_t slot_bytes = Cfg::kWChunk + x_slot + WC::kSChunk;
+  float* part_ptr = reinterpret_cast<float*>(smem + WP::kLutBytes + Cfg::kRedBytes);
+
+  auto set_derived = [&](Cursor& cur) {
+    cur.col0 = cur.cg * COLS;
+    cur.m0 = int64_t(cur.mb) * 8 * MT;
+    cur.rows = int(min(int64_t(8 * MT), p.M - cur.m0));
+    cur.cell0 = (int64_t(cur.b) * p.KB + kbA) * p.N + cur.col0;
+    cur.x0 = (int64_t(cur.b) * p.M + cur.m0) * K + int64_t(kbA) * 32;
+  };
+  auto first_cursor = [&]() {
+    Cursor cur;
+    cur.c = 0;
+    cur.cg = cluster_id % p.col_groups;
+    const int rest = cluster_id / p.col_groups;
+    cur.mb = rest % p.m_blocks;
+    cur.b = rest / p.m_blocks;
+    set_derived(cur);
+    return cur;
+  };
+  const int64_t chunk_cells = int64_t(KCH) * p.N;
+  auto advance = [&](Cursor& cur) {
+    if (++cur.c < nch) {
+      cur.cell0 += chunk_cells;
+      cur.x0 += KCH * 32;
+      return;
+    }
+    cur.c = 0;
+    cur.cg += n_clusters;
+    while (cur.cg >= p.col_groups) {  // runs only at item boundaries
+      cur.cg -= p.col_groups;
+      if (++cur.mb == p.m_blocks) { cur.mb = 0; ++cur.b; }
+    }
+    set_derived(cur);
+  };
+
+  if (tid < D) {
+    mbar_init(s_full + 8 * tid, 32 * kWsProducerWarps);
+    mbar_init(s_empty + 8 * tid, NW);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+
+  namespace cg = cooperative_groups;
+
+  if (warp >= NW) {
+    // ================= producer warps =================
+    // Every producer thread copies fixed 16-byte pieces of each chunk with cp.async, then
+    // cp.async.mbarrier.arrive.noinc on the stage's full barrier (count = producer threads):
+    // the stage completes when all of them have landed. (A first version issued one
+    // cp.async.bulk per k-block row / scale row / activation row instead: ~33 bulk copies per
+    // chunk cost ~1.8 us per chunk on the H200, 0.5-0.85x the speed of the cp.async kernel.)
+    constexpr int PT = 32 * kWsProducerWarps;
+    const int ptid = tid - NT;
+    const uint8_t* planes = reinterpret_cast<const uint8_t*>(p.planes);
+    const uint8_t* xbase = reinterpret_cast<const uint8_t*>(p.x);
+    const uint32_t row_bytes = uint32_t(p.N) * BITS * 4;  // one k-block row of the weight
+    const uint32_t x_row_bytes = uint32_t(K) * sizeof(T);
+    constexpr int kPPK = SLAB / 16;       // weight pieces per k-block
+    constexpr int kSPK = COLS / 16;       // scale pieces per k-block
+    constexpr int kWPR = (kPPK + PT - 1) / PT;  // passes per weight row
+    constexpr int kSPer = (KCH * kSPK + PT - 1) / PT;
+    constexpr int kXPR = (KCH * 4 + PT - 1) / PT;  // passes per activation row
+    Cursor ic = first_cursor();
+    int synced = 0;  // items whose cluster barriers these warps have joined (k-split only)
+    int slot = 0;
+    uint32_t round = 0;  // passes over the ring; pass r >= 1 waits for completion r - 1 of empty
+    for (int q = 0; q < Q; ++q) {
+      if (round > 0) {
+        if (KS > 1) {
+          cg::cluster_group cluster = cg::this_cluster();
+          while (synced < my_items && q - D >= (synced + 1) * nch) {
+            cluster.sync();
+            cluster.sync();
+            ++synced;
+          }
+        }
+        mbar_wait(s_empty + 8 * slot, (round - 1) & 1u);
+      }
+      const uint32_t base = s_ring + slot * slot_bytes;
+      const int kb0 = kbA + ic.c * KCH;
+      const int nkb = min(KCH, kbEnd - kb0);
+      const int wcols = min(COLS, p.N - ic.col0);  // a multiple of 16 (N % 16 == 0)
+      const int wpp = wcols * BITS / 4, spp = wcols / 16;  // valid pieces per k-block row
+      // weights: nkb rows of wpp pieces (a runtime row loop keeps the register count low)
+      const uint8_t* wsrc = planes + ic.cell0 * (BITS * 4);
+      uint32_t wdst = base;
+#pragma unroll 1
+      for (int kbl = 0; kbl < nkb; ++kbl) {
+#pragma unroll
+        for (int r = 0; r < kWPR; ++r) {
+          const int o = ptid + r * PT;
+          if ((kPPK % PT == 0 || o < kPPK) && o < wpp) cp_async16(wdst + o * 16, wsrc + o * 16);
+        }
+        wsrc += row_bytes;
+        wdst += SLAB;
+      }
+      // scale bytes: nkb rows of spp pieces
+      const uint8_t* ssrc = p.scales + ic.cell0;
+#pragma unroll
+      for (int r = 0; r < kSPer; ++r) {
+        const int i = ptid + r * PT;
+        const int kbl = i / kSPK, o = i % kSPK;
+        if (kbl < nkb && o < spp)
+          cp_async16(base + Cfg::kWChunk + x_slot + kbl * COLS + o * 16, ssrc + (int64_t(kbl) * p.N + o * 16));
+      }
+      // activations: rows of 4 * nkb pieces
+      const uint8_t* xsrc = xbase + ic.x0 * int64_t(sizeof(T));
+      uint32_t xdst = base + Cfg::kWChunk;
+#pragma unroll 1
+      for (int row = 0; row < ic.rows; ++row) {
+#pragma unroll
+        for (int r = 0; r < kXPR; ++r) {
+          const int o = ptid + r * PT;
+          if (o < 4 * nkb) cp_async16(xdst + o * 16, xsrc + o * 16);
+        }
+        xsrc += x_row_bytes;
+        xdst += XRB;
+      }
+      cp_async_mbar_arrive_noinc(s_full + 8 * slot);
+      advance(ic);
+      if (++slot == D) { slot = 0; ++round; }
+    }
+    if (KS > 1) {
+      cg::cluster_group cluster = cg::this_cluster();
+      for (; synced < my_items; ++synced) {
+        cluster.sync();
+        cluster.sync();
+      }
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ================= consumer warps =================
+  const typename WP::Lane L = WP::lane_consts(lane);
+  const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
+  const uint32_t sf_lane_off = uint32_t(g) * (2 * TN * 4);
+
+  float acc[NACC];
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+
+  auto compute = [&](const Cursor& cur, int slot, int par) {
+    const uint32_t base = s_ring + slot * slot_bytes;
+#pragma unroll
+    for (int u = 0; u < KPW; ++u) {
+      const int kbl = warp * KPW + u;
+      if (kbA + cur.c * KCH + kbl >= kbEnd) return;  // warp-uniform
+      const uint32_t slab = base + kbl * SLAB;
+      // scales of this k-block: lane (g, t) decodes columns 16 j + 8 h + g for the entries
+      // i = 2 j + h it owns, into the warp's buffer at float g * 2TN + i.
+      const uint32_t sraw = base + Cfg::kWChunk + x_slot + kbl * COLS;
+      const uint32_t sfa = s_sf + ((warp * KPW + u) * 2 + par) * SFW;
+      if constexpr (TN == 4) {
+        const uint32_t b0 = lds_u8(sraw + 16 * t + g), b1 = lds_u8(sraw + 16 * t + 8 + g);
+        sts64f(sfa + (g * 8 + 2 * t) * 4, decode_e4m4_fast(b0 << 19), decode_e4m4_fast(b1 << 19));
+      } else if constexpr (TN == 2) {
+        const uint32_t b0 = lds_u8(sraw + 16 * (t >> 1) + 8 * (t & 1) + g);
+        sts32f(sfa + (g * 4 + t) * 4, decode_e4m4_fast(b0 << 19));
+      } else {
+        if (t < 2) sts32f(sfa + (g * 2 + t) * 4, decode_e4m4_fast(lds_u8(sraw + 8 * t + g) << 19));
+      }
+      uint32_t xb[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int row = min(8 * mt + (lane & 7), cur.rows - 1);
+        ldmatrix_x4(xb[mt], base + Cfg::kWChunk + row * XRB + kbl * 64 + (lane >> 3) * 16);
+      }
+      __syncwarp();
+      float sc[2 * TN];
+      if constexpr (TN >= 2) {
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) {
+          const float4 v = lds128f(sfa + sf_lane_off + 16 * i);
+          sc[4 * i] = v.x; sc[4 * i + 1] = v.y; sc[4 * i + 2] = v.z; sc[4 * i + 3] = v.w;
+        }
+      } else {
+        const float2 v = lds64f(sfa + sf_lane_off);
+        sc[0] = v.x; sc[1] = v.y;
+      }
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        typename WP::Raw raw;
+        WP::load(raw, slab, o0, o1, j);
+        uint32_t a[2][4];
+        WP::decode(raw, s_lut, L, a);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+          float d[4];
+          mma_16816<Act>(d, a[0], xb[mt][0], xb[mt][1], zero);
+          mma_16816<Act>(d, a[1], xb[mt][2], xb[mt][3], d);
+          float* c = acc + (j * MT + mt) * 4;
+          c[0] = fmaf(d[0], sc[2 * j], c[0]);
+          c[1] = fmaf(d[1], sc[2 * j], c[1]);
+          c[2] = fmaf(d[2], sc[2 * j + 1], c[2]);
+          c[3] = fmaf(d[3], sc[2 * j + 1], c[3]);
+        }
+      }
+    }
+  };
+
+  auto epilogue = [&](const Cursor& cur) {
+#pragma unroll
+    for (int half = NW / 2; half >= 1; half >>= 1) {
+      if (warp >= half && warp < 2 * half)
+#pragma unroll
+        for (int e = 0; e < NACC; ++e) sts32f(s_red + (((warp - half) * NACC + e) * 32 + lane) * 4, acc[e]);
+      named_bar_sync<NT>(1);
+      if (warp < half)
+#pragma unroll
+        for (int e = 0; e < NACC; ++e) acc[e] += lds32f(s_red + ((warp * NACC + e) * 32 + lane) * 4);
+      named_bar_sync<NT>(1);
+    }
+    const float ts = p.tensor_scale[cur.b];
+    T* yg = static_cast<T*>(p.y) + int64_t(cur.b) * p.M * p.N;
+    auto store = [&](const float (&v)[NACC]) {
+#pragma unroll
+      for (int e = 0; e < NACC; ++e) {
+        const int c = e & 3, mt = (e >> 2) % MT, j = (e >> 2) / MT;
+        const int64_t m = cur.m0 + 8 * mt + 2 * t + (c & 1);
+        const int n = cur.col0 + 16 * j + g + 8 * (c >> 1);
+        if (m < p.M && n < p.N) yg[m * p.N + n] = from_f32<T>(v[e] * ts);
+      }
+    };
+    if (KS == 1) {
+      if (warp == 0) store(acc);
+    } else {
+      cg::cluster_group cluster = cg::this_cluster();
+      if (warp == 0)
+#pragma unroll
+        for (int e = 0; e < NACC; ++e) sts32f(s_part + (e * 32 + lane) * 4, acc[e]);
+      cluster.sync();  // every rank's partial is in its shared memory
+      if (rank == 0 && warp == 0) {
+        float v[NACC];
+#pragma unroll
+        for (int e = 0; e < NACC; ++e) v[e] = 0.f;
+        for (int r = 0; r < KS; ++r) {
+          const float* rp = cluster.map_shared_rank(part_ptr, r);
+#pragma unroll
+          for (int e = 0; e < NACC; ++e) v[e] += rp[e * 32 + lane];
+        }
+        store(v);
+      }
+      cluster.sync();  // partials may be overwritten only after rank 0 has read them
+    }
+#pragma unroll
+    for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
+  };
+
+  auto build_lut = [&](int b) {
+    constexpr int kPieces = 2 * WP::kEntryBytes;
+    const float* cb = p.codebook + int64_t(b) * (1 << BITS);
+    for (int i = tid; i < WP::kEntries * kPieces; i += NT) {
+      const int e = i / kPieces, piece = i % kPieces;
+      const uint2 v = WP::template lut_entry<Act>(e, cb);
+      sts128(s_lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
+    }
+  };
+  Cursor cc = first_cursor();
+  int lut_b = -1;
+  if (Q > 0) {
+    build_lut(cc.b);
+    lut_b = cc.b;
+  }
+  named_bar_sync<NT>(1);
+
+  int slot = 0;
+  uint32_t fparity = 0;
+  for (int q = 0; q < Q; ++q) {
+    mbar_wait(s_full + 8 * slot, fparity);
+    compute(cc, slot, q & 1);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(s_empty + 8 * slot);
+    if (++slot == D) { slot = 0; fparity ^= 1u; }
+    const bool last = cc.c == nch - 1;
+    if (last) epilogue(cc);
+    advance(cc);
+    if (last && q + 1 < Q && cc.b != lut_b) {  // next item belongs to another batch entry
+      named_bar_sync<NT>(1);                   // (every warp finished reading the old table)
+      build_lut(cc.b);
+      lut_b = cc.b;
+      named_bar_sync<NT>(1);
+    }
+  }
+}
+
 // ---- host side: launch configuration ----
 // Per-device facts and per-(kernel, device) settings are cached: the launcher runs on every
 // eager call, and a driver query per launch would make small kernels host-bound. The caches
@@ -686,10 +1094,11 @@ inline int device_sm_count(int dev) {
 // n8 tiles along M for a problem with M rows (blocks of 64 rows above that).
 inline int m_tiles(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
 
-template <int BITS, class Act, int MT, int V>
+template <int BITS, class Act, int MT, int V, bool WS>
 struct Launcher {
   using Cfg = Config<BITS, MT, V>;
-  static constexpr auto kernel = &kbit_matmul_fused_kernel<BITS, Act, MT, V>;
+  static constexpr auto kernel = WS ? &kbit_matmul_ws_kernel<BITS, Act, MT, V> : &kbit_matmul_fused_kernel<BITS, Act, MT, V>;
+  static constexpr int kThreads = WS ? WsConfig<BITS, MT, V>::kThreads : Cfg::kThreads;
   static std::atomic<int>& smem_set(int dev) {
     static std::atomic<int> v[kMaxDevices];
     return v[dev];
@@ -703,13 +1112,13 @@ struct Launcher {
     int n = 0;
     if (ks == 1) {
       int per_sm = 0;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem) != cudaSuccess)
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess)
         per_sm = 1;
       n = std::max(per_sm, 1) * device_sm_count(dev);
     } else {
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = dim3(ks * 64);
-      cfg.blockDim = dim3(Cfg::kThreads);
+      cfg.blockDim = dim3(kThreads);
       cfg.dynamicSmemBytes = smem;
       cudaLaunchAttribute attr[1];
       attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -732,10 +1141,10 @@ struct Launcher {
                               " K=" + std::to_string(a.k) + " N=" + std::to_string(a.n) +
                               " bits=" + std::to_string(BITS) + " dtype=" + Act::kName +
                               " MT=" + std::to_string(MT) + " V=" + std::to_string(V);
-    const char* name = "kbit_matmul_fused_kernel";
+    const char* name = WS ? "kbit_matmul_ws_kernel" : "kbit_matmul_fused_kernel";
     const int KB = static_cast<int>(a.k / 32);
     const int x_rows = static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
-    const size_t smem = Cfg::smem_bytes(x_rows);
+    const size_t smem = WS ? WsConfig<BITS, MT, V>::smem_bytes(x_rows) : Cfg::smem_bytes(x_rows);
     const int dev = current_device();
     if (smem_set(dev).load(std::memory_order_relaxed) < int(smem)) {
       const cudaError_t err =
@@ -790,7 +1199,7 @@ struct Launcher {
 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(ncl * ks));
-    cfg.blockDim = dim3(Cfg::kThreads);
+    cfg.blockDim = dim3(kThreads);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
     cudaLaunchAttribute attr[1];
@@ -814,28 +1223,49 @@ struct Launcher {
   }
 };
 
+template <class A>
+struct ActTag { using type = A; };
+
 template <int BITS>
 std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
   if (a.k == 0) {  // empty contraction: y = 0 (+0.0 is all-zero bits in every dtype)
     const cudaError_t err = cudaMemsetAsync(a.y, 0, size_t(a.batch * a.m * a.n) * 2, stream);
     return err == cudaSuccess ? std::string() : std::string("kbit_matmul: memset failed: ") + cudaGetErrorString(err);
   }
-  // Default tiling variant per bits at M <= 8 (see Config); tuning->variant overrides.
-  // Measured on the H200 over the ten benchmark shapes at M = 1 and 4: V1 takes 0.95x the time
+  // The warp-specialized kernel (M <= 8 only) needs every copy to be a whole 16-byte piece:
+  // N % 16 == 0 and 16-byte-aligned buffers (K is a multiple of 32). Otherwise, and for
+  // M > 8, the cp.async kernel with one __syncthreads per chunk. Measured on the H200 (bf16,
+  // cold weights, four shapes x bits 2..5): at M = 1 and 4 the warp-specialized kernel takes
+  // 0.71-0.91x the time; at M = 16 (MT = 2, 16 consumer warps, x is half of the copied
+  // bytes) it took 1.0-1.7x, so M > 8 stays on the cp.async kernel.
+  auto al16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
+  const bool ws = m_tiles(a.m) == 1 && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x);
+  // Default tiling variant at M <= 8 (see Config); tuning->variant overrides. cp.async kernel,
+  // measured on the H200 over the ten benchmark shapes at M = 1 and 4: V1 takes 0.95x the time
   // of V0 at bits 3 (faster in 18/20 cases) and 0.98x at bits 5 (16/20); 1.02x at bits 2 and
-  // 1.01x at bits 4, where V0 stays.
+  // 1.01x at bits 4, where V0 stays. Warp-specialized kernel: V1 (8 consumer warps, two
+  // k-blocks each per chunk) takes 0.81-0.90x the time of V0 at every bits value.
   constexpr int kDefaultV = (BITS == 3 || BITS == 5) ? 1 : 0;
-  const int v1 = tuning && tuning->variant >= 0 ? tuning->variant : kDefaultV;
+  const int v1 = tuning && tuning->variant >= 0 ? tuning->variant : ws ? 1 : kDefaultV;
+  auto by_ws = [&](auto act_tag, auto mt_tag, auto v_tag) -> std::string {
+    using A = typename decltype(act_tag)::type;
+    constexpr int MT = decltype(mt_tag)::value, V = decltype(v_tag)::value;
+    if constexpr (MT == 1)
+      if (ws) return Launcher<BITS, A, MT, V, true>::launch(a, stream, tuning);
+    return Launcher<BITS, A, MT, V, false>::launch(a, stream, tuning);
+  };
   auto by_act = [&](auto mt_tag) -> std::string {
     constexpr int MT = decltype(mt_tag)::value;
+    using V0 = std::integral_constant<int, 0>;
+    using V1 = std::integral_constant<int, 1>;
     if constexpr (MT == 1) {
       if (v1 == 1) {
-        if (a.dtype == DType::kBF16) return Launcher<BITS, ActBF16, 1, 1>::launch(a, stream, tuning);
-        return Launcher<BITS, ActF16, 1, 1>::launch(a, stream, tuning);
+        if (a.dtype == DType::kBF16) return by_ws(ActTag<ActBF16>{}, mt_tag, V1{});
+        return by_ws(ActTag<ActF16>{}, mt_tag, V1{});
       }
     }
-    if (a.dtype == DType::kBF16) return Launcher<BITS, ActBF16, MT, 0>::launch(a, stream, tuning);
-    return Launcher<BITS, ActF16, MT, 0>::launch(a, stream, tuning);
+    if (a.dtype == DType::kBF16) return by_ws(ActTag<ActBF16>{}, mt_tag, V0{});
+    return by_ws(ActTag<ActF16>{}, mt_tag, V0{});
   };
   switch (m_tiles(a.m)) {
     case 1: return by_act(std::integral_constant<int, 1>{});
