@@ -14,7 +14,8 @@ checked for collectives (recorded; a kbit program with an all-gather is reported
 
 Timing (DESIGN.md §7): one jitted call applies the layer to R different weight buffers (R so
 that the per-GPU weight bytes exceed the 60 MB L2 at least four times: weights come from HBM
-as in decoding), median over repeats of the whole call, divided by R. Weights are random
+as in decoding); bench_matmul.median_call_seconds queues several calls per sample so host
+dispatch hides behind device work; the median sample is divided by R. Weights are random
 codes/scales generated on the devices (values do not matter for speed). The floor is the
 per-GPU bytes (weight shard + activations) / the copy bandwidth measured in the same run.
 
@@ -34,7 +35,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import time
 
@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
 from kbit_jax import codebooks, sharding as ks  # noqa: E402
+from bench_matmul import median_call_seconds  # noqa: E402  (queued calls: host overhead hidden)
 from shapes import SHAPES  # noqa: E402
 
 L2_BYTES = 60e6
@@ -56,17 +57,6 @@ DEFAULT_M = (1, 4, 16, 64, 256)
 
 def collectives(text: str) -> dict:
     return {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in COLLECTIVES}
-
-
-def median_call_seconds(fn, args, repeats):
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def copy_bandwidth(device, repeats):
