@@ -36,7 +36,6 @@ import math
 import os
 import re
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
