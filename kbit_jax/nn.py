@@ -263,10 +263,15 @@ class KbitLinear(nnx.Module):
         """The dense kernel ``[*batch, K, N]`` (float32 is exact), e.g. to build an ``nnx.Linear``."""
         return dequantize(self.weight, dtype or self.param_dtype)
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        """``inputs @ W + b``. ``out_sharding`` (as ``nnx.Linear``'s, for Explicit mesh axes)
+        reshards the result; the matmul itself already gives it the sharding its operands
+        imply (column-parallel: N sharded; row-parallel: all-reduced, K's axes replicated)."""
         bias = self.bias.get_value() if self.bias is not None else None
         dtype = _promote_dtype(inputs, self.dtype, self.param_dtype, bias)
         y = matmul(jnp.asarray(inputs, dtype), self.weight)
+        if out_sharding is not None:
+            y = jax.sharding.reshard(y, out_sharding)
         if bias is not None:
             y = y + jnp.asarray(bias, dtype)
         return y

@@ -11,6 +11,18 @@ values of ``tokens`` (``[B, T]``, at positions ``pos .. pos+T-1``, the same for 
 into ``cache`` and returns ``(logits, cache)``. ``prefill``, ``decode_step`` and ``decode``
 are jitted over ``(graphdef, state)`` from ``nnx.split(model)``, so a decode step costs one
 dispatch and ``decode`` runs a whole greedy loop in one.
+
+Tensor parallelism (Megatron style) over a mesh axis, bf16 or quantized alike:
+
+    mesh = jax.make_mesh((2,), ("tp",))                        # Explicit or Auto axes
+    model, _ = llama.build_model(llama.TINY, bits=4, mesh=mesh)   # or llama.shard_model(model, mesh)
+    tokens = llama.generate(model, prompt, max_new_tokens=16)  # runs under jax.set_mesh(mesh)
+
+q/k/v and gate/up are column-parallel (N over "tp"), o and down row-parallel (K over "tp":
+one all-reduce each, so two per layer), lm_head column-parallel over the vocabulary, the
+embedding and norms replicated, and the KV cache sharded over its kv-head axis. Each device
+holds its heads' slice of every weight; quantized weights are placed with
+``kbit_jax.shard_weight`` and multiplied shard by shard (never gathered).
 """
 
 from __future__ import annotations
@@ -22,8 +34,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import nn as knn
+from ..sharding import shard_weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +67,11 @@ LLAMA3_70B = LlamaConfig(vocab_size=128_256, dim=8192, n_layers=80, n_heads=64, 
                          hidden_dim=28_672)
 TINY = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
                    rope_theta=10_000.0)
-CONFIGS = {"tiny": TINY, "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+#: A small config that runs quantized at tensor-parallel sizes up to 4 (TINY: up to 2, as its
+#: 2 kv heads and its o_proj's K = 64 = 2 quantization blocks allow).
+TINY_TP = LlamaConfig(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=4,
+                      hidden_dim=512, rope_theta=10_000.0)
+CONFIGS = {"tiny": TINY, "tiny-tp": TINY_TP, "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 
 Cache = list  # [(k, v)] per layer, each [B, max_len, n_kv_heads, head_dim]
 
@@ -81,6 +99,20 @@ def rope(x, positions, theta: float):
 
 def _linear(din, dout, param_dtype, rngs):
     return nnx.Linear(din, dout, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+
+
+def _row_parallel_out(x):
+    """``out_sharding`` for a row-parallel layer applied to ``x``: under Explicit mesh axes with
+    x's features sharded, x's sharding with the features replicated (the sharded contraction
+    is all-reduced; jnp's dot wants this spelled out). None otherwise (Auto axes, no mesh)."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except TypeError:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    if sharding.mesh.empty or spec[-1] is None:
+        return None
+    return P(*spec[:-1], None)
 
 
 class Attention(nnx.Module):
@@ -111,7 +143,8 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
         out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(cache_v.dtype), cache_v,
                          preferred_element_type=jnp.float32)
-        return self.o_proj(out.reshape(b, t, h * hd).astype(x.dtype)), cache_k, cache_v
+        out = out.reshape(b, t, h * hd).astype(x.dtype)
+        return self.o_proj(out, out_sharding=_row_parallel_out(out)), cache_k, cache_v
 
 
 class MLP(nnx.Module):
@@ -121,7 +154,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg.hidden_dim, cfg.dim, param_dtype, rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(h, out_sharding=_row_parallel_out(h))
 
 
 class Block(nnx.Module):
@@ -153,6 +187,7 @@ class Llama(nnx.Module):
         self.layers = nnx.List(blocks)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype)
         self.lm_head = _linear(cfg.dim, cfg.vocab_size, param_dtype, rngs)
+        self.tp = None   # (mesh, axis) once placed tensor-parallel by shard_model
 
     def __call__(self, tokens, cache: Cache, pos, *, last_only: bool = False):
         x = self.embed(tokens)
@@ -164,28 +199,148 @@ class Llama(nnx.Module):
         return self.lm_head(x), new_cache
 
 
-def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> Cache:
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *,
+               sharding=None) -> Cache:
+    """Zeros ``[(k, v)]`` per layer, each ``[batch, max_len, n_kv_heads, head_dim]``, placed
+    with ``sharding`` if given (see `cache_sharding`)."""
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers)]
+    return [(jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
+            for _ in range(cfg.n_layers)]
+
+
+# -- tensor parallelism -----------------------------------------------------------------------
+#: Logical (K, N) placement of each linear layer, by attribute name: "col" = N over the
+#: tensor-parallel axis (no collective), "row" = K over it (one all-reduce).
+TP_LAYOUT = {"q_proj": "col", "k_proj": "col", "v_proj": "col", "gate_proj": "col",
+             "up_proj": "col", "o_proj": "row", "down_proj": "row", "lm_head": "col"}
+
+
+def _tp_size(mesh, axis: str) -> int:
+    if axis not in mesh.axis_names:
+        raise ValueError(f"mesh has no axis {axis!r} (axes {tuple(mesh.axis_names)})")
+    return int(mesh.shape[axis])
+
+
+def check_tp(cfg: LlamaConfig, tp: int) -> None:
+    """ValueError unless ``cfg`` splits into ``tp`` tensor-parallel shards of whole heads."""
+    problems = [f"{name}={value}" for name, value in
+                (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
+                 ("hidden_dim", cfg.hidden_dim)) if value % tp]
+    if problems:
+        raise ValueError(f"tensor parallelism over {tp} devices needs n_heads, n_kv_heads and "
+                         f"hidden_dim divisible by {tp}; got {', '.join(problems)}")
+
+
+def cache_sharding(mesh, axis: str = "tp") -> NamedSharding:
+    """The KV cache's sharding under tensor parallelism: kv heads over ``axis``."""
+    return NamedSharding(mesh, P(None, None, axis, None))
+
+
+def _layer_spec(name, layer, axis: str, tp: int):
+    """The logical (K, N) spec of a linear layer named ``name`` (None: replicate)."""
+    kind = TP_LAYOUT.get(name)
+    if kind is None:
+        return None
+    k, n = layer.in_features, layer.out_features
+    if kind == "col" and n % tp:
+        if name == "lm_head":
+            return None              # a vocabulary tp does not divide: keep the head replicated
+        raise ValueError(f"{name}: out_features={n} is not divisible by the {tp} shards of {axis!r}")
+    if kind == "row" and k % tp:
+        raise ValueError(f"{name}: in_features={k} is not divisible by the {tp} shards of {axis!r}")
+    return P(None, axis) if kind == "col" else P(axis, None)
+
+
+def shard_model(model, mesh, axis: str = "tp"):
+    """Place ``model`` (a `Llama`, or any sub-module such as one `Block`) tensor-parallel over
+    ``mesh``'s axis ``axis``, in place; returns it.
+
+    Linear layers follow `TP_LAYOUT` (Megatron: q/k/v, gate/up column-parallel, o/down
+    row-parallel; lm_head column-parallel over the vocabulary when ``tp`` divides it). A
+    quantized layer's leaves are placed by ``kbit_jax.shard_weight`` (it refuses a shard
+    that would cut a 32-element block, e.g. o_proj's K/tp not a multiple of 32); a dense
+    kernel by ``jax.device_put``. Each placed variable records its spec as ``out_sharding``
+    metadata, so ``nnx.get_partition_spec(nnx.state(model))`` describes the placement.
+    Everything else (embedding, norms) is replicated over the mesh.
+
+    Raises ValueError when ``axis`` is not in the mesh or ``n_heads``, ``n_kv_heads`` or
+    ``hidden_dim`` is not divisible by the axis size.
+    """
+    tp = _tp_size(mesh, axis)
+    if isinstance(model, Llama):
+        check_tp(model.config, tp)
+    modules = list(nnx.iter_modules(model))
+    for _, module in modules:
+        if isinstance(module, Attention):
+            problems = [f"{name}={getattr(module, name)}" for name in ("n_heads", "n_kv_heads")
+                        if getattr(module, name) % tp]
+            if problems:
+                raise ValueError(f"tensor parallelism over {tp} devices needs n_heads and "
+                                 f"n_kv_heads divisible by {tp}; got {', '.join(problems)}")
+    placed = set()
+    for path, module in modules:
+        if not isinstance(module, (nnx.Linear, knn.KbitLinear)) or not path:
+            continue
+        spec = _layer_spec(path[-1], module, axis, tp)
+        if spec is None:
+            continue
+        if isinstance(module, knn.KbitLinear):
+            if module.use_bias:
+                raise NotImplementedError("shard_model: layers with a bias")
+            w = shard_weight(module.weight, mesh, spec)
+            names = knn.leaf_sharding(tuple(spec))
+            for leaf in knn._LEAVES:
+                var = getattr(module.kernel, leaf)
+                var.set_value(getattr(w, leaf))
+                var.set_metadata("out_sharding", names[leaf])
+                placed.add(id(var))
+        else:
+            if module.bias is not None:
+                raise NotImplementedError("shard_model: layers with a bias")
+            var = module.kernel
+            var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, spec)))
+            var.set_metadata("out_sharding", tuple(spec))
+            placed.add(id(var))
+    replicated = NamedSharding(mesh, P())
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable) and id(node) not in placed and hasattr(node.get_value(), "shape"):
+            node.set_value(jax.device_put(node.get_value(), replicated))
+    if isinstance(model, Llama):
+        model.tp = (mesh, axis)
+    return model
 
 
 def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
-                param_dtype=jnp.bfloat16, quantize_head: bool = False, progress: bool = False):
+                param_dtype=jnp.bfloat16, quantize_head: bool = False, progress: bool = False,
+                mesh=None, axis: str = "tp"):
     """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
 
     With ``bits``, each block goes through ``kbit_jax.nn.quantize_model`` as soon as it is
     built, so peak memory is the quantized model plus one dense block (a 70B model at K=4
     builds on one GPU although its bf16 weights would not fit). Embedding and lm_head stay
     dense (the default filter) unless ``quantize_head``.
+
+    With ``mesh``, the model is tensor-parallel over ``mesh``'s axis ``axis`` (`shard_model`):
+    each block is placed as soon as it is built (and quantized), so no device ever holds more
+    than its share plus one block, embedding and lm_head (70B in bf16 builds over 2 GPUs).
+    The weights are the same as without a mesh (same seed, same values).
     """
+    if mesh is not None:
+        check_tp(cfg, _tp_size(mesh, axis))
     if bits is None:
-        return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed)), None
+        if mesh is None:
+            return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed)), None
+        model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed),
+                      block_hook=lambda block: shard_model(block, mesh, axis))
+        return shard_model(model, mesh, axis), None
     report = knn.QuantizeReport(bits=bits, codebook=codebook)
     ticks = iter(knn._progress(range(cfg.n_layers), cfg.n_layers, progress, "build + quantize"))
 
     def hook(block):
         i = next(ticks)
         r = knn.quantize_model(block, bits, codebook, progress=False)
+        if mesh is not None:
+            shard_model(block, mesh, axis)
         report.replaced += [f"layers/{i}/{p}" for p in r.replaced]
         report.skipped += [(f"layers/{i}/{p}", why) for p, why in r.skipped]
         report.bytes_before += r.bytes_before
@@ -202,6 +357,8 @@ def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "n
         report.replaced_bytes_after += r.replaced_bytes_after
     else:
         report.skipped.append(("lm_head", "excluded by the default filter"))
+    if mesh is not None:
+        shard_model(model, mesh, axis)
     report.bytes_after = knn._nbytes(nnx.state(model))
     return model, report
 
@@ -241,12 +398,24 @@ def decode(graphdef, state, token, cache, pos, steps: int):
 
 
 def generate(model: Llama, prompt, max_new_tokens: int, *, cache_dtype=None):
-    """Greedy generation: ``prompt`` int32[B, T] -> the ``max_new_tokens`` next tokens [B, n]."""
+    """Greedy generation: ``prompt`` int32[B, T] -> the ``max_new_tokens`` next tokens [B, n].
+
+    A model placed by `shard_model` runs under ``jax.set_mesh`` of its mesh with the KV cache
+    sharded over kv heads."""
+    if model.tp is None:
+        return _generate(model, prompt, max_new_tokens, cache_dtype, None)
+    mesh, axis = model.tp
+    with jax.set_mesh(mesh):
+        prompt = jax.device_put(jnp.asarray(prompt, jnp.int32), NamedSharding(mesh, P()))
+        return _generate(model, prompt, max_new_tokens, cache_dtype, cache_sharding(mesh, axis))
+
+
+def _generate(model, prompt, max_new_tokens, cache_dtype, sharding):
     prompt = jnp.asarray(prompt, jnp.int32)
     b, t = prompt.shape
     graphdef, state = nnx.split(model)
     dtype = cache_dtype or model.embed.embedding.dtype
-    cache = init_cache(model.config, b, t + max_new_tokens, dtype)
+    cache = init_cache(model.config, b, t + max_new_tokens, dtype, sharding=sharding)
     logits, cache = prefill(graphdef, state, prompt, cache)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if max_new_tokens == 1:
