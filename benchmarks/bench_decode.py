@@ -16,12 +16,27 @@ A run of a few minutes:
 CPU smoke test (slow; the tiny config):
     python benchmarks/bench_decode.py --configs tiny --batches 1,2 --weights bf16,4 \\
         --prompt 16 --new-tokens 8 --reps 1 --out /tmp/decode
+
+Tensor parallelism (``--tp``, a comma list of sizes: each runs over the first N devices, with
+``kbit_jax.examples.llama``'s Megatron layout: q/k/v, gate/up column-parallel, o/down
+row-parallel, lm_head over the vocabulary, KV cache over kv heads; two all-reduces per layer).
+Llama-3-70B on a 2-GPU and a 4-GPU H200 machine:
+    python benchmarks/bench_decode.py --configs llama3-70b --weights bf16,4,2 --tp 2 \\
+        --out benchmarks/results/decode_tp2
+    python benchmarks/bench_decode.py --configs llama3-70b --weights bf16,4,2 --tp 2,4 \\
+        --out benchmarks/results/decode_tp4
+CPU smoke test of the tensor-parallel path ("tiny-tp" splits over up to 4 devices, "tiny" 2):
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/bench_decode.py \\
+        --configs tiny-tp --tp 1,2,4 --batches 1,2 --weights bf16,4 --prompt 16 --new-tokens 8 \\
+        --reps 1 --out /tmp/decode_tp
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -37,14 +52,38 @@ RESULT = "RESULT "  # prefix of the worker's stdout line carrying its rows as JS
 
 #: Weights benchmarked per config by default ("bf16" or a bit width). The 70B config in bf16
 #: does not fit one H200 (141 GB of weights); it is attempted and reported as not fitting.
-DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tiny": "bf16,2,3,4,5"}
+DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tiny": "bf16,2,3,4,5",
+                   "tiny-tp": "bf16,2,3,4,5"}
 
 
 # -- worker: one model, all batch sizes -------------------------------------------------------
-def _device_memory():
+def _device_memory(devices=None):
+    """(the smallest bytes_limit, the largest peak_bytes_in_use) over ``devices`` (default:
+    the first device); None where the platform does not report them (CPU)."""
     import jax
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit"), stats.get("peak_bytes_in_use")
+    stats = [d.memory_stats() or {} for d in (devices or jax.devices()[:1])]
+    limits = [s["bytes_limit"] for s in stats if "bytes_limit" in s]
+    peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+    return (min(limits) if limits else None), (max(peaks) if peaks else None)
+
+
+def _device_bytes(tree, device) -> int:
+    """Bytes of ``tree``'s arrays that live on ``device``."""
+    import jax
+    return sum(shard.data.nbytes for x in jax.tree.leaves(tree) for shard in x.addressable_shards
+               if shard.device == device)
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def hlo_collectives(text: str) -> dict:
+    """Collective instructions (async -start forms included) in compiled HLO text, and the
+    shapes of any all-gathers (to show they gather activations, not weights)."""
+    import re
+    counts = {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in COLLECTIVES}
+    counts["all_gather_shapes"] = re.findall(r"=\s*(\S+)\s+all-gather(?:-start)?\(", text)
+    return counts
 
 
 def run_worker(args) -> list[dict]:
@@ -57,41 +96,77 @@ def run_worker(args) -> list[dict]:
     import kbit_jax
     from kbit_jax.examples import llama
 
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
     cfg = llama.CONFIGS[args.config]
     bits = None if args.weights == "bf16" else int(args.weights)
-    base = {"config": args.config, "weights": args.weights, "bits": bits, "quantize_head": args.quantize_head,
-            "prompt": args.prompt, "new_tokens": args.new_tokens}
+    tp = args.tp
+    base = {"config": args.config, "weights": args.weights, "bits": bits, "tp": tp,
+            "quantize_head": args.quantize_head, "prompt": args.prompt, "new_tokens": args.new_tokens}
     max_len = args.prompt + args.new_tokens
+    if tp > len(jax.devices()):
+        return [{**base, "status": f"needs {tp} devices, found {len(jax.devices())}"}]
+    try:
+        llama.check_tp(cfg, tp)
+    except ValueError as e:
+        return [{**base, "status": f"cannot split: {e}"}]
+    devices = jax.devices()[:tp]
 
-    # Would the model fit? (weights + the largest KV cache; activations are small at decode)
+    # Would the model fit? Per device: its share of the linear layers and lm_head, the whole
+    # embedding (replicated), the largest KV cache's share; activations are small at decode.
     n = cfg.num_params()
     linear = cfg.n_layers * (cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
                              + 3 * cfg.dim * cfg.hidden_dim)
-    weight_bytes = 2 * n if bits is None else 2 * (n - linear) + linear * (bits + 0.25) / 8
-    cache_bytes = 4 * cfg.n_layers * max(args.batches) * max_len * cfg.n_kv_heads * cfg.head_dim
-    limit, _ = _device_memory()
+    head = cfg.dim * cfg.vocab_size
+    linear_bytes = 2 * linear if bits is None else linear * (bits + 0.25) / 8
+    weight_bytes = linear_bytes / tp + 2 * head / tp + 2 * (n - linear - head)
+    cache_bytes = 4 * cfg.n_layers * max(args.batches) * max_len * cfg.n_kv_heads * cfg.head_dim / tp
+    limit, _ = _device_memory(devices)
     if limit is not None and weight_bytes + cache_bytes > limit:
-        return [{**base, "status": f"does not fit: needs ~{(weight_bytes + cache_bytes) / GIB:.1f} GiB, "
-                                   f"device has {limit / GIB:.1f} GiB"}]
+        return [{**base, "status": f"does not fit: needs ~{(weight_bytes + cache_bytes) / GIB:.1f} GiB "
+                                   f"per device, device has {limit / GIB:.1f} GiB"}]
 
+    mesh = None
+    if tp > 1:
+        axis_type = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[args.axis_type]
+        mesh = jax.make_mesh((tp,), ("tp",), axis_types=(axis_type,), devices=devices)
+        base["axis_type"] = args.axis_type
     t0 = time.perf_counter()
     model, report = llama.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
                                       param_dtype=jnp.bfloat16, quantize_head=args.quantize_head,
-                                      progress=args.progress)
+                                      progress=args.progress, mesh=mesh)
     jax.block_until_ready(nnx.state(model))
     build_s = time.perf_counter() - t0
     graphdef, state = nnx.split(model)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    device_model_bytes = _device_bytes(state, devices[0])
     del model
+
+    if mesh is None:
+        cache_sharding = prompt_sharding = None
+        context = contextlib.nullcontext
+    else:
+        cache_sharding = llama.cache_sharding(mesh)
+        prompt_sharding = NamedSharding(mesh, P())
+        context = functools.partial(jax.set_mesh, mesh)
+
+    def in_mesh(fn):     # run fn under jax.set_mesh(mesh) when tensor-parallel
+        @functools.wraps(fn)
+        def wrapped():
+            with context():
+                return fn()
+        return wrapped
 
     rows = []
     rng = np.random.default_rng(0)
     for batch in args.batches:
-        prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, args.prompt)), jnp.int32)
+        prompt = jax.device_put(rng.integers(0, cfg.vocab_size, (batch, args.prompt)).astype(np.int32),
+                                prompt_sharding)
         steps = args.new_tokens - 1
 
+        @in_mesh
         def once():
-            cache = llama.init_cache(cfg, batch, max_len, jnp.bfloat16)
+            cache = llama.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding)
             jax.block_until_ready(cache)
             t0 = time.perf_counter()
             logits, cache = llama.prefill(graphdef, state, prompt, cache)
@@ -110,23 +185,34 @@ def run_worker(args) -> list[dict]:
         prefill_s = statistics.median(t[0] for t in times)
         decode_s = statistics.median(t[1] for t in times)
         if args.profile:
-            path = os.path.join(args.profile, f"{args.config}-{args.weights}-b{batch}")
+            path = os.path.join(args.profile, f"{args.config}-{args.weights}-tp{tp}-b{batch}")
             with jax.profiler.trace(path):
                 once()
-        _, peak = _device_memory()
+        collectives = None
+        if mesh is not None and batch == args.batches[0]:
+            collectives = in_mesh(lambda: hlo_collectives(llama.decode.lower(
+                graphdef, state, jax.device_put(np.zeros(batch, np.int32), prompt_sharding),
+                llama.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding),
+                args.prompt, steps).compile().as_text()))()
+        _, peak = _device_memory(devices)
         rows.append({
             **base, "status": "ok", "batch": batch,
             "decode_tokens_per_s": batch * steps / decode_s,
             "decode_ms_per_step": 1e3 * decode_s / steps,
             "prefill_ms": 1e3 * prefill_s,
             "model_gib": model_bytes / GIB,
+            "device_model_gib": device_model_bytes / GIB,
             "peak_gib": None if peak is None else peak / GIB,
             "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
             "build_s": build_s, "compile_s": compile_s,
             "repeatable": all(np.array_equal(t[2], times[0][2]) for t in times),
             "report": None if report is None else str(report),
+            # Collective instructions in the compiled decode loop (first batch size, tp > 1):
+            # expected 2 all-reduces per layer + 2 tiny all-gathers (argmax over the sharded
+            # vocabulary: [batch, tp] values and indices), no all-gather of weights.
+            "decode_collectives": collectives,
         })
-        print(f"  {args.config} {args.weights:>4} batch {batch:>3}: "
+        print(f"  {args.config} {args.weights:>4} tp {tp} batch {batch:>3}: "
               f"{rows[-1]['decode_tokens_per_s']:10.1f} tok/s", file=sys.stderr, flush=True)
     return rows
 
@@ -146,11 +232,12 @@ def environment() -> dict:
     return info
 
 
-def run_subprocess(args, config: str, weights: str) -> list[dict]:
+def run_subprocess(args, config: str, weights: str, tp: int) -> list[dict]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config,
            "--weights", weights, "--batches", ",".join(map(str, args.batches)),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-           "--reps", str(args.reps), "--codebook", args.codebook]
+           "--reps", str(args.reps), "--codebook", args.codebook, "--tp", str(tp),
+           "--axis-type", args.axis_type]
     if args.profile:
         cmd += ["--profile", args.profile]
     if args.progress:
@@ -161,12 +248,13 @@ def run_subprocess(args, config: str, weights: str) -> list[dict]:
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     lines = [l[len(RESULT):] for l in proc.stdout.splitlines() if l.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
-        return [{"config": config, "weights": weights, "status": f"failed (exit {proc.returncode}); see stderr"}]
+        return [{"config": config, "weights": weights, "tp": tp,
+                 "status": f"failed (exit {proc.returncode}); see stderr"}]
     return json.loads(lines[-1])
 
 
 def to_markdown(env: dict, args, rows: list[dict]) -> str:
-    dense = {(r["config"], r["batch"]): r["decode_tokens_per_s"]
+    dense = {(r["config"], r["batch"], r.get("tp", 1)): r["decode_tokens_per_s"]
              for r in rows if r["status"] == "ok" and r["weights"] == "bf16"}
     lines = [
         f"# Greedy decode throughput ({env.get('device', '?')}, {env.get('date', '')})",
@@ -174,29 +262,35 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"Prompt {args.prompt} tokens, {args.new_tokens} new tokens (decode tok/s counts the "
         f"{args.new_tokens - 1} steps after prefill, summed over the batch); codebook "
         f"{args.codebook!r}; lm_head {'quantized' if args.quantize_head else 'bf16'}; median of {args.reps}. "
-        f"Peak GiB is the worker process's device peak, model building included. "
+        f"Peak GiB is the worker process's device peak, model building included (with tp > 1: "
+        f"the largest over its devices). tp = tensor-parallel devices ({args.axis_type} mesh "
+        f"axis); vs bf16 compares with bf16 at the same tp; model GiB is the whole model, "
+        f"GiB/dev the first device's share. "
         f"jax {env.get('jax')}, flax {env.get('flax')}, kbit_jax build {env.get('build_info')}.",
         "",
-        "| config | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | peak GiB |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| config | tp | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        tp = r.get("tp", 1)
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | | {r['weights']} | {r['status']} | | | | | |")
+            lines.append(f"| {r['config']} | {tp} | | {r['weights']} | {r['status']} | | | | | | |")
             continue
-        base = dense.get((r["config"], r["batch"]))
+        base = dense.get((r["config"], r["batch"], tp))
         speedup = f"{r['decode_tokens_per_s'] / base:.2f}x" if base else "-"
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         weights = "bf16" if r["bits"] is None else f"K={r['bits']}"
-        lines.append(f"| {r['config']} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
+        per_device = r.get("device_model_gib", r["model_gib"])
+        lines.append(f"| {r['config']} | {tp} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
                      f"{speedup} | {r['decode_ms_per_step']:.2f} | {r['prefill_ms']:.1f} | "
-                     f"{r['model_gib']:.2f} | {peak} |")
+                     f"{r['model_gib']:.2f} | {per_device:.2f} | {peak} |")
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="llama3-8b,llama3-70b", help="comma list of: tiny, llama3-8b, llama3-70b")
+    p.add_argument("--configs", default="llama3-8b,llama3-70b",
+                   help="comma list of: tiny, tiny-tp, llama3-8b, llama3-70b")
     p.add_argument("--weights", default=None,
                    help="comma list of bf16 and/or bit widths 2..5 (default per config: "
                         + "; ".join(f"{k}: {v}" for k, v in DEFAULT_WEIGHTS.items()) + ")")
@@ -204,6 +298,11 @@ def parse_args(argv=None):
     p.add_argument("--prompt", default=128, type=int)
     p.add_argument("--new-tokens", default=256, type=int)
     p.add_argument("--reps", default=3, type=int)
+    p.add_argument("--tp", default=[1], type=lambda s: [int(x) for x in str(s).split(",")],
+                   help="comma list of tensor-parallel sizes; each runs over the first N devices "
+                        "(default 1: one device, no mesh)")
+    p.add_argument("--axis-type", default="explicit", choices=("explicit", "auto"),
+                   help="the type of the 'tp' mesh axis when tp > 1 (default explicit, jax.make_mesh's)")
     p.add_argument("--codebook", default="nf")
     p.add_argument("--out", default=None, help="directory for decode.json and decode.md")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")
@@ -217,6 +316,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2")
+    if args.worker:
+        if len(args.tp) != 1:
+            p.error("a worker runs one --tp size")
+        args.tp = args.tp[0]
+    if any(t < 1 for t in ([args.tp] if args.worker else args.tp)):
+        p.error("--tp sizes must be >= 1")
     return args
 
 
@@ -229,12 +334,13 @@ def main(argv=None):
     print(json.dumps(env), file=sys.stderr)
     rows = []
     for config in args.configs.split(","):
-        for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
-            if args.in_process:
-                sub = argparse.Namespace(**{**vars(args), "config": config, "weights": weights})
-                rows += run_worker(sub)
-            else:
-                rows += run_subprocess(args, config, weights)
+        for tp in args.tp:
+            for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
+                if args.in_process:
+                    sub = argparse.Namespace(**{**vars(args), "config": config, "weights": weights, "tp": tp})
+                    rows += run_worker(sub)
+                else:
+                    rows += run_subprocess(args, config, weights, tp)
     md = to_markdown(env, args, rows)
     print(md)
     if args.out:
