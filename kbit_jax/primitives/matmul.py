@@ -17,7 +17,7 @@ from .. import reference
 from ..format import BLOCK
 from ..sharding import FactorRule
 from ._common import _varying_axes, define, fold_batch_into_leading_axis, layout_attr, out_aval
-from .dequantize import dequantize_p
+from .dequantize import dequantize_kernel_p, dequantize_p
 
 matmul_p = Primitive("kbit_matmul")
 METHODS = ("auto", "fused", "dequantize")
@@ -38,7 +38,7 @@ def _reference(x, planes, scales, codebook, tensor_scale, *, layout, method):
 
 
 def _dequantize_then_dot(x, planes, scales, codebook, tensor_scale, *, layout, method):
-    w = dequantize_p.bind(planes, scales, codebook, tensor_scale, layout=layout, dtype=x.dtype)
+    w = dequantize_kernel_p.bind(planes, scales, codebook, tensor_scale, layout=layout, dtype=x.dtype)
     y = jnp.einsum("bmk,bkn->bmn", x, w, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
