@@ -71,6 +71,8 @@ def time_products(product, x, weights, repeats):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--kn", nargs=2, type=int, metavar=("K", "N"),
+                   help="benchmark this one K x N shape instead of --shapes")
     p.add_argument("--m", nargs="+", type=int, default=list(M_VALUES))
     p.add_argument("--bits", nargs="+", type=int, default=list(BITS))
     p.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
@@ -83,9 +85,9 @@ def main(argv=None):
     bw = copy_bandwidth(args.repeats)
     print(f"device {device.device_kind}, jax {jax.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"build {kj.build_info()}", flush=True)
+    shapes = {f"{args.kn[0]}x{args.kn[1]}": tuple(args.kn)} if args.kn else {s: SHAPES[s] for s in args.shapes}
     rows = []
-    for name in args.shapes:
-        k, n = SHAPES[name]
+    for name, (k, n) in shapes.items():
         key = jax.random.key(hash(name) & 0xFFFF)
         w = jax.random.normal(key, (k, n), jnp.float32) * 0.02
         for dtype_name in args.dtype:
