@@ -245,11 +245,15 @@ def run_subprocess(args, config: str, weights: str, tp: int) -> list[dict]:
     if args.quantize_head:
         cmd += ["--quantize-head"]
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    sys.stderr.write(proc.stderr)      # the worker's progress and any crash report
     lines = [l[len(RESULT):] for l in proc.stdout.splitlines() if l.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
+        # Keep the end of the worker's stderr in the results: a crash (an XLA check failure
+        # aborts the process) must be diagnosable from the JSON alone.
         return [{"config": config, "weights": weights, "tp": tp,
-                 "status": f"failed (exit {proc.returncode}); see stderr"}]
+                 "status": f"failed (exit {proc.returncode}); stderr_tail in the JSON",
+                 "stderr_tail": proc.stderr[-4000:]}]
     return json.loads(lines[-1])
 
 
