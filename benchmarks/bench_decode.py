@@ -74,16 +74,11 @@ def _device_bytes(tree, device) -> int:
                if shard.device == device)
 
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
 def hlo_collectives(text: str) -> dict:
-    """Collective instructions (async -start forms included) in compiled HLO text, and the
-    shapes of any all-gathers (to show they gather activations, not weights)."""
-    import re
-    counts = {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in COLLECTIVES}
-    counts["all_gather_shapes"] = re.findall(r"=\s*(\S+)\s+all-gather(?:-start)?\(", text)
-    return counts
+    """Collective counts of compiled HLO, and the shapes of any all-gathers (to show they
+    gather activations, not weights)."""
+    from kbit_jax.sharding import all_gather_shapes, collective_counts
+    return {**collective_counts(text), "all_gather_shapes": all_gather_shapes(text)}
 
 
 def run_worker(args) -> list[dict]:

@@ -34,7 +34,6 @@ import datetime
 import json
 import math
 import os
-import re
 import sys
 
 import jax
@@ -45,17 +44,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
 from kbit_jax import codebooks, sharding as ks  # noqa: E402
+from kbit_jax.sharding import collective_counts as collectives  # noqa: E402
 from bench_matmul import median_call_seconds  # noqa: E402  (queued calls: host overhead hidden)
 from shapes import SHAPES  # noqa: E402
 
 L2_BYTES = 60e6
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DEFAULT_SHAPES = ("llama3_70b_gate_up", "llama3_70b_down")
 DEFAULT_M = (1, 4, 16, 64, 256)
-
-
-def collectives(text: str) -> dict:
-    return {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in COLLECTIVES}
 
 
 def copy_bandwidth(device, repeats):

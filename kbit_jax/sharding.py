@@ -52,7 +52,7 @@ from .format import BLOCK, KbitWeight
 
 __all__ = [
     "FactorRule", "column_parallel", "row_parallel", "shard_weight", "weight_shardings",
-    "weight_specs",
+    "weight_specs", "collective_counts", "all_gather_shapes",
 ]
 
 # ------------------------------------------------------------------------------------------
@@ -416,3 +416,21 @@ def strip_aval(aval):
     """The same shape/dtype with no sharding or manual-axis type (what the kernel sees)."""
     return jax.core.ShapedArray(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
+
+
+# -- checking what XLA did ---------------------------------------------------------------------
+#: Collective instructions that can appear in compiled HLO.
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast")
+
+
+def collective_counts(compiled_hlo: str) -> dict[str, int]:
+    """How many of each collective a compiled program runs (async ``-start`` forms included),
+    e.g. ``collective_counts(jax.jit(f).lower(*args).compile().as_text())``: no all-gather
+    means no weight was gathered."""
+    return {c: len(re.findall(rf"\s{c}(?:-start)?\(", compiled_hlo)) for c in COLLECTIVES}
+
+
+def all_gather_shapes(compiled_hlo: str) -> list[str]:
+    """The result shapes of the all-gathers (e.g. ``"f32[2,4]"``), to show what is gathered."""
+    return re.findall(r"=\s*(\w+\[[\d,]*\])\S*\s+all-gather(?:-start)?\(", compiled_hlo)

@@ -12,7 +12,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
-import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -28,13 +27,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
 AXIS_TYPES = [pytest.param(AxisType.Auto, id="auto"), pytest.param(AxisType.Explicit, id="explicit")]
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-               "collective-broadcast")
-
-
-def collectives(compiled_text: str) -> dict:
-    """Count collective instructions (async -start forms included) in compiled HLO."""
-    return {c: len(re.findall(rf"\s{c}(?:-start)?\(", compiled_text)) for c in COLLECTIVES}
+from kbit_jax.sharding import COLLECTIVES, collective_counts as collectives  # noqa: E402
 
 
 def compiled(f, *args):

@@ -9,7 +9,6 @@ down_proj) and no other collective, so no weight is ever all-gathered; the greed
 only the two [batch, tp] all-gathers of the argmax over the sharded vocabulary.
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -20,24 +19,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import kbit_jax.nn as knn
 from kbit_jax.examples import llama
+from kbit_jax.sharding import COLLECTIVES, all_gather_shapes, collective_counts as collectives
 
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) < 4,
     reason="needs 4 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
 AXIS_TYPES = [pytest.param(AxisType.Explicit, id="explicit"), pytest.param(AxisType.Auto, id="auto")]
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-               "collective-broadcast")
 PROMPT = np.random.default_rng(1).integers(0, 256, (2, 8)).astype(np.int32)
 NEW = 6
-
-
-def collectives(text: str) -> dict:
-    return {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in COLLECTIVES}
-
-
-def all_gather_shapes(text: str) -> list[str]:
-    return re.findall(r"=\s*(\w+\[[\d,]*\])\S*\s+all-gather(?:-start)?\(", text)
 
 
 def tp_mesh(tp, axis_type):

@@ -17,11 +17,7 @@ using kbit::cpu::FloatType;
 using kbit::ffi_check::Problem;
 
 FloatType float_type(kbit::ffi_check::Float dtype) {
-  switch (dtype) {
-    case kbit::ffi_check::Float::kBF16: return FloatType::kBF16;
-    case kbit::ffi_check::Float::kF16: return FloatType::kF16;
-    default: return FloatType::kF32;
-  }
+  return kbit::ffi_check::to_kernel_float<FloatType>(dtype);
 }
 
 kbit::cpu::WeightShape weight_shape(const Problem& p) {

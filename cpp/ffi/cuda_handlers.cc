@@ -18,11 +18,7 @@ using kbit::cuda::DType;
 using kbit::ffi_check::Problem;
 
 DType cuda_dtype(kbit::ffi_check::Float dtype) {
-  switch (dtype) {
-    case kbit::ffi_check::Float::kBF16: return DType::kBF16;
-    case kbit::ffi_check::Float::kF16: return DType::kF16;
-    default: return DType::kF32;
-  }
+  return kbit::ffi_check::to_kernel_float<DType>(dtype);
 }
 
 ffi::Error launch_result(const std::string& msg) {

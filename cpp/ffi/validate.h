@@ -17,6 +17,16 @@ namespace ffi = xla::ffi;
 
 enum class Float { kF32, kBF16, kF16 };
 
+// The same dtype in a kernel library's own enum (each has kF32, kBF16, kF16).
+template <class KernelFloat>
+KernelFloat to_kernel_float(Float dtype) {
+  switch (dtype) {
+    case Float::kBF16: return KernelFloat::kBF16;
+    case Float::kF16: return KernelFloat::kF16;
+    default: return KernelFloat::kF32;
+  }
+}
+
 // What a call's operands say, once they are known to be consistent.
 struct Problem {
   int64_t batch = 0, m = 0, k = 0, n = 0;  // m only for matmul
