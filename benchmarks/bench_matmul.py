@@ -2,10 +2,10 @@
 
 Timing: each measurement jits one function that runs the product over R different weight
 buffers (R chosen so their bytes exceed the 60 MB L2 at least four times, so weights come
-from HBM as in decoding). The function is dispatched `CALLS` times back to back without
-waiting (JAX dispatches asynchronously, so the device runs the calls end to end and host
-overhead hides behind device work), then the last result is awaited; time / (CALLS * R) is
-one sample, and the median of the samples is reported. The dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is
+from HBM as in decoding). The function is dispatched 10 times back to back without
+waiting (`kbit_jax.timing.median_call_seconds`: the host overhead hides behind device work),
+then the last result is awaited; time / (10 * R) is one sample, and the median of the samples
+is reported. The dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is
 bytes moved / copy bandwidth measured in the same run.
 
     python benchmarks/bench_matmul.py --out benchmarks/results            # full table (GPU)
@@ -18,9 +18,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,25 +26,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
+from kbit_jax.timing import median_call_seconds  # noqa: E402
 from shapes import BITS, M_VALUES, SHAPES  # noqa: E402
 
 L2_BYTES = 60e6
-
-
-CALLS = 10
-
-
-def median_call_seconds(fn, args, repeats):
-    """Median over `repeats` samples of the time per call of CALLS queued calls."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / CALLS)
-    return statistics.median(times)
 
 
 def copy_bandwidth(repeats):

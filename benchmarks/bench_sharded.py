@@ -14,7 +14,7 @@ checked for collectives (recorded; a kbit program with an all-gather is reported
 
 Timing (DESIGN.md §7): one jitted call applies the layer to R different weight buffers (R so
 that the per-GPU weight bytes exceed the 60 MB L2 at least four times: weights come from HBM
-as in decoding); bench_matmul.median_call_seconds queues several calls per sample so host
+as in decoding); kbit_jax.timing.median_call_seconds queues several calls per sample so host
 dispatch hides behind device work; the median sample is divided by R. Weights are random
 codes/scales generated on the devices (values do not matter for speed). The floor is the
 per-GPU bytes (weight shard + activations) / the copy bandwidth measured in the same run.
@@ -43,9 +43,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
+from kbit_jax.timing import median_call_seconds  # noqa: E402
 from kbit_jax import codebooks, sharding as ks  # noqa: E402
 from kbit_jax.sharding import collective_counts as collectives  # noqa: E402
-from bench_matmul import median_call_seconds  # noqa: E402  (queued calls: host overhead hidden)
 from shapes import SHAPES  # noqa: E402
 
 L2_BYTES = 60e6

@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import kbit_jax as kj
-
-
-def _median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))                      # compile + warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from kbit_jax.timing import median_call_seconds
 
 
 def demo(argv) -> int:
@@ -40,10 +29,11 @@ def demo(argv) -> int:
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     w = jax.random.normal(jax.random.key(0), (args.k, args.n), jnp.float32) * 0.02
     dense = w.astype(dtype)
-    dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+    dot = jax.jit(jnp.dot)
+    exact = jax.jit(lambda x, w: jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST))
     matmul = jax.jit(kj.matmul)
     print(f"layer {args.k} x {args.n}, activations {jnp.dtype(dtype).name}; "
-          f"time = median wall clock of {args.repeats} calls (see benchmarks/ for device time)")
+          f"time per call: median of {args.repeats} samples of 10 queued calls (kbit_jax.timing)")
     print(f"{'bits':>4} {'M':>5} {'MB':>8} {'rel.err vs dense':>17} {'kbit ms':>9} {'dense ms':>9} {'speedup':>8}")
     for bits in args.bits:
         t0 = time.perf_counter()
@@ -52,10 +42,10 @@ def demo(argv) -> int:
         for m in args.m:
             x = jax.random.normal(jax.random.key(m), (m, args.k), dtype)
             y = matmul(x, w_q)
-            reference = dot(x.astype(jnp.float32), w)          # the unquantized product
+            reference = exact(x.astype(jnp.float32), w)        # the unquantized product
             err = float(jnp.linalg.norm(y.astype(jnp.float32) - reference) / jnp.linalg.norm(reference))
-            t_kbit = _median_seconds(matmul, x, w_q, repeats=args.repeats)
-            t_dense = _median_seconds(dot, x, dense, repeats=args.repeats)
+            t_kbit = median_call_seconds(matmul, (x, w_q), args.repeats)
+            t_dense = median_call_seconds(dot, (x, dense), args.repeats)
             print(f"{bits:>4} {m:>5} {w_q.nbytes / 1e6:>8.1f} {err:>17.4f} {t_kbit * 1e3:>9.3f} "
                   f"{t_dense * 1e3:>9.3f} {t_dense / t_kbit:>7.2f}x")
         print(f"     (quantize took {quantize_s:.2f} s, dense weight {dense.nbytes / 1e6:.1f} MB)")
