@@ -18,7 +18,7 @@ CPU smoke test (slow; the tiny config):
         --prompt 16 --new-tokens 8 --reps 1 --out /tmp/decode
 
 Tensor parallelism (``--tp``, a comma list of sizes: each runs over the first N devices, with
-``kbit_jax.examples.llama``'s Megatron layout: q/k/v, gate/up column-parallel, o/down
+``kbit_jax.examples.llama``'s Megatron layout: fused q/k/v and gate/up column-parallel, o/down
 row-parallel, lm_head over the vocabulary, KV cache over kv heads; two all-reduces per layer).
 Llama-3-70B on a 2-GPU and a 4-GPU H200 machine:
     python benchmarks/bench_decode.py --configs llama3-70b --weights bf16,4,2 --tp 2 \\
@@ -181,7 +181,8 @@ def run_worker(args) -> list[dict]:
         decode_s = statistics.median(t[1] for t in times)
         if args.profile:
             path = os.path.join(args.profile, f"{args.config}-{args.weights}-tp{tp}-b{batch}")
-            with jax.profiler.trace(path):
+            # The perfetto JSON is what benchmarks/profile_summary.py reads.
+            with jax.profiler.trace(path, create_perfetto_trace=True):
                 once()
         collectives = None
         if mesh is not None and batch == args.batches[0]:

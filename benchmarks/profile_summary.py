@@ -1,0 +1,119 @@
+"""Where the GPU time of a profiled run goes: per-category kernel time, idle gaps, top kernels.
+
+Reads the ``perfetto_trace.json.gz`` that ``jax.profiler.trace(..., create_perfetto_trace=True)``
+writes (``bench_decode.py --profile DIR`` does so per row) and prints, for device 0: the span
+from the first kernel's start to the last kernel's end, the time at least one kernel ran
+("busy"), the rest ("idle": launch gaps, host waits), and the busy time split by category. With
+``--steps`` every figure is also given per decode step.
+
+    python benchmarks/profile_summary.py /tmp/prof/llama3-8b-4-tp1-b1 --steps 63
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+from collections import defaultdict
+
+#: Kernel-name patterns, first match wins. Everything else is an XLA-generated fusion.
+CATEGORIES = [
+    ("kbit fused matmul", re.compile(r"kbit_matmul")),
+    ("kbit dequantize", re.compile(r"dequantize_kernel")),
+    ("kbit other", re.compile(r"kbit")),
+    ("NCCL", re.compile(r"nccl", re.I)),
+    ("cuBLAS / dense GEMM", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|sm90_|sm80_", re.I)),
+    ("memcpy / memset", re.compile(r"memcpy|memset", re.I)),
+]
+OTHER = "XLA fusions (attention, norms, rotary, cache, sampling)"
+
+
+def find_trace(path: str) -> str:
+    if os.path.isfile(path):
+        return path
+    found = sorted(glob.glob(os.path.join(path, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not found:
+        raise SystemExit(f"no perfetto_trace.json.gz under {path} (profile with create_perfetto_trace=True)")
+    return found[-1]
+
+
+def kernel_events(trace: dict, device: int = 0) -> list[tuple[float, float, str]]:
+    """(start_us, end_us, name) of the kernels that ran on GPU `device`, sorted by start."""
+    events = trace["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    want = [pid for pid, name in procs.items() if re.search(rf"GPU:{device}\b", name)]
+    if not want:
+        raise SystemExit(f"no GPU:{device} process in the trace; processes: {sorted(procs.values())}")
+    pid = want[0]
+    # Kernels sit on the "Stream #..." threads; the other device threads (XLA Ops, XLA Modules)
+    # repeat them as annotations and would double-count.
+    streams = {tid for (p, tid), name in threads.items() if p == pid and name.startswith("Stream")}
+    out = []
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") == pid and e.get("dur", 0) > 0:
+            if streams and e.get("tid") not in streams:
+                continue
+            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
+    out.sort()
+    return out
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if pattern.search(name):
+            return label
+    return OTHER
+
+
+def summarize(kernels: list[tuple[float, float, str]], steps: int = 1, top: int = 12) -> str:
+    if not kernels:
+        return "no kernels in the trace"
+    span = kernels[-1][1] - kernels[0][0]
+    busy, cur_start, cur_end = 0.0, kernels[0][0], kernels[0][1]
+    for s, e, _ in kernels[1:]:
+        if s > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    busy += cur_end - cur_start
+    by_cat, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    for s, e, name in kernels:
+        by_cat[category(name)] += e - s
+        by_name[name] += e - s
+        count[name] += 1
+    per = f" per step (/{steps})" if steps > 1 else ""
+    lines = [f"{len(kernels)} kernels; times in us{per}",
+             f"  span  {span / steps:10.1f}", f"  busy  {busy / steps:10.1f}  ({100 * busy / span:.1f} %)",
+             f"  idle  {(span - busy) / steps:10.1f}  ({100 * (span - busy) / span:.1f} %: launch gaps, waits)",
+             "kernel time by category:"]
+    for label, t in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {label:<58s} {t / steps:10.1f}  ({100 * t / busy:.1f} % of busy)")
+    lines.append(f"top {top} kernels:")
+    for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {t / steps:10.1f}  x{count[name] / steps:6.1f}  {name[:100]}")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="+", help="trace files or directories holding perfetto_trace.json.gz")
+    p.add_argument("--steps", type=int, default=1, help="divide every time by this (decode steps)")
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args()
+    for path in args.paths:
+        trace_path = find_trace(path)
+        with gzip.open(trace_path) as f:
+            trace = json.load(f)
+        print(f"== {path}")
+        print(summarize(kernel_events(trace, args.device), args.steps, args.top))
+
+
+if __name__ == "__main__":
+    main()
