@@ -290,7 +290,7 @@ def default_filter(path: Sequence[Any], module: Any) -> bool:
 class QuantizeReport:
     """What ``quantize_model`` / ``quantize_params`` did.
 
-    ``replaced``: paths ("layers/0/attn/q_proj") converted; ``skipped``: (path, reason) for
+    ``replaced``: paths ("layers/0/attn/qkv_proj") converted; ``skipped``: (path, reason) for
     linear layers left dense; ``bytes_before``/``bytes_after``: the whole model's state;
     ``replaced_bytes_before``/``replaced_bytes_after``: the converted kernels only.
     """

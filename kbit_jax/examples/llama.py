@@ -18,7 +18,8 @@ Tensor parallelism (Megatron style) over a mesh axis, bf16 or quantized alike:
     model, _ = llama.build_model(llama.TINY, bits=4, mesh=mesh)   # or llama.shard_model(model, mesh)
     tokens = llama.generate(model, prompt, max_new_tokens=16)  # runs under jax.set_mesh(mesh)
 
-q/k/v and gate/up are column-parallel (N over "tp"), o and down row-parallel (K over "tp":
+The fused q/k/v and gate/up projections are column-parallel (N over "tp": whole kv-head
+groups and matching gate/up features per device), o and down row-parallel (K over "tp":
 one all-reduce each, so two per layer), lm_head column-parallel over the vocabulary, the
 embedding and norms replicated, and the KV cache sharded over its kv-head axis. Each device
 holds its heads' slice of every weight; quantized weights are placed with
@@ -116,11 +117,19 @@ def _row_parallel_out(x):
 
 
 class Attention(nnx.Module):
+    """Grouped-query attention with one fused q/k/v projection.
+
+    ``qkv_proj``'s output columns are grouped by kv head: for kv head j, the ``G = n_heads /
+    n_kv_heads`` query heads that share it, then k_j, then v_j (``(G + 2) * head_dim`` columns
+    per group). One projection instead of three is one kernel launch instead of three for the
+    small k and v matrices, and splitting its columns over a tensor-parallel axis gives every
+    device whole groups (q, k and v of the same heads). A checkpoint's separate q/k/v kernels
+    map to it by concatenating their per-group column slices in that order.
+    """
+
     def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs):
         hd = cfg.head_dim
-        self.q_proj = _linear(cfg.dim, cfg.n_heads * hd, param_dtype, rngs)
-        self.k_proj = _linear(cfg.dim, cfg.n_kv_heads * hd, param_dtype, rngs)
-        self.v_proj = _linear(cfg.dim, cfg.n_kv_heads * hd, param_dtype, rngs)
+        self.qkv_proj = _linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, param_dtype, rngs)
         self.o_proj = _linear(cfg.n_heads * hd, cfg.dim, param_dtype, rngs)
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
         self.rope_theta = cfg.rope_theta
@@ -128,15 +137,17 @@ class Attention(nnx.Module):
     def __call__(self, x, cache_k, cache_v, pos):
         b, t, _ = x.shape
         h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        g = h // kvh
         positions = pos + jnp.arange(t)
-        q = rope(self.q_proj(x).reshape(b, t, h, hd), positions, self.rope_theta)
-        k = rope(self.k_proj(x).reshape(b, t, kvh, hd), positions, self.rope_theta)
-        v = self.v_proj(x).reshape(b, t, kvh, hd)
+        qkv = self.qkv_proj(x).reshape(b, t, kvh, g + 2, hd)
+        q = rope(qkv[:, :, :, :g].reshape(b, t, h, hd), positions, self.rope_theta)
+        k = rope(qkv[:, :, :, g], positions, self.rope_theta)
+        v = qkv[:, :, :, g + 1]
         cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, pos, 0, 0))
         cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, pos, 0, 0))
 
         # Grouped-query attention over the whole cache, masked to keys at positions <= query's.
-        q = q.reshape(b, t, kvh, h // kvh, hd)
+        q = q.reshape(b, t, kvh, g, hd)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, cache_k,
                             preferred_element_type=jnp.float32) * hd ** -0.5
         mask = jnp.arange(cache_k.shape[1])[None, :] <= positions[:, None]       # [T, S]
@@ -148,13 +159,18 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    """SwiGLU MLP with one fused gate/up projection: ``gate_up_proj``'s output column 2i is
+    gate feature i and column 2i + 1 up feature i, so one kernel computes both and a
+    column-parallel split gives every device matching gate and up features."""
+
     def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg.dim, cfg.hidden_dim, param_dtype, rngs)
-        self.up_proj = _linear(cfg.dim, cfg.hidden_dim, param_dtype, rngs)
+        self.gate_up_proj = _linear(cfg.dim, 2 * cfg.hidden_dim, param_dtype, rngs)
         self.down_proj = _linear(cfg.hidden_dim, cfg.dim, param_dtype, rngs)
 
     def __call__(self, x):
-        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        gate_up = self.gate_up_proj(x)
+        gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
+        h = jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
         return self.down_proj(h, out_sharding=_row_parallel_out(h))
 
 
@@ -211,8 +227,8 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *
 # -- tensor parallelism -----------------------------------------------------------------------
 #: Logical (K, N) placement of each linear layer, by attribute name: "col" = N over the
 #: tensor-parallel axis (no collective), "row" = K over it (one all-reduce).
-TP_LAYOUT = {"q_proj": "col", "k_proj": "col", "v_proj": "col", "gate_proj": "col",
-             "up_proj": "col", "o_proj": "row", "down_proj": "row", "lm_head": "col"}
+TP_LAYOUT = {"qkv_proj": "col", "gate_up_proj": "col", "o_proj": "row", "down_proj": "row",
+             "lm_head": "col"}
 
 
 def _tp_size(mesh, axis: str) -> int:
@@ -255,7 +271,7 @@ def shard_model(model, mesh, axis: str = "tp"):
     """Place ``model`` (a `Llama`, or any sub-module such as one `Block`) tensor-parallel over
     ``mesh``'s axis ``axis``, in place; returns it.
 
-    Linear layers follow `TP_LAYOUT` (Megatron: q/k/v, gate/up column-parallel, o/down
+    Linear layers follow `TP_LAYOUT` (Megatron: fused q/k/v and gate/up column-parallel, o/down
     row-parallel; lm_head column-parallel over the vocabulary when ``tp`` divides it). A
     quantized layer's leaves are placed by ``kbit_jax.shard_weight`` (it refuses a shard
     that would cut a 32-element block, e.g. o_proj's K/tp not a multiple of 32); a dense
