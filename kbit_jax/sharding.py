@@ -346,6 +346,9 @@ def _replicated_like(sharding):
     return sharding_impls.GSPMDSharding.get_replicated(sharding._device_assignment)
 
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
 def partitioned(kernel: Callable, rule: FactorRule, *, multiple_results: bool):
     """``custom_partitioning`` wrapper around ``kernel(*operands)`` following ``rule``.
 
@@ -388,9 +391,15 @@ def partitioned(kernel: Callable, rule: FactorRule, *, multiple_results: bool):
         arg_sh, res_sh, red_axes = decided
 
         def lower_fn(*args):
-            out = fn(*args)
-            if red_axes:
-                out = jax.tree.map(lambda y: jax.lax.psum(y, red_axes), out)
+            # Trace the local body with no ambient mesh. custom_partitioning traces it under
+            # the caller's mesh (from jax 0.11 on), so under Explicit axes the kernel result and
+            # with it psum's scalar reducer carried that mesh: the reducer was emitted with a
+            # Sharding custom call inside, which XLA's GPU all-reduce cannot match to a
+            # reduction kind (compile abort "reduction_kind.has_value()" on the H200).
+            with jax.sharding.use_abstract_mesh(_NO_MESH):
+                out = fn(*args)
+                if red_axes:
+                    out = jax.tree.map(lambda y: jax.lax.psum(y, red_axes), out)
             return out
 
         return mesh, lower_fn, pack(res_sh), arg_sh

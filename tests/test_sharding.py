@@ -6,6 +6,7 @@ one all-reduce for row-parallel. Plus shard_map (check_vma, grads), pmap and bad
 """
 
 import os
+import re
 
 # Needs 8 devices; must be set before jax initializes (tests/conftest.py does the same).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -32,6 +33,15 @@ from kbit_jax.sharding import COLLECTIVES, collective_counts as collectives  # n
 
 def compiled(f, *args):
     return jax.jit(f).lower(*args).compile().as_text()
+
+
+def all_reduce_reducers(hlo: str) -> list[list[str]]:
+    """The body lines of every all-reduce's reduction computation in an HLO text."""
+    bodies = []
+    for name in re.findall(r"all-reduce\(.*?to_apply=(%[\w.\-]+)", hlo):
+        start = hlo.index(f"\n{name} (") + 1
+        bodies.append(hlo[start:hlo.index("\n}", start)].splitlines()[1:])
+    return bodies
 
 
 def mesh_1d(axis_type, name="tp"):
@@ -103,9 +113,15 @@ def test_row_parallel(weights, axis_type, x_spec, rng):
     wq = weights[(512, 256)]
     mesh = mesh_1d(axis_type)
     x = jnp.asarray(rng.standard_normal((16, 512)), jnp.float32)
-    y, coll = run(mesh, kj.matmul, put(x, mesh, x_spec), ks.row_parallel(wq, mesh))
+    args = put(x, mesh, x_spec), ks.row_parallel(wq, mesh)
+    y, coll = run(mesh, kj.matmul, *args)
     assert_close(y, kj.matmul(x, wq))
     assert coll == ONE_ALL_REDUCE, coll
+    # The reduction is a plain add of the two parameters: a sharding annotation inside it (the
+    # local body traced under the caller's Explicit mesh) made XLA's GPU all-reduce abort.
+    with jax.set_mesh(mesh):
+        (reducer,) = all_reduce_reducers(compiled(kj.matmul, *args))
+    assert len(reducer) == 3 and " add(" in reducer[-1] and "custom-call" not in "".join(reducer), reducer
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
