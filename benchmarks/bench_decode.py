@@ -147,9 +147,9 @@ def run_worker(args) -> list[dict]:
 
     def in_mesh(fn):     # run fn under jax.set_mesh(mesh) when tensor-parallel
         @functools.wraps(fn)
-        def wrapped():
+        def wrapped(*args, **kwargs):
             with context():
-                return fn()
+                return fn(*args, **kwargs)
         return wrapped
 
     rows = []
@@ -160,7 +160,7 @@ def run_worker(args) -> list[dict]:
         steps = args.new_tokens - 1
 
         @in_mesh
-        def once():
+        def once(trace_dir=None):
             cache = llama.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding)
             jax.block_until_ready(cache)
             t0 = time.perf_counter()
@@ -168,8 +168,11 @@ def run_worker(args) -> list[dict]:
             first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             first.block_until_ready()
             t1 = time.perf_counter()
-            out, cache = llama.decode(graphdef, state, first, cache, args.prompt, steps)
-            out.block_until_ready()
+            # Only the decode loop is traced (the perfetto JSON is what profile_summary reads).
+            with (jax.profiler.trace(trace_dir, create_perfetto_trace=True) if trace_dir
+                  else contextlib.nullcontext()):
+                out, cache = llama.decode(graphdef, state, first, cache, args.prompt, steps)
+                out.block_until_ready()
             t2 = time.perf_counter()
             return t1 - t0, t2 - t1, np.asarray(out)
 
@@ -179,11 +182,11 @@ def run_worker(args) -> list[dict]:
         times = [once() for _ in range(args.reps)]
         prefill_s = statistics.median(t[0] for t in times)
         decode_s = statistics.median(t[1] for t in times)
+        profile = None
         if args.profile:
             path = os.path.join(args.profile, f"{args.config}-{args.weights}-tp{tp}-b{batch}")
-            # The perfetto JSON is what benchmarks/profile_summary.py reads.
-            with jax.profiler.trace(path, create_perfetto_trace=True):
-                once()
+            once(trace_dir=path)
+            profile = _profile_summary(path, steps)
         collectives = None
         if mesh is not None and batch == args.batches[0]:
             collectives = in_mesh(lambda: hlo_collectives(llama.decode.lower(
@@ -203,6 +206,8 @@ def run_worker(args) -> list[dict]:
             "build_s": build_s, "compile_s": compile_s,
             "repeatable": all(np.array_equal(t[2], times[0][2]) for t in times),
             "report": None if report is None else str(report),
+            # With --profile: GPU time per decode step by kernel category, and idle gaps.
+            "profile": profile,
             # Collective instructions in the compiled decode loop (first batch size, tp > 1):
             # expected 2 all-reduces per layer + 2 tiny all-gathers (argmax over the sharded
             # vocabulary: [batch, tp] values and indices), no all-gather of weights.
@@ -211,6 +216,16 @@ def run_worker(args) -> list[dict]:
         print(f"  {args.config} {args.weights:>4} tp {tp} batch {batch:>3}: "
               f"{rows[-1]['decode_tokens_per_s']:10.1f} tok/s", file=sys.stderr, flush=True)
     return rows
+
+
+def _profile_summary(path, steps):
+    """profile_summary's per-step text for the trace under `path`, or why there is none."""
+    import profile_summary  # benchmarks/, next to this script
+    try:
+        trace = profile_summary.load_trace(path)
+        return profile_summary.summarize(profile_summary.kernel_events(trace), steps)
+    except (SystemExit, OSError, ValueError) as e:   # e.g. a CPU run: no GPU process in the trace
+        return f"no summary: {e}"
 
 
 # -- driver ------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Reads the ``perfetto_trace.json.gz`` that ``jax.profiler.trace(..., create_perfe
 writes (``bench_decode.py --profile DIR`` does so per row) and prints, for device 0: the span
 from the first kernel's start to the last kernel's end, the time at least one kernel ran
 ("busy"), the rest ("idle": launch gaps, host waits), and the busy time split by category. With
-``--steps`` every figure is also given per decode step.
+``--steps`` every figure is also given per decode step. ``bench_decode.py --profile`` traces
+only the decode loop and stores this summary in its JSON rows.
 
     python benchmarks/profile_summary.py /tmp/prof/llama3-8b-4-tp1-b1 --steps 63
 """
@@ -38,6 +39,12 @@ def find_trace(path: str) -> str:
     if not found:
         raise SystemExit(f"no perfetto_trace.json.gz under {path} (profile with create_perfetto_trace=True)")
     return found[-1]
+
+
+def load_trace(path: str) -> dict:
+    """The perfetto trace JSON at `path` (a file, or the newest one under a directory)."""
+    with gzip.open(find_trace(path)) as f:
+        return json.load(f)
 
 
 def kernel_events(trace: dict, device: int = 0) -> list[tuple[float, float, str]]:
@@ -108,11 +115,8 @@ def main():
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
     for path in args.paths:
-        trace_path = find_trace(path)
-        with gzip.open(trace_path) as f:
-            trace = json.load(f)
         print(f"== {path}")
-        print(summarize(kernel_events(trace, args.device), args.steps, args.top))
+        print(summarize(kernel_events(load_trace(path), args.device), args.steps, args.top))
 
 
 if __name__ == "__main__":
