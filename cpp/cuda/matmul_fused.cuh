@@ -56,6 +56,17 @@
 //  orientation (the LDS.64 quad lookups land in operand order there, removing ~32 register
 //  moves per stage); 16 consumer warps need <= 96 registers next to the producers (17-18
 //  warps allocate as 20), 8 consumer warps (V1) have room.
+//  Shared-memory budget (why bits 2 is no faster than bits 4): per warp and k-block at M = 1,
+//  kTN = 4 (2048 weights) the consumers use ~56 shared-memory wavefronts (128 B each, one per
+//  clock per SM): 32 table lookups (bits 4: LDS.32 pairs; bits 2: LDS.64 quads, 2 wavefronts
+//  each, so the same count), 8 weight loads, 4 for x (ldmatrix), ~12 for the scales; the
+//  cp.async writes add 4.5 (bits 2) to 8.5 (bits 4). That caps the decode at ~32-34 weights per
+//  clock per SM: ~4.4 TB/s of bits-4 weights but only ~2.5 TB/s of bits-2 weights, below the
+//  70 % target (2.9 TB/s) even at full use of the pipe (an estimate from instruction counts).
+//  Bits 2 (and 3) therefore need part of the decode off the LSU: e.g. a register table (PRMT
+//  of the 4 codebook halves by a 2-bit selector, ~2.5 ALU ops per weight with today's field
+//  layout) for some of the tiles, or a field layout that makes the selector cheaper; the scale
+//  path (~20 % of the wavefronts) is the next cut.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
