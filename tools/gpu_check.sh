@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine: build, run the GPU tests, compute-sanitizer (memcheck + racecheck) on a
 # representative workload, then the benchmark. Logs and results go to $OUT (or ./gpu_out).
-#   tools/gpu_check.sh [test|sanitize|bench|all] [bench args...]
+#   tools/gpu_check.sh [build|test|sanitize|bench|all] [bench args...]
+#   tools/gpu_check.sh decode   # Llama-3-8B table (bf16, K=2..5) + Llama-3-70B K=4/K=2 on GPU 0
+#   tools/gpu_check.sh tp       # Llama-3-70B tensor-parallel decode over 2 (and 4) GPUs + the
+#                               # sharded matmul microbenchmark (a multi-GPU machine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -28,4 +31,19 @@ fi
 if [[ $what == bench || $what == all ]]; then
   echo "== benchmark"
   $PY benchmarks/bench_matmul.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
+fi
+if [[ $what == decode ]]; then
+  echo "== decode"
+  $PY benchmarks/bench_decode.py --configs llama3-8b --reps 2 --out "$OUT/decode_8b" 2>&1 | grep "^| "
+  $PY benchmarks/bench_decode.py --configs llama3-70b --weights 4,2 --batches 1,8 --new-tokens 64 \
+    --reps 2 --out "$OUT/decode_70b" 2>&1 | grep "^| "
+fi
+if [[ $what == tp ]]; then
+  gpus=$(nvidia-smi -L | wc -l)
+  sizes=2; [[ $gpus -ge 4 ]] && sizes=2,4
+  echo "== tensor-parallel decode over $sizes GPUs"
+  $PY benchmarks/bench_decode.py --configs llama3-70b --weights bf16,4,2 --tp "$sizes" --batches 1 \
+    --new-tokens 64 --reps 2 --out "$OUT/decode_tp" 2>&1 | grep "^| "
+  echo "== sharded matmul"
+  $PY benchmarks/bench_sharded.py --out "$OUT/sharded" 2>&1 | tail -20
 fi
