@@ -405,3 +405,26 @@ def test_linen_kbit_dense_and_quantize_params(rng):
     only = knn.quantize_params({"params": params}, bits=2, filter=lambda path, a: path[-2:] == ("fc2", "kernel"))
     assert isinstance(only["params"]["fc2"]["kernel"], kj.KbitWeight)
     assert not isinstance(only["params"]["fc1"]["kernel"], kj.KbitWeight)
+
+
+def test_fused_projections_match_separate_kernels(rng):
+    """fuse_qkv / fuse_gate_up put separate q/k/v and gate/up kernels in the column orders the
+    example's Attention and MLP read: the fused layers compute exactly the separate products."""
+    cfg = llama.TINY_TP
+    d, h, kvh, hd, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim
+    q, k, v = (rng.standard_normal((d, n * hd)).astype(np.float32) for n in (h, kvh, kvh))
+    gate, up = (rng.standard_normal((d, f)).astype(np.float32) for _ in range(2))
+    x = rng.standard_normal((2, 3, d)).astype(np.float32)
+
+    attn = llama.Attention(cfg, jnp.float32, nnx.Rngs(0))
+    attn.qkv_proj.kernel.set_value(llama.fuse_qkv(q, k, v, kvh))
+    qkv = np.asarray(attn.qkv_proj(x)).reshape(2, 3, kvh, h // kvh + 2, hd)
+    np.testing.assert_allclose(qkv[:, :, :, :-2].reshape(2, 3, h * hd), x @ q, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(qkv[:, :, :, -2].reshape(2, 3, kvh * hd), x @ k, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(qkv[:, :, :, -1].reshape(2, 3, kvh * hd), x @ v, rtol=1e-5, atol=1e-4)
+
+    mlp = llama.MLP(cfg, jnp.float32, nnx.Rngs(0))
+    mlp.gate_up_proj.kernel.set_value(llama.fuse_gate_up(gate, up))
+    down = np.asarray(mlp.down_proj.kernel.get_value())
+    silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+    np.testing.assert_allclose(mlp(x), (silu(x @ gate) * (x @ up)) @ down, rtol=1e-4, atol=1e-3)

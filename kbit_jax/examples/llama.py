@@ -123,8 +123,8 @@ class Attention(nnx.Module):
     n_kv_heads`` query heads that share it, then k_j, then v_j (``(G + 2) * head_dim`` columns
     per group). One projection instead of three is one kernel launch instead of three for the
     small k and v matrices, and splitting its columns over a tensor-parallel axis gives every
-    device whole groups (q, k and v of the same heads). A checkpoint's separate q/k/v kernels
-    map to it by concatenating their per-group column slices in that order.
+    device whole groups (q, k and v of the same heads). `fuse_qkv` builds this kernel from a
+    checkpoint's separate q/k/v kernels.
     """
 
     def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs):
@@ -161,7 +161,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU MLP with one fused gate/up projection: ``gate_up_proj``'s output column 2i is
     gate feature i and column 2i + 1 up feature i, so one kernel computes both and a
-    column-parallel split gives every device matching gate and up features."""
+    column-parallel split gives every device matching gate and up features (`fuse_gate_up`
+    builds it from separate kernels)."""
 
     def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs):
         self.gate_up_proj = _linear(cfg.dim, 2 * cfg.hidden_dim, param_dtype, rngs)
@@ -172,6 +173,24 @@ class MLP(nnx.Module):
         gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
         h = jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
         return self.down_proj(h, out_sharding=_row_parallel_out(h))
+
+
+def fuse_qkv(q, k, v, n_kv_heads: int):
+    """A checkpoint's separate q/k/v kernels (``[dim, n_heads * hd]``, ``[dim, n_kv_heads * hd]``
+    twice, heads in column order) as one ``qkv_proj`` kernel in `Attention`'s column order:
+    per kv head j, its query heads, then k_j, then v_j."""
+    d = q.shape[0]
+    if k.shape != v.shape or k.shape[1] % n_kv_heads or q.shape[1] % k.shape[1]:
+        raise ValueError(f"fuse_qkv: q {q.shape}, k {k.shape}, v {v.shape} do not split into "
+                         f"{n_kv_heads} kv heads with whole query groups")
+    parts = [w.reshape(d, n_kv_heads, -1) for w in (q, k, v)]   # [dim, kv head, cols]
+    return jnp.concatenate(parts, axis=2).reshape(d, -1)
+
+
+def fuse_gate_up(gate, up):
+    """A checkpoint's gate and up kernels (``[dim, hidden]`` each) as one ``gate_up_proj``
+    kernel: column 2i is gate feature i, column 2i + 1 up feature i."""
+    return jnp.stack([gate, up], axis=-1).reshape(gate.shape[0], -1)
 
 
 class Block(nnx.Module):
