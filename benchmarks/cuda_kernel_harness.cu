@@ -7,7 +7,11 @@
 //   build/cuda_kernel_harness test [quick]      correctness against host references (format.h)
 //   build/cuda_kernel_harness bench [csv_path]  timings on cold weights (H200 shapes)
 //   build/cuda_kernel_harness all [csv_path]
-//   build/cuda_kernel_harness sel                four shapes x bits 2..5 x M 1, 4, 16 ("SEL" lines)
+//   build/cuda_kernel_harness sel                ten shapes x bits 2..5 x M 1, 4, 16 ("SEL" lines)
+//   build/cuda_kernel_harness one BITS K N M [reps] [variant]   one configuration (for ncu)
+// Environment: KBIT_HARNESS_VERBOSE=1 prints each matmul test case before it runs (a case that
+// hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel".
+// tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
 // Correctness: quantize (both layouts, three input dtypes) bit-exact against a host quantizer
 // built from format.h; dequantize bit-exact; matmul (fused and generic paths, forced k-splits,
@@ -23,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -445,6 +450,10 @@ static void test_matmul(bool quick) {
       // rebuilt per item), larger M tilings with a k-split
       {1, 3, 1056, 48, 0, false},  {2, 1, 2048, 80, 2, false},  {2, 12, 3072, 208, 3, false},
       {1, 40, 1024, 64, 2, false}, {4, 1, 512, 32, 4, false},
+      // many items per CTA or cluster: the end-of-item mbarriers run through many phases
+      // (item_reduce.cuh), across batch entries too
+      {1, 1, 2048, 16384, 2, false}, {1, 16, 1024, 8192, 2, false}, {2, 3, 1024, 12288, 4, false},
+      {1, 6, 512, 20480, 1, false},
   };
   if (quick) cases.resize(8);
   // The second tiling variant of the fused kernel (M <= 8 only).
@@ -459,6 +468,7 @@ static void test_matmul(bool quick) {
   }
   int n_ok = 0, n_total = 0;
   uint32_t seed = 9000;
+  const bool verbose = getenv("KBIT_HARNESS_VERBOSE") != nullptr;
   double worst[3] = {0, 0, 0};
   for (const MMCase& c : cases)
     for (int bits = 2; bits <= 5; ++bits)
@@ -467,6 +477,9 @@ static void test_matmul(bool quick) {
           if (c.M * size_t(c.K) * c.N > 20000000 && (layout == 0 || dt == DType::kF32)) continue;
           double max_rel = 0;
           std::string path;
+          if (verbose)  // the case about to run, for a case that does not return
+            printf("case B=%d M=%d K=%d N=%d k_split=%d variant=%d bits=%d layout=%d dtype=%s\n", c.B, c.M, c.K,
+                   c.N, c.k_split, c.variant, bits, layout, kbit::cuda::dtype_name(dt));
           const double rel = run_matmul_case(c, bits, layout, dt, seed++, &max_rel, &path);
           const double tol = dt == DType::kBF16 ? 1e-2 : dt == DType::kF16 ? 2e-3 : 1e-5;
           const double tol_max = dt == DType::kBF16 ? 4e-2 : dt == DType::kF16 ? 8e-3 : 1e-4;
@@ -580,8 +593,14 @@ static void bench_sel() {
     CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
   }
   struct Shape { const char* name; int K, N; };
-  const Shape shapes[] = {{"llama3-8b.gate_up", 4096, 14336}, {"llama3-70b.down", 28672, 8192},
-                          {"qwen3.gate_up", 2048, 5120},      {"glm4.7.down", 10240, 2048}};
+  // benchmarks/shapes.py; KBIT_HARNESS_KSPLIT=n forces the cluster size (k-split) of every launch.
+  const Shape shapes[] = {{"llama3-8b.gate_up", 4096, 14336}, {"llama3-8b.down", 14336, 4096},
+                          {"llama3-70b.gate_up", 8192, 28672}, {"llama3-70b.down", 28672, 8192},
+                          {"qwen3.gate_up", 2048, 5120},      {"qwen3.down", 5120, 2048},
+                          {"qwen3.q", 2048, 4096},            {"qwen3.o", 4096, 2048},
+                          {"glm4.7.gate_up", 2048, 10240},    {"glm4.7.down", 10240, 2048}};
+  const char* ks_env = getenv("KBIT_HARNESS_KSPLIT");
+  const int forced_ks = ks_env ? atoi(ks_env) : 0;
   for (const Shape& s : shapes)
     for (int bits = 2; bits <= 5; ++bits) {
       const size_t KB = s.K / 32;
@@ -599,6 +618,7 @@ static void bench_sel() {
         for (int v = 0; v < (M <= 8 ? 2 : 1); ++v) {
           kbit::cuda::MatmulTuning tune;
           tune.variant = v;
+          tune.k_split = forced_ks;
           std::string err;
           us_v[v] = tm.median_us([&](int c) {
             a.planes = reinterpret_cast<const uint32_t*>(pool + size_t(c % copies) * one);
