@@ -67,6 +67,17 @@
 //  of the 4 codebook halves by a 2-bit selector, ~2.5 ALU ops per weight with today's field
 //  layout) for some of the tiles, or a field layout that makes the selector cheaper; the scale
 //  path (~20 % of the wavefronts) is the next cut.
+//  Nsight Compute, warp-specialized kernel (llama3-70b gate_up, M = 1, bits 4, 2-CTA clusters,
+//  7 items per CTA; tools/kernel_profile.sh ncu): 1.5 instructions issued per cycle of 4, 0.5
+//  eligible warps per scheduler, DRAM 40 % busy. 31 % of the warp samples waited in the
+//  end-of-item barriers; item_reduce.cuh took that to 1.2 % (kernel 66.6 -> 57.6 us under ncu).
+//  What remains is the consumers' k-block chain (LDS weights -> PRMT -> LDS table -> HMMA ->
+//  FFMA; 70 % of the samples: fixed-latency dependency waits 28 %, the ring's full barrier and
+//  other long-scoreboard waits 16 %, shared-memory results 11 %), with 8 consumer warps, i.e.
+//  two per scheduler, to hide it. Bits 2 and bits 4 issue the same 22.2 M instructions there,
+//  which is why their times agree. Next: more independent k-blocks in flight per warp (software
+//  pipelining the weight loads of k-block u+1 under the decode of u), then the register table
+//  for bits 2/3.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -86,6 +97,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/item_reduce.cuh"
 
 namespace kbit::cuda::fused {
 
@@ -358,6 +370,22 @@ struct Cursor {
   int64_t x0;      // first activation element (b, m0, 32 kb0) of the chunk
 };
 
+// Scale one item's sums by the tensor scale, round to T and store them; v[e] of lane (g, t)
+// holds row m0 + 8 mt + 2t + (e & 1) of column col0 + 16 j + g + 8 ((e >> 1) & 1), with
+// e = 4 (j MT + mt) + (e & 3), as the mma accumulator layout of the swapped product puts it.
+template <int MT, class T, int NACC>
+__device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, int g, int t, const float (&v)[NACC]) {
+  const float ts = p.tensor_scale[cur.b];
+  T* yg = static_cast<T*>(p.y) + int64_t(cur.b) * p.M * p.N;
+#pragma unroll
+  for (int e = 0; e < NACC; ++e) {
+    const int c = e & 3, mt = (e >> 2) % MT, j = (e >> 2) / MT;
+    const int64_t m = cur.m0 + 8 * mt + 2 * t + (c & 1);
+    const int n = cur.col0 + 16 * j + g + 8 * (c >> 1);
+    if (m < p.M && n < p.N) yg[m * p.N + n] = from_f32<T>(v[e] * ts);
+  }
+}
+
 template <int BITS, class Act, int MT, int V>
 __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
     kbit_matmul_fused_kernel(const Params p) {
@@ -587,7 +615,9 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
   };
 
   // ---- end of an item: reduce the warps' partial sums (tree, fixed order), then the
-  // cluster's (rank 0 adds the ranks' partials in rank order), scale, round, store ----
+  // cluster's (rank 0 adds the ranks' partials in rank order), scale, round, store. The CTA
+  // meets at a barrier every chunk anyway, so the tree's barriers cost little here; the
+  // warp-specialized kernel, whose warps drift, uses item_reduce.cuh instead ----
   auto epilogue = [&](const Cursor& cur) {
 #pragma unroll
     for (int half = NW / 2; half >= 1; half >>= 1) {
@@ -600,17 +630,7 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
         for (int e = 0; e < NACC; ++e) acc[e] += lds32f(s_red + ((warp * NACC + e) * 32 + lane) * 4);
       __syncthreads();
     }
-    const float ts = p.tensor_scale[cur.b];
-    T* yg = static_cast<T*>(p.y) + int64_t(cur.b) * p.M * p.N;
-    auto store = [&](const float (&v)[NACC]) {
-#pragma unroll
-      for (int e = 0; e < NACC; ++e) {
-        const int c = e & 3, mt = (e >> 2) % MT, j = (e >> 2) / MT;
-        const int64_t m = cur.m0 + 8 * mt + 2 * t + (c & 1);
-        const int n = cur.col0 + 16 * j + g + 8 * (c >> 1);
-        if (m < p.M && n < p.N) yg[m * p.N + n] = from_f32<T>(v[e] * ts);
-      }
-    };
+    auto store = [&](const float (&v)[NACC]) { store_item<MT, T>(p, cur, g, t, v); };
     if (KS == 1) {
       if (warp == 0) store(acc);
     } else {
@@ -695,9 +715,9 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 // the stage through its "empty" mbarrier (one arrival per warp). No CTA-wide barrier in the
 // steady state; consumer warps drift freely by up to kStages - 1 chunks. Each consumer warp
 // decodes the scale bytes of its own k-block (two per lane at kTN = 4) into a warp-private
-// float buffer (__syncwarp only). The epilogue's tree reduction uses a named barrier over the
-// consumer warps; with a k-split cluster the producers join the consumers' cluster barriers
-// in item order, before they wait for a stage that the consumers can free only after them.
+// float buffer (__syncwarp only). The end of an item stops only its leader warp (item_reduce.cuh);
+// the producers take part in no per-item synchronization, only in the cluster barriers at the
+// start and the end of the kernel.
 // =============================================================================================
 #ifndef KBIT_WS_PRODUCER_WARPS
 #define KBIT_WS_PRODUCER_WARPS 2  // measured: 2 beat 1 by 1-5 % at M <= 4 (and by 1.4x at M = 16)
@@ -712,8 +732,9 @@ struct WsConfig {
   static constexpr int kSfWarpBytes = 2 * C::kTN * 8 * 4;  // one k-block: 8 g x kTN x 2 floats
   static constexpr int kSfBytes = kWarps * C::kKPW * 2 * kSfWarpBytes;  // double-buffered
   static constexpr int kSChunk = C::kKCH * C::kCols;                  // raw scale bytes
+  using Reducer = ItemReducer<kWarps, C::kAcc>;                         // end-of-item sums
   static constexpr size_t fixed_bytes() {
-    return size_t(WeightPath<BITS>::kLutBytes) + C::kRedBytes + C::kPartBytes + kSfBytes + 2 * 8 * 8;
+    return size_t(WeightPath<BITS>::kLutBytes) + Reducer::kBytes + kSfBytes + 2 * 8 * 8;
   }
   static constexpr size_t slot_bytes(int x_rows) {
     return size_t(C::kWChunk) + size_t(x_rows) * C::kXRowBytes + kSChunk;
@@ -729,22 +750,6 @@ struct WsConfig {
   static constexpr size_t smem_bytes(int x_rows) { return fixed_bytes() + kStages * slot_bytes(x_rows); }
 };
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
 // Arrive on the mbarrier once all of this thread's earlier cp.async copies have landed; the
 // arrival counts against the barrier's expected count (.noinc).
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
@@ -784,16 +789,14 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   const int Q = my_items * nch;
   const int64_t K = int64_t(p.KB) * 32;
 
-  // ---- shared memory: [LUT][reduction][partial][sf][full x 8, empty x 8][ring: D x (weights | x | scales)]
+  // ---- shared memory: [LUT][reducer][sf][full x 8, empty x 8][ring: D x (weights | x | scales)]
   const uint32_t s_lut = smem_u32(smem);
-  const uint32_t s_red = s_lut + WP::kLutBytes;
-  const uint32_t s_part = s_red + Cfg::kRedBytes;
-  const uint32_t s_sf = s_part + Cfg::kPartBytes;
+  const typename WC::Reducer reducer(s_lut + WP::kLutBytes, KS, rank);
+  const uint32_t s_sf = s_lut + WP::kLutBytes + WC::Reducer::kBytes;
   const uint32_t s_full = s_sf + WC::kSfBytes, s_empty = s_full + 64;
   const uint32_t s_ring = s_full + 128;
   const uint32_t x_slot = uint32_t(p.x_rows) * XRB;
   const uint32_t slot_bytes = Cfg::kWChunk + x_slot + WC::kSChunk;
-  float* part_ptr = reinterpret_cast<float*>(smem + WP::kLutBytes + Cfg::kRedBytes);
 
   auto set_derived = [&](Cursor& cur) {
     cur.col0 = cur.cg * COLS;
@@ -832,10 +835,13 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     mbar_init(s_full + 8 * tid, 32 * kWsProducerWarps);
     mbar_init(s_empty + 8 * tid, NW);
   }
+  if (tid == 0) reducer.init();
   asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
-
-  namespace cg = cooperative_groups;
+  // Every rank's reducer barriers must exist before another rank arrives on them: arrive on the
+  // cluster barrier now, wait just before the first cross-CTA step (the first item's end), so a
+  // rank that starts late does not hold the others up at the start.
+  if (KS > 1) cluster_arrive_relaxed();
 
   if (warp >= NW) {
     // ================= producer warps =================
@@ -856,21 +862,10 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     constexpr int kSPer = (KCH * kSPK + PT - 1) / PT;
     constexpr int kXPR = (KCH * 4 + PT - 1) / PT;  // passes per activation row
     Cursor ic = first_cursor();
-    int synced = 0;  // items whose cluster barriers these warps have joined (k-split only)
     int slot = 0;
     uint32_t round = 0;  // passes over the ring; pass r >= 1 waits for completion r - 1 of empty
     for (int q = 0; q < Q; ++q) {
-      if (round > 0) {
-        if (KS > 1) {
-          cg::cluster_group cluster = cg::this_cluster();
-          while (synced < my_items && q - D >= (synced + 1) * nch) {
-            cluster.sync();
-            cluster.sync();
-            ++synced;
-          }
-        }
-        mbar_wait(s_empty + 8 * slot, (round - 1) & 1u);
-      }
+      if (round > 0) mbar_wait(s_empty + 8 * slot, (round - 1) & 1u);
       const uint32_t base = s_ring + slot * slot_bytes;
       const int kb0 = kbA + ic.c * KCH;
       const int nkb = min(KCH, kbEnd - kb0);
@@ -915,17 +910,9 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       advance(ic);
       if (++slot == D) { slot = 0; ++round; }
     }
-    if (KS > 1) {
-      cg::cluster_group cluster = cg::this_cluster();
-      for (; synced < my_items; ++synced) {
-        cluster.sync();
-        cluster.sync();
-      }
-    }
     cp_async_wait<0>();
-    return;
-  }
-
+    if (KS > 1) cluster_wait();  // pairs with the arrive at the start
+  } else {
   // ================= consumer warps =================
   const typename WP::Lane L = WP::lane_consts(lane);
   const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
@@ -995,52 +982,10 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     }
   };
 
+  int item_seq = 0;
   auto epilogue = [&](const Cursor& cur) {
-#pragma unroll
-    for (int half = NW / 2; half >= 1; half >>= 1) {
-      if (warp >= half && warp < 2 * half)
-#pragma unroll
-        for (int e = 0; e < NACC; ++e) sts32f(s_red + (((warp - half) * NACC + e) * 32 + lane) * 4, acc[e]);
-      named_bar_sync<NT>(1);
-      if (warp < half)
-#pragma unroll
-        for (int e = 0; e < NACC; ++e) acc[e] += lds32f(s_red + ((warp * NACC + e) * 32 + lane) * 4);
-      named_bar_sync<NT>(1);
-    }
-    const float ts = p.tensor_scale[cur.b];
-    T* yg = static_cast<T*>(p.y) + int64_t(cur.b) * p.M * p.N;
-    auto store = [&](const float (&v)[NACC]) {
-#pragma unroll
-      for (int e = 0; e < NACC; ++e) {
-        const int c = e & 3, mt = (e >> 2) % MT, j = (e >> 2) / MT;
-        const int64_t m = cur.m0 + 8 * mt + 2 * t + (c & 1);
-        const int n = cur.col0 + 16 * j + g + 8 * (c >> 1);
-        if (m < p.M && n < p.N) yg[m * p.N + n] = from_f32<T>(v[e] * ts);
-      }
-    };
-    if (KS == 1) {
-      if (warp == 0) store(acc);
-    } else {
-      cg::cluster_group cluster = cg::this_cluster();
-      if (warp == 0)
-#pragma unroll
-        for (int e = 0; e < NACC; ++e) sts32f(s_part + (e * 32 + lane) * 4, acc[e]);
-      cluster.sync();  // every rank's partial is in its shared memory
-      if (rank == 0 && warp == 0) {
-        float v[NACC];
-#pragma unroll
-        for (int e = 0; e < NACC; ++e) v[e] = 0.f;
-        for (int r = 0; r < KS; ++r) {
-          const float* rp = cluster.map_shared_rank(part_ptr, r);
-#pragma unroll
-          for (int e = 0; e < NACC; ++e) v[e] += rp[e * 32 + lane];
-        }
-        store(v);
-      }
-      cluster.sync();  // partials may be overwritten only after rank 0 has read them
-    }
-#pragma unroll
-    for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
+    if (KS > 1 && item_seq == 0) cluster_wait();  // the other ranks' reducer barriers exist
+    reducer.finish(acc, item_seq++, warp, lane, [&](const float (&v)[NACC]) { store_item<MT, T>(p, cur, g, t, v); });
   };
 
   auto build_lut = [&](int b) {
@@ -1078,6 +1023,9 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       named_bar_sync<NT>(1);
     }
   }
+  if (KS > 1 && item_seq == 0) cluster_wait();  // (no item: still pair the start's arrive)
+  }  // consumer warps
+  if (KS > 1) cluster_barrier();  // rank 0 may still read this CTA's sum, or arrive on it
 }
 
 // ---- host side: launch configuration ----
@@ -1108,8 +1056,11 @@ inline int m_tiles(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 
 template <int BITS, class Act, int MT, int V, bool WS>
 struct Launcher {
   using Cfg = Config<BITS, MT, V>;
-  static constexpr auto kernel = WS ? &kbit_matmul_ws_kernel<BITS, Act, MT, V> : &kbit_matmul_fused_kernel<BITS, Act, MT, V>;
-  static constexpr int kThreads = WS ? WsConfig<BITS, MT, V>::kThreads : Cfg::kThreads;
+  static constexpr auto kernel = [] {  // instantiates only the kernel it launches
+    if constexpr (WS) return &kbit_matmul_ws_kernel<BITS, Act, MT, V>;
+    else return &kbit_matmul_fused_kernel<BITS, Act, MT, V>;
+  }();
+  static constexpr int kThreads = std::conditional_t<WS, WsConfig<BITS, MT, V>, Cfg>::kThreads;
   static std::atomic<int>& smem_set(int dev) {
     static std::atomic<int> v[kMaxDevices];
     return v[dev];
@@ -1155,7 +1106,9 @@ struct Launcher {
     const char* name = WS ? "kbit_matmul_ws_kernel" : "kbit_matmul_fused_kernel";
     const int KB = static_cast<int>(a.k / 32);
     const int x_rows = static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
-    const size_t smem = WS ? WsConfig<BITS, MT, V>::smem_bytes(x_rows) : Cfg::smem_bytes(x_rows);
+    size_t smem;
+    if constexpr (WS) smem = WsConfig<BITS, MT, V>::smem_bytes(x_rows);
+    else smem = Cfg::smem_bytes(x_rows);
     const int dev = current_device();
     if (smem_set(dev).load(std::memory_order_relaxed) < int(smem)) {
       const cudaError_t err =

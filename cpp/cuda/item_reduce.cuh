@@ -1,0 +1,197 @@
+// The end of a work item of the warp-specialized fused matmul: adding the partial sums of the
+// consumer warps of a CTA (each covered some k-blocks of the item) and of the CTAs of a k-split
+// cluster, in a fixed order, without stopping the warps that the sum does not need.
+// (The cp.async kernel keeps a barrier tree: its CTA meets at a barrier every chunk anyway, and
+// the slots below would cost it a ring stage at M = 9..16, measured 10-16 % slower.)
+//
+// Why not barriers: Nsight Compute on the H200 (llama3-70b gate_up, M = 1, bits 4: 2-CTA
+// clusters, 7 items per CTA) put 31 % of all warp samples in the previous epilogue -- a tree
+// over three CTA barriers plus two full cluster barriers per item -- stalled on those barriers:
+// at every item every warp waited for the slowest warp of both CTAs, and the ring drained.
+// Here only the item's leader waits, on mbarriers:
+//  * every other consumer warp writes its accumulators to its slot, arrives on `full` and goes
+//    on with the next item at once. It waits on `empty` only before it rewrites its slot, i.e.
+//    when the leader is still a whole item behind.
+//  * The leader (warp seq % NW for the CTA's seq-th item, so the extra work rotates) waits on
+//    `full`, adds all warps in warp order 0..NW-1 (a fixed order whoever leads: results are
+//    deterministic) and arrives on `empty`.
+//  * k-split cluster: rank r > 0's leader leaves its sum in its own shared memory (`part`) and
+//    arrives on rank 0's `cl_full` (release, cluster scope). Rank 0's leader waits there
+//    (acquire, cluster scope), adds the ranks' sums in rank order through distributed shared
+//    memory, stores, and arrives on every rank's `cl_empty`, which rank r's next leader waits
+//    on before it rewrites `part`.
+// Phases: a parity wait is only sound if the barrier is within one phase of the waiter. So
+// `full` and `cl_full` exist once per leader warp (phase k of full[L] is the k-th item that L
+// leads; with one shared barrier, a leader could test item seq's parity while item seq - 1's
+// phase is still open, and pass). `empty` and `cl_empty` are single: their arrivals are in item
+// order (item seq + 1's slots are written only after item seq's were read), and whoever waits
+// for item seq - 1 has already seen item seq - 2 complete (harness test: many items per cluster).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace kbit::cuda::fused {
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait until the phase of parity `parity` has completed (acquire, CTA scope).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// The same with acquire at cluster scope: the arrivals came from other CTAs of the cluster.
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// The address of `addr` (this CTA's shared window) in the shared memory of cluster rank `rank`.
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+// Arrive (release, cluster scope: this thread's earlier writes are visible to the waiter) on the
+// barrier at `addr` in rank `rank`'s shared memory.
+__device__ __forceinline__ void mbar_arrive_rank(uint32_t addr, int rank) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(map_rank(addr, rank))
+               : "memory");
+}
+__device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t cluster_addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(cluster_addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts128f(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+}
+// Cluster barrier, all threads of every rank; each thread alternates arrive and wait. Split at
+// the start (arrive after the barrier init, wait before the first remote arrival) and whole
+// before exit (no rank's shared memory may still be addressed by another).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// NW consumer warps with NACC fp32 accumulators per lane.
+template <int NW, int NACC>
+struct ItemReducer {
+  static_assert(NACC % 4 == 0, "accumulators move as float4");
+  static constexpr int kSlotBytes = NACC * 32 * 4;
+  static constexpr int kRedBytes = (NW - 1) * kSlotBytes;  // one slot per non-leader warp
+  static constexpr int kPartBytes = kSlotBytes;            // this rank's sum, for rank 0
+  static constexpr int kBarBytes = (2 * NW + 2) * 8;
+  static constexpr int kBytes = kRedBytes + kPartBytes + kBarBytes;
+
+  uint32_t red, part;
+  uint32_t full, empty, cl_full, cl_empty;  // full[NW], empty, cl_full[NW], cl_empty
+  int ks, rank;
+
+  __device__ ItemReducer(uint32_t base, int k_split, int cluster_rank)
+      : red(base), part(base + kRedBytes), full(base + kRedBytes + kPartBytes), empty(full + 8 * NW),
+        cl_full(empty + 8), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank) {}
+
+  // One thread, before the CTA-wide (or cluster-wide) barrier that publishes the init.
+  __device__ void init() const {
+    for (int w = 0; w < NW; ++w) {
+      mbar_init(full + 8 * w, 32 * (NW - 1));                 // every lane of every non-leader warp
+      if (ks > 1) mbar_init(cl_full + 8 * w, 32 * (ks - 1));  // (rank 0) the other ranks' leaders
+    }
+    mbar_init(empty, 32);                   // the leader's lanes
+    if (ks > 1) mbar_init(cl_empty, 32);    // (rank > 0) rank 0's leader's lanes
+  }
+
+  // Slot of warp w when `leader` leads: the NW - 1 non-leaders fill slots 0..NW-2.
+  __device__ static int slot_of(int w, int leader) { return (w - leader - 1 + NW) % NW; }
+  __device__ uint32_t slot_addr(int slot, int e4, int lane) const {
+    return red + uint32_t(((slot * (NACC / 4) + e4) * 32 + lane) * 16);
+  }
+
+  // Called by every consumer warp at the end of its seq-th item (seq = 0, 1, ... per CTA).
+  // On the warp that must store the item's result, calls store(sum) and returns; acc is zeroed.
+  template <class Store>
+  __device__ void finish(float (&acc)[NACC], int seq, int warp, int lane, Store&& store) const {
+    const int leader = seq % NW;
+    const uint32_t prev = uint32_t(seq - 1) & 1u;      // item seq - 1's phase of empty / cl_empty
+    const uint32_t led = uint32_t(seq / NW) & 1u;      // the leader's phase of full / cl_full
+    if (warp != leader) {
+      if (seq > 0) mbar_wait(empty, prev);  // the leader has read item seq - 1's slots
+      const int s = slot_of(warp, leader);
+#pragma unroll
+      for (int e4 = 0; e4 < NACC / 4; ++e4)
+        sts128f(slot_addr(s, e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2], acc[4 * e4 + 3]);
+      mbar_arrive(full + 8 * leader);
+    } else {
+      float v[NACC];
+#pragma unroll
+      for (int e = 0; e < NACC; ++e) v[e] = 0.f;
+      if (NW > 1) mbar_wait(full + 8 * leader, led);
+      for (int w = 0; w < NW; ++w) {  // warp order, whoever leads
+        if (w == leader) {
+#pragma unroll
+          for (int e = 0; e < NACC; ++e) v[e] += acc[e];
+        } else {
+          const int s = slot_of(w, leader);
+#pragma unroll
+          for (int e4 = 0; e4 < NACC / 4; ++e4) {
+            const float4 q = lds128f(slot_addr(s, e4, lane));
+            v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
+          }
+        }
+      }
+      if (NW > 1) mbar_arrive(empty);
+      if (ks == 1) {
+        store(v);
+      } else if (rank > 0) {
+        if (seq > 0) mbar_wait_cluster(cl_empty, prev);  // rank 0 has read item seq - 1's sum
+#pragma unroll
+        for (int e4 = 0; e4 < NACC / 4; ++e4)
+          sts128f(part + uint32_t((e4 * 32 + lane) * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3]);
+        mbar_arrive_rank(cl_full + 8 * leader, 0);
+      } else {
+        mbar_wait_cluster(cl_full + 8 * leader, led);
+        for (int r = 1; r < ks; ++r) {  // rank order
+          const uint32_t rp = map_rank(part, r);
+#pragma unroll
+          for (int e4 = 0; e4 < NACC / 4; ++e4) {
+            const float4 q = ld_cluster_f32x4(rp + uint32_t((e4 * 32 + lane) * 16));
+            v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
+          }
+        }
+        for (int r = 1; r < ks; ++r) mbar_arrive_rank(cl_empty, r);
+        store(v);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
+  }
+};
+
+}  // namespace kbit::cuda::fused
