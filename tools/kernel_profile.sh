@@ -1,26 +1,39 @@
 #!/usr/bin/env bash
-# On the GPU machine: build the standalone kernel harness (no JAX) and profile the fused matmul
-# with Nsight Compute. Reports and CSV exports go to $OUT (or ./gpu_out).
-#   tools/kernel_profile.sh sel                  harness timings (four shapes x bits x M 1, 4, 16)
+# On the GPU machine: build the standalone kernel harness (no JAX) and time or profile the fused
+# matmul. Logs, reports and CSV exports go to $OUT (or ./gpu_out).
+#   tools/kernel_profile.sh sel                  harness timings (ten shapes x bits x M 1, 4, 16)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
+#   tools/kernel_profile.sh ab BASE [ROUNDS]     A/B on one GPU: the harness of BASE (an older
+#                                                 tree's cpp/ and benchmarks/) and of this tree run
+#                                                 "sel" alternately, ROUNDS (3) times each; prints
+#                                                 benchmarks/sel_compare.py's summary. Prepare BASE
+#                                                 here and carry it, e.g.
+#        mkdir -p .git/info .ab_base; echo /.ab_base/ >> .git/info/exclude
+#        git archive <ref> cpp benchmarks | tar -x -C .ab_base      (then carry [".ab_base"])
 #   EXTRA_NVCC="-DKBIT_WS_PRODUCER_WARPS=4" tools/kernel_profile.sh sel   a compile-time variant
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 what=${1:-sel}; shift || true
-bin=/tmp/kbit_harness/harness
-mkdir -p /tmp/kbit_harness
-flags="-arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -Icpp ${EXTRA_NVCC:-}"
-echo "== build harness ($flags)"
-pids=()
-for src in benchmarks/cuda_kernel_harness.cu cpp/cuda/*.cu; do
-  nvcc $flags -c "$src" -o "/tmp/kbit_harness/$(basename "$src").o" &
-  pids+=($!)
-done
-for p in "${pids[@]}"; do wait "$p" || { echo "build failed"; exit 1; }; done
-nvcc -arch=sm_90a /tmp/kbit_harness/*.o -o "$bin" || exit 1
+work=/tmp/kbit_harness
+bin=$work/harness
+mkdir -p "$work"
+
+build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then link
+  local root=$1 out=$2 objs=$work/obj_$(basename "$2") pids=()
+  local flags="-arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -I$root/cpp ${EXTRA_NVCC:-}"
+  echo "== build $out from $root ($flags)"
+  mkdir -p "$objs"
+  for src in "$root"/benchmarks/cuda_kernel_harness.cu "$root"/cpp/cuda/*.cu; do
+    nvcc $flags -c "$src" -o "$objs/$(basename "$src").o" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || { echo "build failed"; return 1; }; done
+  nvcc -arch=sm_90a "$objs"/*.o -o "$out"
+}
+build . "$bin" || exit 1
 
 case $what in
   sel) "$bin" sel | tee "$OUT/sel${TAG:-}.log" | grep -E "^SEL|copy" ;;
@@ -28,10 +41,22 @@ case $what in
     while [[ $# -ge 4 ]]; do
       tag="b$1_k$2_n$3_m$4"
       ncu --clock-control none --set full --import-source no -k regex:kbit_matmul --launch-skip 3 \
-        --launch-count 1 -f -o "/tmp/kbit_harness/$tag" "$bin" one "$1" "$2" "$3" "$4" 6 > "/tmp/kbit_harness/${tag}_ncu.log" 2>&1
-      tail -3 "/tmp/kbit_harness/${tag}_ncu.log"
-      ncu -i "/tmp/kbit_harness/$tag.ncu-rep" --page details --csv > "$OUT/${tag}_details.csv"
-      ncu -i "/tmp/kbit_harness/$tag.ncu-rep" --page source --print-source sass --csv > "$OUT/${tag}_sass.csv"
+        --launch-count 1 -f -o "$work/$tag" "$bin" one "$1" "$2" "$3" "$4" 6 > "$work/${tag}_ncu.log" 2>&1
+      tail -3 "$work/${tag}_ncu.log"
+      ncu -i "$work/$tag.ncu-rep" --page details --csv > "$OUT/${tag}_details.csv"
+      ncu -i "$work/$tag.ncu-rep" --page source --print-source sass --csv > "$OUT/${tag}_sass.csv"
       shift 4
     done ;;
+  ab)
+    base=${1:?BASE directory}; rounds=${2:-3}
+    build "$base" "$work/base" || exit 1
+    a=(); b=()
+    for ((i = 0; i < rounds; ++i)); do  # alternate, so slow drift of the GPU hits both alike
+      "$work/base" sel > "$work/sel_base_$i.log"; b+=("$work/sel_base_$i.log")
+      "$bin" sel > "$work/sel_new_$i.log"; a+=("$work/sel_new_$i.log")
+    done
+    cat "${b[@]}" > "$OUT/sel_base.log"; cat "${a[@]}" > "$OUT/sel_new.log"
+    (IFS=,; python3 benchmarks/sel_compare.py "${a[*]}" "${b[*]}" --md "$OUT/sel_ab.md") ;;
+  none) ;;
+  *) echo "unknown mode $what"; exit 2 ;;
 esac
