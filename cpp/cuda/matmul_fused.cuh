@@ -370,6 +370,62 @@ struct Cursor {
   int64_t x0;      // first activation element (b, m0, 32 kb0) of the chunk
 };
 
+// A CTA's share of the work, the same for both kernels: items (column group of COLS columns x
+// block of ROWS rows of M x batch entry) are dealt round-robin to the clusters; rank `rank` of a
+// cluster covers k-blocks [kbA, kbEnd) of each of its items in nch chunks of KCH k-blocks, q
+// chunks in all. Cursors advance incrementally, so the hot loop has no integer division.
+template <int KCH, int COLS, int ROWS>
+struct ItemWalk {
+  const Params& p;
+  int ks, rank, cluster_id, n_clusters, kbA, kbEnd, nch, q;
+  int64_t k, chunk_cells;
+
+  __device__ explicit ItemWalk(const Params& prm) : p(prm) {
+    ks = p.k_split;
+    rank = blockIdx.x % ks;
+    cluster_id = blockIdx.x / ks;
+    n_clusters = gridDim.x / ks;
+    kbA = rank * p.kb_per_split;
+    kbEnd = min(p.KB, kbA + p.kb_per_split);
+    nch = kbEnd > kbA ? (kbEnd - kbA + KCH - 1) / KCH : 0;
+    const int my_items = cluster_id < p.items ? (p.items - cluster_id + n_clusters - 1) / n_clusters : 0;
+    q = my_items * nch;
+    k = int64_t(p.KB) * 32;
+    chunk_cells = int64_t(KCH) * p.N;
+  }
+  __device__ void set_derived(Cursor& cur) const {
+    cur.col0 = cur.cg * COLS;
+    cur.m0 = int64_t(cur.mb) * ROWS;
+    cur.rows = int(min(int64_t(ROWS), p.M - cur.m0));
+    cur.cell0 = (int64_t(cur.b) * p.KB + kbA) * p.N + cur.col0;
+    cur.x0 = (int64_t(cur.b) * p.M + cur.m0) * k + int64_t(kbA) * 32;
+  }
+  __device__ Cursor first() const {
+    Cursor cur;
+    cur.c = 0;
+    cur.cg = cluster_id % p.col_groups;
+    const int rest = cluster_id / p.col_groups;
+    cur.mb = rest % p.m_blocks;
+    cur.b = rest / p.m_blocks;
+    set_derived(cur);
+    return cur;
+  }
+  __device__ void advance(Cursor& cur) const {
+    if (++cur.c < nch) {
+      cur.cell0 += chunk_cells;
+      cur.x0 += KCH * 32;
+      return;
+    }
+    cur.c = 0;
+    cur.cg += n_clusters;
+    while (cur.cg >= p.col_groups) {  // runs only at item boundaries
+      cur.cg -= p.col_groups;
+      if (++cur.mb == p.m_blocks) { cur.mb = 0; ++cur.b; }
+    }
+    set_derived(cur);
+  }
+};
+
 // Scale one item's sums by the tensor scale, round to T and store them; v[e] of lane (g, t)
 // holds row m0 + 8 mt + 2t + (e & 1) of column col0 + 16 j + g + 8 ((e >> 1) & 1), with
 // e = 4 (j MT + mt) + (e & 3), as the mma accumulator layout of the swapped product puts it.
@@ -386,6 +442,75 @@ __device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, i
   }
 }
 
+// ---- the per-k-block steps that both kernels share ----
+
+// The B operand (activations) of one k-block for MT n8 tiles: x rows at `x_kb` (the k-block's
+// first element of row 0), `row_bytes` apart; rows past `rows` repeat the last row (their
+// results are never stored). Lane l supplies row l % 8 of matrix l / 8, i.e. of the 8-wide k
+// sub-block l / 8 of the 32-block.
+template <int MT>
+__device__ __forceinline__ void load_x_fragments(uint32_t (&xb)[MT][4], uint32_t x_kb, int row_bytes, int rows,
+                                                 int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int row = min(8 * mt + (lane & 7), rows - 1);
+    ldmatrix_x4(xb[mt], x_kb + row * row_bytes + (lane >> 3) * 16);
+  }
+}
+
+// The lane's 2 TN decoded block scales of one k-block (rows g and g + 8 of each tile).
+template <int TN>
+__device__ __forceinline__ void load_scales(float (&sc)[2 * TN], uint32_t addr) {
+  if constexpr (TN >= 2) {
+#pragma unroll
+    for (int i = 0; i < TN / 2; ++i) {
+      const float4 v = lds128f(addr + 16 * i);
+      sc[4 * i] = v.x; sc[4 * i + 1] = v.y; sc[4 * i + 2] = v.z; sc[4 * i + 3] = v.w;
+    }
+  } else {
+    const float2 v = lds64f(addr);
+    sc[0] = v.x; sc[1] = v.y;
+  }
+}
+
+// Decode the TN tiles of one k-block (the staged codes at `slab`) and accumulate
+// scale * (W_tile^T x) into acc: two mma into a zero accumulator, then one FFMA per output.
+template <class WP, class Act, int MT, int TN>
+__device__ __forceinline__ void mma_k_block(float (&acc)[TN * MT * 4], uint32_t slab, uint32_t o0, uint32_t o1,
+                                            uint32_t lut, const typename WP::Lane& L, const uint32_t (&xb)[MT][4],
+                                            const float (&sc)[2 * TN]) {
+#pragma unroll
+  for (int j = 0; j < TN; ++j) {
+    typename WP::Raw raw;
+    WP::load(raw, slab, o0, o1, j);
+    uint32_t a[2][4];
+    WP::decode(raw, lut, L, a);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+      float d[4];
+      mma_16816<Act>(d, a[0], xb[mt][0], xb[mt][1], zero);  // k 0..15 of the block
+      mma_16816<Act>(d, a[1], xb[mt][2], xb[mt][3], d);     // k 16..31
+      float* c = acc + (j * MT + mt) * 4;
+      c[0] = fmaf(d[0], sc[2 * j], c[0]);  // row g   = column 16 j + g
+      c[1] = fmaf(d[1], sc[2 * j], c[1]);
+      c[2] = fmaf(d[2], sc[2 * j + 1], c[2]);  // row g+8 = column 16 j + g + 8
+      c[3] = fmaf(d[3], sc[2 * j + 1], c[3]);
+    }
+  }
+}
+
+// The replicated lookup table of one batch entry's codebook, written by `nthreads` threads.
+template <class WP, class Act>
+__device__ __forceinline__ void build_table(uint32_t lut, const float* cb, int tid, int nthreads) {
+  constexpr int kPieces = 2 * WP::kEntryBytes;
+  for (int i = tid; i < WP::kEntries * kPieces; i += nthreads) {
+    const int e = i / kPieces, piece = i % kPieces;
+    const uint2 v = WP::template lut_entry<Act>(e, cb);
+    sts128(lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
+  }
+}
+
 template <int BITS, class Act, int MT, int V>
 __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
     kbit_matmul_fused_kernel(const Params p) {
@@ -398,13 +523,9 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int KS = p.k_split, rank = blockIdx.x % KS, cluster_id = blockIdx.x / KS;
-  const int n_clusters = gridDim.x / KS;
-  const int kbA = rank * p.kb_per_split, kbEnd = min(p.KB, kbA + p.kb_per_split);
-  const int nch = kbEnd > kbA ? (kbEnd - kbA + KCH - 1) / KCH : 0;
-  const int my_items = cluster_id < p.items ? (p.items - cluster_id + n_clusters - 1) / n_clusters : 0;
-  const int Q = my_items * nch;
-  const int64_t K = int64_t(p.KB) * 32;
+  const ItemWalk<KCH, COLS, 8 * MT> walk(p);
+  const int KS = walk.ks, rank = walk.rank, kbA = walk.kbA, kbEnd = walk.kbEnd, nch = walk.nch, Q = walk.q;
+  const int64_t K = walk.k;
 
   // ---- shared memory: [LUT][reduction][partial][sf x 2][ring: D x (weights | x | raw scales)]
   const uint32_t s_lut = smem_u32(smem);
@@ -416,38 +537,6 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
   const uint32_t slot_bytes = Cfg::kWChunk + x_slot + Cfg::kRawChunk;
   float* part_ptr = reinterpret_cast<float*>(smem + WP::kLutBytes + Cfg::kRedBytes);
 
-  auto set_derived = [&](Cursor& cur) {
-    cur.col0 = cur.cg * COLS;
-    cur.m0 = int64_t(cur.mb) * 8 * MT;
-    cur.rows = int(min(int64_t(8 * MT), p.M - cur.m0));
-    cur.cell0 = (int64_t(cur.b) * p.KB + kbA) * p.N + cur.col0;
-    cur.x0 = (int64_t(cur.b) * p.M + cur.m0) * K + int64_t(kbA) * 32;
-  };
-  auto first_cursor = [&]() {
-    Cursor cur;
-    cur.c = 0;
-    cur.cg = cluster_id % p.col_groups;
-    const int rest = cluster_id / p.col_groups;
-    cur.mb = rest % p.m_blocks;
-    cur.b = rest / p.m_blocks;
-    set_derived(cur);
-    return cur;
-  };
-  const int64_t chunk_cells = int64_t(KCH) * p.N;
-  auto advance = [&](Cursor& cur) {
-    if (++cur.c < nch) {
-      cur.cell0 += chunk_cells;
-      cur.x0 += KCH * 32;
-      return;
-    }
-    cur.c = 0;
-    cur.cg += n_clusters;
-    while (cur.cg >= p.col_groups) {  // runs only at item boundaries
-      cur.cg -= p.col_groups;
-      if (++cur.mb == p.m_blocks) { cur.mb = 0; ++cur.b; }
-    }
-    set_derived(cur);
-  };
 
   // ---- issue the copies of one chunk into ring slot `slot` (one commit group per chunk).
   // Every thread's pieces are fixed by its index: their offsets are computed once here, so a
@@ -574,43 +663,10 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
       if (kbA + cur.c * KCH + kbl >= kbEnd) return;  // warp-uniform
       const uint32_t slab = base + kbl * SLAB;
       uint32_t xb[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        // lane l supplies row l%8 of matrix l/8 (= the 8-wide k sub-block l/8 of the 32-block)
-        const int row = min(8 * mt + (lane & 7), cur.rows - 1);
-        ldmatrix_x4(xb[mt], base + Cfg::kWChunk + row * XRB + kbl * 64 + (lane >> 3) * 16);
-      }
+      load_x_fragments<MT>(xb, base + Cfg::kWChunk + kbl * 64, XRB, cur.rows, lane);
       float sc[2 * TN];
-      const uint32_t sfa = s_sf + sfbuf * Cfg::kSfChunk + kbl * SFB + sf_lane_off;
-      if constexpr (TN >= 2) {
-#pragma unroll
-        for (int i = 0; i < TN / 2; ++i) {
-          const float4 v = lds128f(sfa + 16 * i);
-          sc[4 * i] = v.x; sc[4 * i + 1] = v.y; sc[4 * i + 2] = v.z; sc[4 * i + 3] = v.w;
-        }
-      } else {
-        const float2 v = lds64f(sfa);
-        sc[0] = v.x; sc[1] = v.y;
-      }
-#pragma unroll
-      for (int j = 0; j < TN; ++j) {
-        typename WP::Raw raw;
-        WP::load(raw, slab, o0, o1, j);
-        uint32_t a[2][4];
-        WP::decode(raw, s_lut, L, a);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-          float d[4];
-          mma_16816<Act>(d, a[0], xb[mt][0], xb[mt][1], zero);  // k 0..15 of the block
-          mma_16816<Act>(d, a[1], xb[mt][2], xb[mt][3], d);     // k 16..31
-          float* c = acc + (j * MT + mt) * 4;
-          c[0] = fmaf(d[0], sc[2 * j], c[0]);  // row g   = column 16 j + g
-          c[1] = fmaf(d[1], sc[2 * j], c[1]);
-          c[2] = fmaf(d[2], sc[2 * j + 1], c[2]);  // row g+8 = column 16 j + g + 8
-          c[3] = fmaf(d[3], sc[2 * j + 1], c[3]);
-        }
-      }
+      load_scales<TN>(sc, s_sf + sfbuf * Cfg::kSfChunk + kbl * SFB + sf_lane_off);
+      mma_k_block<WP, Act, MT, TN>(acc, slab, o0, o1, s_lut, L, xb, sc);
     }
   };
 
@@ -658,24 +714,16 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
   };
 
   // ---- prologue: copies of the first D-1 chunks, the table while they fly ----
-  Cursor ic = first_cursor();  // next chunk to issue
+  Cursor ic = walk.first();  // next chunk to issue
 #pragma unroll
   for (int s = 0; s < D - 1; ++s) {
-    if (s < Q) { issue(ic, s); advance(ic); }
+    if (s < Q) { issue(ic, s); walk.advance(ic); }
     cp_async_commit();
   }
   // The table holds one batch entry's codebook; a CTA whose items span batch entries rebuilds
   // it where b changes (at an item boundary, see the main loop).
-  auto build_lut = [&](int b) {
-    constexpr int kPieces = 2 * WP::kEntryBytes;
-    const float* cb = p.codebook + int64_t(b) * (1 << BITS);
-    for (int i = tid; i < WP::kEntries * kPieces; i += NT) {
-      const int e = i / kPieces, piece = i % kPieces;
-      const uint2 v = WP::template lut_entry<Act>(e, cb);
-      sts128(s_lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
-    }
-  };
-  Cursor cc = first_cursor();  // chunk being computed
+  auto build_lut = [&](int b) { build_table<WP, Act>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, NT); };
+  Cursor cc = walk.first();  // chunk being computed
   int lut_b = -1;
   if (Q > 0) {
     build_lut(cc.b);
@@ -687,12 +735,12 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 
   // ---- main loop over this CTA's chunks ----
   for (int q = 0; q < Q; ++q) {
-    if (q + D - 1 < Q) { issue(ic, (q + D - 1) % D); advance(ic); }
+    if (q + D - 1 < Q) { issue(ic, (q + D - 1) % D); walk.advance(ic); }
     cp_async_commit();
     compute(cc, q % D, q & 1);
     const bool last = cc.c == nch - 1;
     if (last) epilogue(cc);
-    advance(cc);
+    walk.advance(cc);
     cp_async_wait<D - 2>();
     if (q + 1 < Q) {
       decode_scales((q + 1) % D, (q + 1) & 1);
@@ -781,13 +829,9 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int KS = p.k_split, rank = blockIdx.x % KS, cluster_id = blockIdx.x / KS;
-  const int n_clusters = gridDim.x / KS;
-  const int kbA = rank * p.kb_per_split, kbEnd = min(p.KB, kbA + p.kb_per_split);
-  const int nch = kbEnd > kbA ? (kbEnd - kbA + KCH - 1) / KCH : 0;
-  const int my_items = cluster_id < p.items ? (p.items - cluster_id + n_clusters - 1) / n_clusters : 0;
-  const int Q = my_items * nch;
-  const int64_t K = int64_t(p.KB) * 32;
+  const ItemWalk<KCH, COLS, 8 * MT> walk(p);
+  const int KS = walk.ks, rank = walk.rank, kbA = walk.kbA, kbEnd = walk.kbEnd, nch = walk.nch, Q = walk.q;
+  const int64_t K = walk.k;
 
   // ---- shared memory: [LUT][reducer][sf][full x 8, empty x 8][ring: D x (weights | x | scales)]
   const uint32_t s_lut = smem_u32(smem);
@@ -798,38 +842,6 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   const uint32_t x_slot = uint32_t(p.x_rows) * XRB;
   const uint32_t slot_bytes = Cfg::kWChunk + x_slot + WC::kSChunk;
 
-  auto set_derived = [&](Cursor& cur) {
-    cur.col0 = cur.cg * COLS;
-    cur.m0 = int64_t(cur.mb) * 8 * MT;
-    cur.rows = int(min(int64_t(8 * MT), p.M - cur.m0));
-    cur.cell0 = (int64_t(cur.b) * p.KB + kbA) * p.N + cur.col0;
-    cur.x0 = (int64_t(cur.b) * p.M + cur.m0) * K + int64_t(kbA) * 32;
-  };
-  auto first_cursor = [&]() {
-    Cursor cur;
-    cur.c = 0;
-    cur.cg = cluster_id % p.col_groups;
-    const int rest = cluster_id / p.col_groups;
-    cur.mb = rest % p.m_blocks;
-    cur.b = rest / p.m_blocks;
-    set_derived(cur);
-    return cur;
-  };
-  const int64_t chunk_cells = int64_t(KCH) * p.N;
-  auto advance = [&](Cursor& cur) {
-    if (++cur.c < nch) {
-      cur.cell0 += chunk_cells;
-      cur.x0 += KCH * 32;
-      return;
-    }
-    cur.c = 0;
-    cur.cg += n_clusters;
-    while (cur.cg >= p.col_groups) {  // runs only at item boundaries
-      cur.cg -= p.col_groups;
-      if (++cur.mb == p.m_blocks) { cur.mb = 0; ++cur.b; }
-    }
-    set_derived(cur);
-  };
 
   if (tid < D) {
     mbar_init(s_full + 8 * tid, 32 * kWsProducerWarps);
@@ -861,7 +873,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     constexpr int kWPR = (kPPK + PT - 1) / PT;  // passes per weight row
     constexpr int kSPer = (KCH * kSPK + PT - 1) / PT;
     constexpr int kXPR = (KCH * 4 + PT - 1) / PT;  // passes per activation row
-    Cursor ic = first_cursor();
+    Cursor ic = walk.first();
     int slot = 0;
     uint32_t round = 0;  // passes over the ring; pass r >= 1 waits for completion r - 1 of empty
     for (int q = 0; q < Q; ++q) {
@@ -907,123 +919,84 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         xdst += XRB;
       }
       cp_async_mbar_arrive_noinc(s_full + 8 * slot);
-      advance(ic);
+      walk.advance(ic);
       if (++slot == D) { slot = 0; ++round; }
     }
     cp_async_wait<0>();
     if (KS > 1) cluster_wait();  // pairs with the arrive at the start
   } else {
-  // ================= consumer warps =================
-  const typename WP::Lane L = WP::lane_consts(lane);
-  const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
-  const uint32_t sf_lane_off = uint32_t(g) * (2 * TN * 4);
+    // ================= consumer warps =================
+    const typename WP::Lane L = WP::lane_consts(lane);
+    const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
+    const uint32_t sf_lane_off = uint32_t(g) * (2 * TN * 4);
 
-  float acc[NACC];
+    float acc[NACC];
 #pragma unroll
-  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 
-  auto compute = [&](const Cursor& cur, int slot, int par) {
-    const uint32_t base = s_ring + slot * slot_bytes;
+    auto compute = [&](const Cursor& cur, int slot, int par) {
+      const uint32_t base = s_ring + slot * slot_bytes;
 #pragma unroll
-    for (int u = 0; u < KPW; ++u) {
-      const int kbl = warp * KPW + u;
-      if (kbA + cur.c * KCH + kbl >= kbEnd) return;  // warp-uniform
-      const uint32_t slab = base + kbl * SLAB;
-      // scales of this k-block: lane (g, t) decodes columns 16 j + 8 h + g for the entries
-      // i = 2 j + h it owns, into the warp's buffer at float g * 2TN + i.
-      const uint32_t sraw = base + Cfg::kWChunk + x_slot + kbl * COLS;
-      const uint32_t sfa = s_sf + ((warp * KPW + u) * 2 + par) * SFW;
-      if constexpr (TN == 4) {
-        const uint32_t b0 = lds_u8(sraw + 16 * t + g), b1 = lds_u8(sraw + 16 * t + 8 + g);
-        sts64f(sfa + (g * 8 + 2 * t) * 4, decode_e4m4_fast(b0 << 19), decode_e4m4_fast(b1 << 19));
-      } else if constexpr (TN == 2) {
-        const uint32_t b0 = lds_u8(sraw + 16 * (t >> 1) + 8 * (t & 1) + g);
-        sts32f(sfa + (g * 4 + t) * 4, decode_e4m4_fast(b0 << 19));
-      } else {
-        if (t < 2) sts32f(sfa + (g * 2 + t) * 4, decode_e4m4_fast(lds_u8(sraw + 8 * t + g) << 19));
-      }
-      uint32_t xb[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int row = min(8 * mt + (lane & 7), cur.rows - 1);
-        ldmatrix_x4(xb[mt], base + Cfg::kWChunk + row * XRB + kbl * 64 + (lane >> 3) * 16);
-      }
-      __syncwarp();
-      float sc[2 * TN];
-      if constexpr (TN >= 2) {
-#pragma unroll
-        for (int i = 0; i < TN / 2; ++i) {
-          const float4 v = lds128f(sfa + sf_lane_off + 16 * i);
-          sc[4 * i] = v.x; sc[4 * i + 1] = v.y; sc[4 * i + 2] = v.z; sc[4 * i + 3] = v.w;
+      for (int u = 0; u < KPW; ++u) {
+        const int kbl = warp * KPW + u;
+        if (kbA + cur.c * KCH + kbl >= kbEnd) return;  // warp-uniform
+        const uint32_t slab = base + kbl * SLAB;
+        // scales of this k-block: lane (g, t) decodes columns 16 j + 8 h + g for the entries
+        // i = 2 j + h it owns, into the warp's buffer at float g * 2TN + i.
+        const uint32_t sraw = base + Cfg::kWChunk + x_slot + kbl * COLS;
+        const uint32_t sfa = s_sf + ((warp * KPW + u) * 2 + par) * SFW;
+        if constexpr (TN == 4) {
+          const uint32_t b0 = lds_u8(sraw + 16 * t + g), b1 = lds_u8(sraw + 16 * t + 8 + g);
+          sts64f(sfa + (g * 8 + 2 * t) * 4, decode_e4m4_fast(b0 << 19), decode_e4m4_fast(b1 << 19));
+        } else if constexpr (TN == 2) {
+          const uint32_t b0 = lds_u8(sraw + 16 * (t >> 1) + 8 * (t & 1) + g);
+          sts32f(sfa + (g * 4 + t) * 4, decode_e4m4_fast(b0 << 19));
+        } else {
+          if (t < 2) sts32f(sfa + (g * 2 + t) * 4, decode_e4m4_fast(lds_u8(sraw + 8 * t + g) << 19));
         }
-      } else {
-        const float2 v = lds64f(sfa + sf_lane_off);
-        sc[0] = v.x; sc[1] = v.y;
+        uint32_t xb[MT][4];
+        load_x_fragments<MT>(xb, base + Cfg::kWChunk + kbl * 64, XRB, cur.rows, lane);
+        __syncwarp();
+        float sc[2 * TN];
+        load_scales<TN>(sc, sfa + sf_lane_off);
+        mma_k_block<WP, Act, MT, TN>(acc, slab, o0, o1, s_lut, L, xb, sc);
       }
-#pragma unroll
-      for (int j = 0; j < TN; ++j) {
-        typename WP::Raw raw;
-        WP::load(raw, slab, o0, o1, j);
-        uint32_t a[2][4];
-        WP::decode(raw, s_lut, L, a);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-          float d[4];
-          mma_16816<Act>(d, a[0], xb[mt][0], xb[mt][1], zero);
-          mma_16816<Act>(d, a[1], xb[mt][2], xb[mt][3], d);
-          float* c = acc + (j * MT + mt) * 4;
-          c[0] = fmaf(d[0], sc[2 * j], c[0]);
-          c[1] = fmaf(d[1], sc[2 * j], c[1]);
-          c[2] = fmaf(d[2], sc[2 * j + 1], c[2]);
-          c[3] = fmaf(d[3], sc[2 * j + 1], c[3]);
-        }
-      }
-    }
-  };
+    };
 
-  int item_seq = 0;
-  auto epilogue = [&](const Cursor& cur) {
-    if (KS > 1 && item_seq == 0) cluster_wait();  // the other ranks' reducer barriers exist
-    reducer.finish(acc, item_seq++, warp, lane, [&](const float (&v)[NACC]) { store_item<MT, T>(p, cur, g, t, v); });
-  };
+    int item_seq = 0;
+    auto epilogue = [&](const Cursor& cur) {
+      if (KS > 1 && item_seq == 0) cluster_wait();  // the other ranks' reducer barriers exist
+      reducer.finish(acc, item_seq++, warp, lane, [&](const float (&v)[NACC]) { store_item<MT, T>(p, cur, g, t, v); });
+    };
 
-  auto build_lut = [&](int b) {
-    constexpr int kPieces = 2 * WP::kEntryBytes;
-    const float* cb = p.codebook + int64_t(b) * (1 << BITS);
-    for (int i = tid; i < WP::kEntries * kPieces; i += NT) {
-      const int e = i / kPieces, piece = i % kPieces;
-      const uint2 v = WP::template lut_entry<Act>(e, cb);
-      sts128(s_lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
-    }
-  };
-  Cursor cc = first_cursor();
-  int lut_b = -1;
-  if (Q > 0) {
-    build_lut(cc.b);
-    lut_b = cc.b;
-  }
-  named_bar_sync<NT>(1);
-
-  int slot = 0;
-  uint32_t fparity = 0;
-  for (int q = 0; q < Q; ++q) {
-    mbar_wait(s_full + 8 * slot, fparity);
-    compute(cc, slot, q & 1);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(s_empty + 8 * slot);
-    if (++slot == D) { slot = 0; fparity ^= 1u; }
-    const bool last = cc.c == nch - 1;
-    if (last) epilogue(cc);
-    advance(cc);
-    if (last && q + 1 < Q && cc.b != lut_b) {  // next item belongs to another batch entry
-      named_bar_sync<NT>(1);                   // (every warp finished reading the old table)
+    auto build_lut = [&](int b) { build_table<WP, Act>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, NT); };
+    Cursor cc = walk.first();
+    int lut_b = -1;
+    if (Q > 0) {
       build_lut(cc.b);
       lut_b = cc.b;
-      named_bar_sync<NT>(1);
     }
-  }
-  if (KS > 1 && item_seq == 0) cluster_wait();  // (no item: still pair the start's arrive)
+    named_bar_sync<NT>(1);
+
+    int slot = 0;
+    uint32_t fparity = 0;
+    for (int q = 0; q < Q; ++q) {
+      mbar_wait(s_full + 8 * slot, fparity);
+      compute(cc, slot, q & 1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(s_empty + 8 * slot);
+      if (++slot == D) { slot = 0; fparity ^= 1u; }
+      const bool last = cc.c == nch - 1;
+      if (last) epilogue(cc);
+      walk.advance(cc);
+      if (last && q + 1 < Q && cc.b != lut_b) {  // next item belongs to another batch entry
+        named_bar_sync<NT>(1);                   // (every warp finished reading the old table)
+        build_lut(cc.b);
+        lut_b = cc.b;
+        named_bar_sync<NT>(1);
+      }
+    }
+    if (KS > 1 && item_seq == 0) cluster_wait();  // (no item: still pair the start's arrive)
   }  // consumer warps
   if (KS > 1) cluster_barrier();  // rank 0 may still read this CTA's sum, or arrive on it
 }
