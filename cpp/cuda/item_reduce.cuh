@@ -40,29 +40,21 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Wait until the phase of parity `parity` has completed (acquire, CTA scope).
+// Spin until the phase of parity `parity` has completed: acquire at CTA scope, or at cluster
+// scope (kCluster) when the arrivals came from other CTAs of the cluster.
+#define KBIT_MBAR_TRY_WAIT(SEM) \
+  "{\n.reg .pred p;\nmbarrier.try_wait.parity" SEM ".shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+template <bool kCluster = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
+    if constexpr (kCluster)
+      asm volatile(KBIT_MBAR_TRY_WAIT(".acquire.cluster") : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    else
+      asm volatile(KBIT_MBAR_TRY_WAIT("") : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
-// The same with acquire at cluster scope: the arrivals came from other CTAs of the cluster.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
+#undef KBIT_MBAR_TRY_WAIT
 // The address of `addr` (this CTA's shared window) in the shared memory of cluster rank `rank`.
 __device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {
   uint32_t r;
@@ -170,13 +162,13 @@ struct ItemReducer {
       if (ks == 1) {
         store(v);
       } else if (rank > 0) {
-        if (seq > 0) mbar_wait_cluster(cl_empty, prev);  // rank 0 has read item seq - 1's sum
+        if (seq > 0) mbar_wait<true>(cl_empty, prev);  // rank 0 has read item seq - 1's sum
 #pragma unroll
         for (int e4 = 0; e4 < NACC / 4; ++e4)
           sts128f(part + uint32_t((e4 * 32 + lane) * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3]);
         mbar_arrive_rank(cl_full + 8 * leader, 0);
       } else {
-        mbar_wait_cluster(cl_full + 8 * leader, led);
+        mbar_wait<true>(cl_full + 8 * leader, led);
         for (int r = 1; r < ks; ++r) {  // rank order
           const uint32_t rp = map_rank(part, r);
 #pragma unroll
