@@ -537,7 +537,6 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
   const uint32_t slot_bytes = Cfg::kWChunk + x_slot + Cfg::kRawChunk;
   float* part_ptr = reinterpret_cast<float*>(smem + WP::kLutBytes + Cfg::kRedBytes);
 
-
   // ---- issue the copies of one chunk into ring slot `slot` (one commit group per chunk).
   // Every thread's pieces are fixed by its index: their offsets are computed once here, so a
   // chunk costs a few uniform 64-bit products and one add + one cp.async per piece.
@@ -841,7 +840,6 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   const uint32_t s_ring = s_full + 128;
   const uint32_t x_slot = uint32_t(p.x_rows) * XRB;
   const uint32_t slot_bytes = Cfg::kWChunk + x_slot + WC::kSChunk;
-
 
   if (tid < D) {
     mbar_init(s_full + 8 * tid, 32 * kWsProducerWarps);
