@@ -550,194 +550,167 @@ struct Timer {
   }
 };
 
-// Selected shapes (both tiling variants at M <= 8): one "SEL" line per case, for comparing
-// two builds of the kernel.
-static void bench_sel() {
+// ---- shared by the timing modes ----
+
+struct Shape { const char* name; int K, N; };
+// benchmarks/shapes.py
+static const Shape kShapes[] = {
+    {"llama3-8b.gate_up", 4096, 14336}, {"llama3-8b.down", 14336, 4096},
+    {"llama3-70b.gate_up", 8192, 28672}, {"llama3-70b.down", 28672, 8192},
+    {"qwen3.gate_up", 2048, 5120},      {"qwen3.down", 5120, 2048},
+    {"qwen3.q", 2048, 4096},            {"qwen3.o", 4096, 2048},
+    {"glm4.7.gate_up", 2048, 10240},    {"glm4.7.down", 10240, 2048},
+};
+
+// What every timing mode needs: the device-to-device copy rate (bytes read + written, 1 GiB)
+// as the bandwidth reference, a pool of random weight words far larger than L2, a codebook,
+// tensor scale 1, and bf16 activations / outputs for up to max_m rows.
+struct BenchEnv {
+  static constexpr size_t kPoolBytes = size_t(1600) << 20;
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
-  Timer tm;
-  const size_t copy_bytes = size_t(1) << 30;
-  uint8_t *src, *dst;
-  CK(cudaMalloc(&src, copy_bytes));
-  CK(cudaMalloc(&dst, copy_bytes));
-  CK(cudaMemset(src, 1, copy_bytes));
-  const double copy_us = tm.median_us([&](int) { CK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice)); }, 7, 5);
-  const double copy_gbs = 2.0 * copy_bytes / (copy_us * 1e-6) / 1e9;
-  printf("device: %s; device-to-device copy: %.0f GB/s\n", prop.name, copy_gbs);
-  CK(cudaFree(dst));
-  CK(cudaFree(src));
-  const size_t pool_bytes = size_t(1600) << 20;
-  uint8_t* pool;
-  CK(cudaMalloc(&pool, pool_bytes));
-  fill_random<<<4096, 256>>>(reinterpret_cast<uint32_t*>(pool), pool_bytes / 4, 12345u);
-  CK(cudaGetLastError());
-  float *cb, *ts;
-  CK(cudaMalloc(&cb, 32 * 4));
-  CK(cudaMalloc(&ts, 4));
-  {
-    std::mt19937 rng(7);
-    std::vector<float> h = make_codebook(5, 0, rng);
-    CK(cudaMemcpy(cb, h.data(), 32 * 4, cudaMemcpyHostToDevice));
-    const float one = 1.f;
-    CK(cudaMemcpy(ts, &one, 4, cudaMemcpyHostToDevice));
-  }
-  const size_t max_m = 16, max_k = 28672, max_n = 28672;
-  void *x, *y;
-  CK(cudaMalloc(&x, max_m * max_k * 2));
-  CK(cudaMalloc(&y, max_m * max_n * 2));
-  {
+  double copy_us = 0, copy_gbs = 0;
+  uint8_t* pool = nullptr;
+  float *cb = nullptr, *ts = nullptr;
+  void *x = nullptr, *y = nullptr;
+
+  explicit BenchEnv(size_t max_m) {
+    CK(cudaGetDeviceProperties(&prop, 0));
+    Timer tm;
+    const size_t copy_bytes = size_t(1) << 30;
+    uint8_t *src, *dst;
+    CK(cudaMalloc(&src, copy_bytes));
+    CK(cudaMalloc(&dst, copy_bytes));
+    CK(cudaMemset(src, 1, copy_bytes));
+    copy_us = tm.median_us([&](int) { CK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice)); }, 7, 5);
+    copy_gbs = 2.0 * copy_bytes / (copy_us * 1e-6) / 1e9;
+    CK(cudaFree(dst));
+    CK(cudaFree(src));
+    CK(cudaMalloc(&pool, kPoolBytes));
+    fill_random<<<4096, 256>>>(reinterpret_cast<uint32_t*>(pool), kPoolBytes / 4, 12345u);
+    CK(cudaGetLastError());
+    CK(cudaMalloc(&cb, 32 * 4));
+    CK(cudaMalloc(&ts, 4));
+    {
+      std::mt19937 rng(7);
+      std::vector<float> h = make_codebook(5, 0, rng);
+      CK(cudaMemcpy(cb, h.data(), 32 * 4, cudaMemcpyHostToDevice));
+      const float one = 1.f;
+      CK(cudaMemcpy(ts, &one, 4, cudaMemcpyHostToDevice));
+    }
+    const size_t max_k = 28672, max_n = 28672;
+    CK(cudaMalloc(&x, max_m * max_k * 2));
+    CK(cudaMalloc(&y, max_m * max_n * 2));
     std::vector<uint16_t> hx(max_m * max_k);
     std::mt19937 rng(3);
     std::normal_distribution<float> nd(0.f, 1.f);
     for (auto& v : hx) v = f32_to_raw16(nd(rng), DType::kBF16);
     CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
   }
-  struct Shape { const char* name; int K, N; };
-  // benchmarks/shapes.py; KBIT_HARNESS_KSPLIT=n forces the cluster size (k-split) of every launch.
-  const Shape shapes[] = {{"llama3-8b.gate_up", 4096, 14336}, {"llama3-8b.down", 14336, 4096},
-                          {"llama3-70b.gate_up", 8192, 28672}, {"llama3-70b.down", 28672, 8192},
-                          {"qwen3.gate_up", 2048, 5120},      {"qwen3.down", 5120, 2048},
-                          {"qwen3.q", 2048, 4096},            {"qwen3.o", 4096, 2048},
-                          {"glm4.7.gate_up", 2048, 10240},    {"glm4.7.down", 10240, 2048}};
+  ~BenchEnv() {
+    CK(cudaDeviceSynchronize());
+    cudaFree(pool); cudaFree(cb); cudaFree(ts); cudaFree(x); cudaFree(y);
+  }
+  // A bf16 product of the fragment-layout weight at `s`, `bits`, with M rows (planes and
+  // scales are set per launch by WeightCopies).
+  kbit::cuda::MatmulArgs matmul_args(const Shape& s, int bits, int m) const {
+    kbit::cuda::MatmulArgs a;
+    a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
+    a.batch = 1; a.m = m; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
+    return a;
+  }
+};
+
+// The pool cut into back-to-back copies of one (shape, bits) weight, codes then scales, each
+// 256-byte aligned; launch c reads copy c % copies, so consecutive launches find cold weights.
+struct WeightCopies {
+  size_t plane_bytes, scale_bytes, one;
+  int copies;
+  uint8_t* pool;
+  WeightCopies(const BenchEnv& env, const Shape& s, int bits) : pool(env.pool) {
+    const size_t KB = s.K / 32;
+    plane_bytes = KB * s.N * bits * 4;
+    scale_bytes = KB * s.N;
+    one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
+    copies = int(std::min<size_t>(BenchEnv::kPoolBytes / one, std::max<size_t>(3, (size_t(480) << 20) / one + 1)));
+    for (int c = 0; c < copies; ++c) tame_scales<<<1024, 256>>>(scales(c), scale_bytes);
+    CK(cudaGetLastError());
+  }
+  const uint32_t* planes(int c) const { return reinterpret_cast<const uint32_t*>(pool + size_t(c % copies) * one); }
+  uint8_t* scales(int c) const { return pool + size_t(c % copies) * one + (plane_bytes + 255) / 256 * 256; }
+};
+
+// Median time of product `a` over cold copies, for tiling variants 0 and 1 (1 only at M <= 8;
+// us_v[1] stays 0 otherwise); returns the faster, which is what launch_matmul's default picks
+// for the warp-specialized kernel.
+static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCopies& w, int k_split,
+                            double (&us_v)[2]) {
+  us_v[0] = us_v[1] = 0;
+  for (int v = 0; v < (a.m <= 8 ? 2 : 1); ++v) {
+    kbit::cuda::MatmulTuning tune;
+    tune.variant = v;
+    tune.k_split = k_split;
+    std::string err;
+    us_v[v] = tm.median_us([&](int c) {
+      a.planes = w.planes(c);
+      a.scales = w.scales(c);
+      std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
+      if (!e.empty() && err.empty()) err = e;
+    }, 7, 20);
+    if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+  }
+  return us_v[1] > 0 ? std::min(us_v[0], us_v[1]) : us_v[0];
+}
+
+// Selected shapes (both tiling variants at M <= 8): one "SEL" line per case, for comparing
+// two builds of the kernel (benchmarks/sel_compare.py). KBIT_HARNESS_KSPLIT=n forces the
+// cluster size (k-split) of every launch.
+static void bench_sel() {
+  BenchEnv env(16);
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  Timer tm;
   const char* ks_env = getenv("KBIT_HARNESS_KSPLIT");
   const int forced_ks = ks_env ? atoi(ks_env) : 0;
-  for (const Shape& s : shapes)
+  for (const Shape& s : kShapes)
     for (int bits = 2; bits <= 5; ++bits) {
-      const size_t KB = s.K / 32;
-      const size_t plane_bytes = KB * s.N * bits * 4, scale_bytes = KB * s.N;
-      const size_t one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
-      const int copies = int(std::min<size_t>(pool_bytes / one, std::max<size_t>(3, (size_t(480) << 20) / one + 1)));
-      for (int c = 0; c < copies; ++c)
-        tame_scales<<<1024, 256>>>(pool + size_t(c) * one + (plane_bytes + 255) / 256 * 256, scale_bytes);
-      CK(cudaGetLastError());
+      const WeightCopies w(env, s, bits);
       for (int M : {1, 4, 16}) {
-        kbit::cuda::MatmulArgs a;
-        a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
-        a.batch = 1; a.m = M; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
-        double us_v[2] = {0, 0};
-        for (int v = 0; v < (M <= 8 ? 2 : 1); ++v) {
-          kbit::cuda::MatmulTuning tune;
-          tune.variant = v;
-          tune.k_split = forced_ks;
-          std::string err;
-          us_v[v] = tm.median_us([&](int c) {
-            a.planes = reinterpret_cast<const uint32_t*>(pool + size_t(c % copies) * one);
-            a.scales = pool + size_t(c % copies) * one + (plane_bytes + 255) / 256 * 256;
-            std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
-            if (!e.empty() && err.empty()) err = e;
-          }, 7, 20);
-          if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
-        }
-        const double us = us_v[1] > 0 ? std::min(us_v[0], us_v[1]) : us_v[0];
-        const double gbs = (plane_bytes + scale_bytes) / (us * 1e-6) / 1e9;
+        double us_v[2];
+        const double us = time_variants(tm, env.matmul_args(s, bits, M), w, forced_ks, us_v);
+        const double gbs = (w.plane_bytes + w.scale_bytes) / (us * 1e-6) / 1e9;
         printf("SEL %-18s %5d %6d %d %2d %8.2f %8.2f %8.2f %6.0f %5.1f\n", s.name, s.K, s.N, bits, M, us_v[0], us_v[1],
-               us, gbs, 100 * gbs / copy_gbs);
+               us, gbs, 100 * gbs / env.copy_gbs);
       }
     }
-  CK(cudaDeviceSynchronize());
-  cudaFree(pool); cudaFree(cb); cudaFree(ts); cudaFree(x); cudaFree(y);
 }
 
 static void bench(const char* csv_path, bool full) {
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  BenchEnv env(64);
+  const cudaDeviceProp& prop = env.prop;
+  const double copy_gbs = env.copy_gbs;
   printf("\ndevice: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   FILE* csv = csv_path ? fopen(csv_path, "w") : nullptr;
   if (csv) fprintf(csv, "kind,shape,K,N,bits,M,k_split,us,GBps,pct_copy,stream_us,dense_floor_us,us_variant1\n");
   Timer tm;
-
-  // Copy bandwidth (bytes read + written), 1 GiB.
-  const size_t copy_bytes = size_t(1) << 30;
-  uint8_t *src, *dst;
-  CK(cudaMalloc(&src, copy_bytes));
-  CK(cudaMalloc(&dst, copy_bytes));
-  CK(cudaMemset(src, 1, copy_bytes));
-  const double copy_us = tm.median_us([&](int) { CK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice)); }, 7, 5);
-  const double copy_gbs = 2.0 * copy_bytes / (copy_us * 1e-6) / 1e9;
   printf("device-to-device copy: %.0f GB/s (read + write)\n", copy_gbs);
-  CK(cudaFree(dst));
-  CK(cudaFree(src));
-  if (csv) fprintf(csv, "copy,1GiB,0,0,0,0,0,%.2f,%.1f,100,0,0\n", copy_us, copy_gbs);
-
-  // Weight pool: random words, rotated copies far beyond L2.
-  const size_t pool_bytes = size_t(1600) << 20;
-  uint8_t* pool;
-  CK(cudaMalloc(&pool, pool_bytes));
-  fill_random<<<4096, 256>>>(reinterpret_cast<uint32_t*>(pool), pool_bytes / 4, 12345u);
-  CK(cudaGetLastError());
+  if (csv) fprintf(csv, "copy,1GiB,0,0,0,0,0,%.2f,%.1f,100,0,0\n", env.copy_us, copy_gbs);
   uint32_t* sink;
   CK(cudaMalloc(&sink, 4));
-  float* cb;
-  float* ts;
-  CK(cudaMalloc(&cb, 32 * 4));
-  CK(cudaMalloc(&ts, 4));
-  {
-    std::mt19937 rng(7);
-    std::vector<float> h = make_codebook(5, 0, rng);
-    CK(cudaMemcpy(cb, h.data(), 32 * 4, cudaMemcpyHostToDevice));
-    const float one = 1.f;
-    CK(cudaMemcpy(ts, &one, 4, cudaMemcpyHostToDevice));
-  }
-  const size_t max_m = 64, max_k = 28672, max_n = 28672;
-  void *x, *y;
-  CK(cudaMalloc(&x, max_m * max_k * 2));
-  CK(cudaMalloc(&y, max_m * max_n * 2));
-  {
-    std::vector<uint16_t> hx(max_m * max_k);
-    std::mt19937 rng(3);
-    std::normal_distribution<float> nd(0.f, 1.f);
-    for (auto& v : hx) v = f32_to_raw16(nd(rng), DType::kBF16);
-    CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
-  }
 
-  struct Shape { const char* name; int K, N; };
-  const Shape shapes[] = {
-      {"llama3-8b.gate_up", 4096, 14336}, {"llama3-8b.down", 14336, 4096},
-      {"llama3-70b.gate_up", 8192, 28672}, {"llama3-70b.down", 28672, 8192},
-      {"qwen3.gate_up", 2048, 5120},      {"qwen3.down", 5120, 2048},
-      {"qwen3.q", 2048, 4096},            {"qwen3.o", 4096, 2048},
-      {"glm4.7.gate_up", 2048, 10240},    {"glm4.7.down", 10240, 2048},
-  };
   (void)full;
   printf("\n%-20s %5s %6s %4s %3s %9s %9s %8s %7s %9s %9s\n", "shape", "K", "N", "bits", "M", "us(V0)", "us(V1)",
          "GB/s", "%copy", "stream_us", "bf16floor");
-  for (const Shape& s : shapes)
+  for (const Shape& s : kShapes)
     for (int bits = 2; bits <= 5; ++bits) {
-      const size_t KB = s.K / 32;
-      const size_t plane_bytes = KB * s.N * bits * 4, scale_bytes = KB * s.N;
-      const size_t one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
-      const int copies = int(std::min<size_t>(pool_bytes / one, std::max<size_t>(3, (size_t(480) << 20) / one + 1)));
-      for (int c = 0; c < copies; ++c) {
-        uint8_t* sc = pool + size_t(c) * one + (plane_bytes + 255) / 256 * 256;
-        tame_scales<<<1024, 256>>>(sc, scale_bytes);
-      }
-      CK(cudaGetLastError());
-      auto planes_of = [&](int c) { return reinterpret_cast<const uint32_t*>(pool + size_t(c % copies) * one); };
-      auto scales_of = [&](int c) { return pool + size_t(c % copies) * one + (plane_bytes + 255) / 256 * 256; };
+      const WeightCopies w(env, s, bits);
       const double stream_us = tm.median_us([&](int c) {
-        stream_read<<<prop.multiProcessorCount * 8, 256>>>(reinterpret_cast<const uint4*>(planes_of(c)),
-                                                           (plane_bytes + scale_bytes) / 16, sink);
+        stream_read<<<prop.multiProcessorCount * 8, 256>>>(reinterpret_cast<const uint4*>(w.planes(c)),
+                                                           (w.plane_bytes + w.scale_bytes) / 16, sink);
       }, 7, 20);
       const std::vector<int> Ms = bits == 4 ? std::vector<int>{1, 4, 16, 32, 64} : std::vector<int>{1, 4, 16};
       for (int M : Ms) {
-        kbit::cuda::MatmulArgs a;
-        a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
-        a.batch = 1; a.m = M; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
-        double us_v[2] = {0, 0};
-        for (int v = 0; v < (M <= 8 ? 2 : 1); ++v) {
-          kbit::cuda::MatmulTuning tune;
-          tune.variant = v;
-          std::string err;
-          us_v[v] = tm.median_us([&](int c) {
-            a.planes = planes_of(c);
-            a.scales = scales_of(c);
-            std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
-            if (!e.empty() && err.empty()) err = e;
-          }, 7, 20);
-          if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
-        }
-        const double us = us_v[1] > 0 ? std::min(us_v[0], us_v[1]) : us_v[0];
-        const double gbs = (plane_bytes + scale_bytes) / (us * 1e-6) / 1e9;
+        double us_v[2];
+        const double us = time_variants(tm, env.matmul_args(s, bits, M), w, 0, us_v);
+        const double gbs = (w.plane_bytes + w.scale_bytes) / (us * 1e-6) / 1e9;
         const double floor_us = double(s.K) * s.N * 2 / (copy_gbs * 1e9) * 1e6;
         printf("%-20s %5d %6d %4d %3d %9.2f %9.2f %8.0f %6.1f%% %9.2f %9.2f\n", s.name, s.K, s.N, bits, M, us_v[0],
                us_v[1], gbs, 100 * gbs / copy_gbs, stream_us, floor_us);
@@ -748,45 +721,41 @@ static void bench(const char* csv_path, bool full) {
 
   // k-split sweep at bits 4, M = 1 on the shapes whose column tiles do not fill the GPU.
   printf("\nk_split sweep (bits 4, M = 1): us per call\n");
-  for (const Shape& s : shapes) {
+  for (const Shape& s : kShapes) {
     if (s.N > 5120 && s.N != 14336) continue;
     const int bits = 4;
-    const size_t KB = s.K / 32, plane_bytes = KB * s.N * bits * 4, scale_bytes = KB * s.N;
-    const size_t one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
-    const int copies = int(std::min<size_t>(pool_bytes / one, (size_t(480) << 20) / one + 1));
+    const WeightCopies w(env, s, bits);  // (re-taming the scales of the main loop: no change)
     for (int v = 0; v < 2; ++v) {
-    printf("%-20s V%d", s.name, v);
-    for (int ks : {1, 2, 3, 4, 6, 8}) {
-      kbit::cuda::MatmulArgs a;
-      a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
-      a.batch = 1; a.m = 1; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
-      kbit::cuda::MatmulTuning tune;
-      tune.k_split = ks;
-      tune.variant = v;
-      const double us = tm.median_us([&](int c) {
-        a.planes = reinterpret_cast<const uint32_t*>(pool + size_t(c % copies) * one);
-        a.scales = pool + size_t(c % copies) * one + (plane_bytes + 255) / 256 * 256;
-        kbit::cuda::launch_matmul(a, 0, &tune);
-      }, 7, 20);
-      printf("  ks=%d %7.2f", ks, us);
-      if (csv) fprintf(csv, "ksplit_v%d,%s,%d,%d,%d,1,%d,%.3f,%.1f,0,0,0\n", v, s.name, s.K, s.N, bits, ks, us,
-                       (plane_bytes + scale_bytes) / (us * 1e-6) / 1e9);
-    }
-    printf("\n");
+      printf("%-20s V%d", s.name, v);
+      for (int ks : {1, 2, 3, 4, 6, 8}) {
+        kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, 1);
+        kbit::cuda::MatmulTuning tune;
+        tune.k_split = ks;
+        tune.variant = v;
+        const double us = tm.median_us([&](int c) {
+          a.planes = w.planes(c);
+          a.scales = w.scales(c);
+          kbit::cuda::launch_matmul(a, 0, &tune);
+        }, 7, 20);
+        printf("  ks=%d %7.2f", ks, us);
+        if (csv) fprintf(csv, "ksplit_v%d,%s,%d,%d,%d,1,%d,%.3f,%.1f,0,0,0\n", v, s.name, s.K, s.N, bits, ks, us,
+                         (w.plane_bytes + w.scale_bytes) / (us * 1e-6) / 1e9);
+      }
+      printf("\n");
     }
   }
 
   // Dequantize to bf16 (the large-M path): bytes read + written.
   printf("\ndequantize -> bf16:\n");
-  for (const Shape& s : {shapes[0], shapes[3]})
+  for (const Shape& s : {kShapes[0], kShapes[3]})
     for (int bits : {2, 4}) {
       const size_t KB = s.K / 32, plane_bytes = KB * s.N * bits * 4, scale_bytes = KB * s.N;
       uint8_t* out;
       CK(cudaMalloc(&out, size_t(s.K) * s.N * 2));
       kbit::cuda::DequantizeArgs a;
-      a.planes = reinterpret_cast<const uint32_t*>(pool);
-      a.scales = pool + (plane_bytes + 255) / 256 * 256;
-      a.codebook = cb; a.tensor_scale = ts; a.out = out; a.out_dtype = DType::kBF16;
+      a.planes = reinterpret_cast<const uint32_t*>(env.pool);
+      a.scales = env.pool + (plane_bytes + 255) / 256 * 256;
+      a.codebook = env.cb; a.tensor_scale = env.ts; a.out = out; a.out_dtype = DType::kBF16;
       a.batch = 1; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
       const double us = tm.median_us([&](int) { kbit::cuda::launch_dequantize(a, 0); }, 7, 10);
       const double bytes = plane_bytes + scale_bytes + size_t(s.K) * s.N * 2.0;
@@ -798,7 +767,7 @@ static void bench(const char* csv_path, bool full) {
     }
   CK(cudaDeviceSynchronize());
   if (csv) fclose(csv);
-  cudaFree(pool); cudaFree(sink); cudaFree(cb); cudaFree(ts); cudaFree(x); cudaFree(y);
+  cudaFree(sink);
 }
 
 // A few small fused cases (every bits value, M tilings 1 and 2, a cluster split), for
