@@ -98,6 +98,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/item_reduce.cuh"
+#include "cuda/tma.cuh"
 
 namespace kbit::cuda::fused {
 
@@ -473,18 +474,23 @@ __device__ __forceinline__ void load_scales(float (&sc)[2 * TN], uint32_t addr) 
   }
 }
 
-// Decode the TN tiles of one k-block (the staged codes at `slab`) and accumulate
-// scale * (W_tile^T x) into acc: two mma into a zero accumulator, then one FFMA per output.
+// The lane's staged codes of the TN tiles of one k-block (`slab` = the k-block's first cell).
+template <class WP, int TN>
+__device__ __forceinline__ void load_codes(typename WP::Raw (&raw)[TN], uint32_t slab, uint32_t o0, uint32_t o1) {
+#pragma unroll
+  for (int j = 0; j < TN; ++j) WP::load(raw[j], slab, o0, o1, j);
+}
+
+// Decode the TN tiles of one k-block and accumulate scale * (W_tile^T x) into acc: two mma
+// into a zero accumulator, then one FFMA per output.
 template <class WP, class Act, int MT, int TN>
-__device__ __forceinline__ void mma_k_block(float (&acc)[TN * MT * 4], uint32_t slab, uint32_t o0, uint32_t o1,
+__device__ __forceinline__ void mma_k_block(float (&acc)[TN * MT * 4], const typename WP::Raw (&raw)[TN],
                                             uint32_t lut, const typename WP::Lane& L, const uint32_t (&xb)[MT][4],
                                             const float (&sc)[2 * TN]) {
 #pragma unroll
   for (int j = 0; j < TN; ++j) {
-    typename WP::Raw raw;
-    WP::load(raw, slab, o0, o1, j);
     uint32_t a[2][4];
-    WP::decode(raw, lut, L, a);
+    WP::decode(raw[j], lut, L, a);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const float zero[4] = {0.f, 0.f, 0.f, 0.f};
@@ -665,7 +671,9 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
       load_x_fragments<MT>(xb, base + Cfg::kWChunk + kbl * 64, XRB, cur.rows, lane);
       float sc[2 * TN];
       load_scales<TN>(sc, s_sf + sfbuf * Cfg::kSfChunk + kbl * SFB + sf_lane_off);
-      mma_k_block<WP, Act, MT, TN>(acc, slab, o0, o1, s_lut, L, xb, sc);
+      typename WP::Raw raw[TN];
+      load_codes<WP, TN>(raw, slab, o0, o1);
+      mma_k_block<WP, Act, MT, TN>(acc, raw, s_lut, L, xb, sc);
     }
   };
 
@@ -770,6 +778,10 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 #define KBIT_WS_PRODUCER_WARPS 2  // measured: 2 beat 1 by 1-5 % at M <= 4 (and by 1.4x at M = 16)
 #endif
 constexpr int kWsProducerWarps = KBIT_WS_PRODUCER_WARPS;
+#ifndef KBIT_WS_TMA
+#define KBIT_WS_TMA 1  // weights by one tensor copy per chunk (tma.cuh); 0: 16-byte cp.async
+#endif
+constexpr int kWsTma = KBIT_WS_TMA;
 
 template <int BITS, int MT, int V>
 struct WsConfig {
@@ -780,11 +792,14 @@ struct WsConfig {
   static constexpr int kSfBytes = kWarps * C::kKPW * 2 * kSfWarpBytes;  // double-buffered
   static constexpr int kSChunk = C::kKCH * C::kCols;                  // raw scale bytes
   using Reducer = ItemReducer<kWarps, C::kAcc>;                         // end-of-item sums
-  static constexpr size_t fixed_bytes() {
-    return size_t(WeightPath<BITS>::kLutBytes) + Reducer::kBytes + kSfBytes + 2 * 8 * 8;
-  }
+  static constexpr size_t align128(size_t b) { return (b + 127) & ~size_t(127); }
+  // [LUT][reducer][sf][full x 8, empty x 8][ring]; the ring and its slots start on 128 bytes
+  // (the weights of a slot are a tensor-copy destination)
+  static constexpr size_t kRingOffset =
+      align128(size_t(WeightPath<BITS>::kLutBytes) + Reducer::kBytes + kSfBytes + 2 * 8 * 8);
+  static constexpr size_t fixed_bytes() { return kRingOffset; }
   static constexpr size_t slot_bytes(int x_rows) {
-    return size_t(C::kWChunk) + size_t(x_rows) * C::kXRowBytes + kSChunk;
+    return align128(size_t(C::kWChunk) + size_t(x_rows) * C::kXRowBytes + kSChunk);
   }
   static constexpr int pick_stages() {
     for (int d = 8; d > 2; --d)
@@ -815,9 +830,11 @@ __device__ __forceinline__ void named_bar_sync(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(N) : "memory");
 }
 
+// `wmap`: the weights as a 2-D tensor of 32-bit words, B * KB k-block rows of N * BITS words,
+// read in boxes of KCH rows x COLS * BITS words (one chunk; see tma.cuh). Unused without TMA.
 template <int BITS, class Act, int MT, int V>
 __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
-    kbit_matmul_ws_kernel(const Params p) {
+    kbit_matmul_ws_kernel(const Params p, const __grid_constant__ CUtensorMap wmap) {
   using Cfg = Config<BITS, MT, V>;
   using WC = WsConfig<BITS, MT, V>;
   using WP = WeightPath<BITS>;
@@ -837,12 +854,13 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   const typename WC::Reducer reducer(s_lut + WP::kLutBytes, KS, rank);
   const uint32_t s_sf = s_lut + WP::kLutBytes + WC::Reducer::kBytes;
   const uint32_t s_full = s_sf + WC::kSfBytes, s_empty = s_full + 64;
-  const uint32_t s_ring = s_full + 128;
+  const uint32_t s_ring = s_lut + WC::kRingOffset;
   const uint32_t x_slot = uint32_t(p.x_rows) * XRB;
-  const uint32_t slot_bytes = Cfg::kWChunk + x_slot + WC::kSChunk;
+  const uint32_t slot_bytes = uint32_t(WC::slot_bytes(p.x_rows));
 
   if (tid < D) {
-    mbar_init(s_full + 8 * tid, 32 * kWsProducerWarps);
+    // full: every producer thread's cp.async arrival, plus (TMA) the weight copy's arrival
+    mbar_init(s_full + 8 * tid, 32 * kWsProducerWarps + kWsTma);
     mbar_init(s_empty + 8 * tid, NW);
   }
   if (tid == 0) reducer.init();
@@ -881,18 +899,28 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       const int nkb = min(KCH, kbEnd - kb0);
       const int wcols = min(COLS, p.N - ic.col0);  // a multiple of 16 (N % 16 == 0)
       const int wpp = wcols * BITS / 4, spp = wcols / 16;  // valid pieces per k-block row
-      // weights: nkb rows of wpp pieces (a runtime row loop keeps the register count low)
-      const uint8_t* wsrc = planes + ic.cell0 * (BITS * 4);
-      uint32_t wdst = base;
-#pragma unroll 1
-      for (int kbl = 0; kbl < nkb; ++kbl) {
-#pragma unroll
-        for (int r = 0; r < kWPR; ++r) {
-          const int o = ptid + r * PT;
-          if ((kPPK % PT == 0 || o < kPPK) && o < wpp) cp_async16(wdst + o * 16, wsrc + o * 16);
+      if constexpr (kWsTma) {
+        // weights: one tensor copy of KCH k-block rows from row b * KB + kb0. Rows past the
+        // item's range (a partial chunk) hold other weights or, past the tensor, zeros; their
+        // activations are zero-filled below, so they add zero. Columns past N arrive as zeros.
+        if (ptid == 0) {
+          mbar_arrive_expect_tx(s_full + 8 * slot, uint32_t(Cfg::kWChunk));
+          tma_load_2d(base, &wmap, ic.col0 * BITS, ic.b * p.KB + kb0, s_full + 8 * slot);
         }
-        wsrc += row_bytes;
-        wdst += SLAB;
+      } else {
+        // weights: nkb rows of wpp pieces (a runtime row loop keeps the register count low)
+        const uint8_t* wsrc = planes + ic.cell0 * (BITS * 4);
+        uint32_t wdst = base;
+#pragma unroll 1
+        for (int kbl = 0; kbl < nkb; ++kbl) {
+#pragma unroll
+          for (int r = 0; r < kWPR; ++r) {
+            const int o = ptid + r * PT;
+            if ((kPPK % PT == 0 || o < kPPK) && o < wpp) cp_async16(wdst + o * 16, wsrc + o * 16);
+          }
+          wsrc += row_bytes;
+          wdst += SLAB;
+        }
       }
       // scale bytes: nkb rows of spp pieces
       const uint8_t* ssrc = p.scales + ic.cell0;
@@ -903,7 +931,8 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         if (kbl < nkb && o < spp)
           cp_async16(base + Cfg::kWChunk + x_slot + kbl * COLS + o * 16, ssrc + (int64_t(kbl) * p.N + o * 16));
       }
-      // activations: rows of 4 * nkb pieces
+      // activations: rows of 4 * KCH pieces; those of k-blocks past the range are zero-filled
+      // (source size 0, no read) so that the consumers' branch-free compute adds zero for them
       const uint8_t* xsrc = xbase + ic.x0 * int64_t(sizeof(T));
       uint32_t xdst = base + Cfg::kWChunk;
 #pragma unroll 1
@@ -912,6 +941,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         for (int r = 0; r < kXPR; ++r) {
           const int o = ptid + r * PT;
           if (o < 4 * nkb) cp_async16(xdst + o * 16, xsrc + o * 16);
+          else if (o < 4 * KCH) cp_async16_zfill(xdst + o * 16, xsrc, 0u);
         }
         xsrc += x_row_bytes;
         xdst += XRB;
@@ -932,17 +962,26 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 
+    // One chunk: the warp's KPW k-blocks, software-pipelined. Every shared-memory load of all
+    // KPW k-blocks (scale bytes, activations, codes) is issued before the first decode, so the
+    // latencies overlap and the scheduler interleaves the k-blocks' lookup -> mma chains. (With
+    // a branch per k-block they ran one after the other; ncu: 28 % of the samples waited on
+    // fixed-latency dependencies.) There is no branch: a k-block past the item's k-range (the
+    // last chunk of a range that is not a multiple of KCH) is computed too, and adds exactly
+    // zero because the producers zero-fill its activations (its codes -- other weights, zeros
+    // or stale bytes -- and scale bytes decode to finite values: every table entry is a
+    // codebook value, every E4M4 byte finite).
     auto compute = [&](const Cursor& cur, int slot, int par) {
       const uint32_t base = s_ring + slot * slot_bytes;
+      uint32_t xb[KPW][MT][4];
+      typename WP::Raw raw[KPW][TN];
 #pragma unroll
       for (int u = 0; u < KPW; ++u) {
         const int kbl = warp * KPW + u;
-        if (kbA + cur.c * KCH + kbl >= kbEnd) return;  // warp-uniform
-        const uint32_t slab = base + kbl * SLAB;
         // scales of this k-block: lane (g, t) decodes columns 16 j + 8 h + g for the entries
         // i = 2 j + h it owns, into the warp's buffer at float g * 2TN + i.
         const uint32_t sraw = base + Cfg::kWChunk + x_slot + kbl * COLS;
-        const uint32_t sfa = s_sf + ((warp * KPW + u) * 2 + par) * SFW;
+        const uint32_t sfa = s_sf + (kbl * 2 + par) * SFW;
         if constexpr (TN == 4) {
           const uint32_t b0 = lds_u8(sraw + 16 * t + g), b1 = lds_u8(sraw + 16 * t + 8 + g);
           sts64f(sfa + (g * 8 + 2 * t) * 4, decode_e4m4_fast(b0 << 19), decode_e4m4_fast(b1 << 19));
@@ -952,13 +991,15 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         } else {
           if (t < 2) sts32f(sfa + (g * 2 + t) * 4, decode_e4m4_fast(lds_u8(sraw + 8 * t + g) << 19));
         }
-        uint32_t xb[MT][4];
-        load_x_fragments<MT>(xb, base + Cfg::kWChunk + kbl * 64, XRB, cur.rows, lane);
-        __syncwarp();
-        float sc[2 * TN];
-        load_scales<TN>(sc, sfa + sf_lane_off);
-        mma_k_block<WP, Act, MT, TN>(acc, slab, o0, o1, s_lut, L, xb, sc);
+        load_x_fragments<MT>(xb[u], base + Cfg::kWChunk + kbl * 64, XRB, cur.rows, lane);
+        load_codes<WP, TN>(raw[u], base + kbl * SLAB, o0, o1);
       }
+      __syncwarp();
+      float sc[KPW][2 * TN];
+#pragma unroll
+      for (int u = 0; u < KPW; ++u) load_scales<TN>(sc[u], s_sf + ((warp * KPW + u) * 2 + par) * SFW + sf_lane_off);
+#pragma unroll
+      for (int u = 0; u < KPW; ++u) mma_k_block<WP, Act, MT, TN>(acc, raw[u], s_lut, L, xb[u], sc[u]);
     };
 
     int item_seq = 0;
@@ -1148,7 +1189,17 @@ struct Launcher {
     }
     const std::string where = shape + " k_split=" + std::to_string(ks) + " ctas=" + std::to_string(ncl * ks) +
                               " smem=" + std::to_string(smem);
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, prm);
+    cudaError_t err;
+    if constexpr (WS) {
+      CUtensorMap wmap;  // the weights as B * KB rows of N * BITS words, one chunk per box
+      const std::string bad = encode_tensor_map_2d_u32(
+          &wmap, a.planes, uint64_t(a.n) * BITS, uint64_t(a.batch) * KB, uint64_t(a.n) * BITS * 4,
+          uint32_t(Cfg::kCols * BITS), uint32_t(Cfg::kKCH));
+      if (!bad.empty()) return std::string(name) + ": " + bad + " (" + where + ")";
+      err = cudaLaunchKernelEx(&cfg, kernel, prm, wmap);
+    } else {
+      err = cudaLaunchKernelEx(&cfg, kernel, prm);
+    }
     if (err != cudaSuccess) {
       cudaGetLastError();  // clear
       return std::string(name) + " failed to launch: " + cudaGetErrorName(err) + " (" +
