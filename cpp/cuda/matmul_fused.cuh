@@ -23,7 +23,9 @@
 //    cp.async copies (weights, activations, scale bytes of one "chunk" per stage): 30-64 KiB
 //    in flight per SM without spending registers, in requests of 512 B per warp instruction.
 //    (A first version kept the weights in registers, 4 stages of 32-bit loads per warp: ~3 MB
-//    in flight over the GPU, and it ran latency-bound at 0.8-1.3 TB/s on the H200.)
+//    in flight over the GPU, and it ran latency-bound at 0.8-1.3 TB/s on the H200.) In the
+//    warp-specialized kernel (M <= 8) the weights of a chunk arrive by one TMA tensor copy
+//    instead (tma.cuh): the cp.async copies competed with the consumers for the MIO queue.
 //
 // ---- Where it stands (H200, measured; see benchmarks/cuda_kernel_harness.cu) ----
 //  Bit-exact decode, tested against a float64 reference (bf16 rel. error <= 3.7e-3).
@@ -78,6 +80,19 @@
 //  which is why their times agree. Next: more independent k-blocks in flight per warp (software
 //  pipelining the weight loads of k-block u+1 under the decode of u), then the register table
 //  for bits 2/3.
+//  Session 4 (ncu, llama3-70b gate_up bits 4 M = 4 / bits 5 M = 1): each 16-byte cp.async of
+//  the weights (LDGSTS.128) cost 13.6 shared-memory wavefronts (4 ideal) and queued behind the
+//  consumers' loads in the MIO queue; the producers stalled on it, and the consumers waited on
+//  the ring's full barrier for 8-14 % of their samples. Issuing all loads of a chunk's k-blocks
+//  before the first decode (below) made the consumers faster but the kernel 5 % slower (full-
+//  barrier waits 20-23 %); with one TMA tensor copy per chunk the pair takes 0.72-1.03x the time
+//  of the session-3 kernel (median 0.93x; harness: llama3-70b down M = 1 bits 4 40.6 us = 72 %
+//  of copy, gate_up 52.1 us = 56 %, bits 5 -25 %). Small shapes (qwen3, glm: 2-3 chunks per
+//  CTA) stay at 8-13 us: SMs idle 27-40 % of the elapsed cycles (launch, tail), DRAM 11-19 %
+//  busy; they need a shorter critical path (first copy latency, 64 KiB table build, cluster
+//  reduction), e.g. a smaller table and more CTAs per SM. Next, in expected order of gain:
+//  that; the scale bytes by TMA too (their 16-byte cp.async are the producers' last LDGSTS);
+//  register tables for bits 2/3; a tensor-core path for M = 16..512.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
