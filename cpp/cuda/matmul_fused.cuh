@@ -797,6 +797,16 @@ constexpr int kWsProducerWarps = KBIT_WS_PRODUCER_WARPS;
 #define KBIT_WS_TMA 1  // weights by one tensor copy per chunk (tma.cuh); 0: 16-byte cp.async
 #endif
 constexpr int kWsTma = KBIT_WS_TMA;
+// The largest M tiling (n8 tiles of 8 rows) this kernel serves; above it the cp.async kernel.
+// Measured with TMA weights (harness A/B, H200): serving M = 9..16 here (2: 16 consumer warps)
+// took 0.90-1.09x the cp.async kernel's time, median 1.02x (gate_up shapes a little faster,
+// down shapes slower): the producers' 16 rows of 16-byte activation copies per chunk are now
+// what the weights' copies were at M = 1. x by TMA too (a 3-D tensor map; the 16-byte row pad
+// that keeps ldmatrix free of bank conflicts would become a swizzle) is the way to try next.
+#ifndef KBIT_WS_MAX_MT
+#define KBIT_WS_MAX_MT 1
+#endif
+constexpr int kWsMaxMT = KBIT_WS_MAX_MT;
 
 template <int BITS, int MT, int V>
 struct WsConfig {
@@ -1240,7 +1250,7 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   // 0.71-0.91x the time; at M = 16 (MT = 2, 16 consumer warps, x is half of the copied
   // bytes) it took 1.0-1.7x, so M > 8 stays on the cp.async kernel.
   auto al16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
-  const bool ws = m_tiles(a.m) == 1 && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x);
+  const bool ws = m_tiles(a.m) <= kWsMaxMT && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x);
   // Default tiling variant at M <= 8 (see Config); tuning->variant overrides. cp.async kernel,
   // measured on the H200 over the ten benchmark shapes at M = 1 and 4: V1 takes 0.95x the time
   // of V0 at bits 3 (faster in 18/20 cases) and 0.98x at bits 5 (16/20); 1.02x at bits 2 and
@@ -1251,7 +1261,7 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   auto by_ws = [&](auto act_tag, auto mt_tag, auto v_tag) -> std::string {
     using A = typename decltype(act_tag)::type;
     constexpr int MT = decltype(mt_tag)::value, V = decltype(v_tag)::value;
-    if constexpr (MT == 1)
+    if constexpr (MT <= kWsMaxMT)
       if (ws) return Launcher<BITS, A, MT, V, true>::launch(a, stream, tuning);
     return Launcher<BITS, A, MT, V, false>::launch(a, stream, tuning);
   };
