@@ -12,7 +12,7 @@
 #                                                 here and carry it, e.g.
 #        mkdir -p .git/info .ab_base; echo /.ab_base/ >> .git/info/exclude
 #        git archive <ref> cpp benchmarks | tar -x -C .ab_base      (then carry [".ab_base"])
-#   EXTRA_NVCC="-DKBIT_WS_PRODUCER_WARPS=4" tools/kernel_profile.sh sel   a compile-time variant
+#   EXTRA_NVCC="-DKBIT_WS_MAX_MT=2" tools/kernel_profile.sh sel   a compile-time variant
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"

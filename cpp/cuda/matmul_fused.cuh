@@ -24,8 +24,9 @@
 //    in flight per SM without spending registers, in requests of 512 B per warp instruction.
 //    (A first version kept the weights in registers, 4 stages of 32-bit loads per warp: ~3 MB
 //    in flight over the GPU, and it ran latency-bound at 0.8-1.3 TB/s on the H200.) In the
-//    warp-specialized kernel (M <= 8) the weights of a chunk arrive by one TMA tensor copy
-//    instead (tma.cuh): the cp.async copies competed with the consumers for the MIO queue.
+//    warp-specialized kernel (M <= 16) a chunk's weights, scale bytes and activations arrive by
+//    three TMA tensor copies instead (tma.cuh): the cp.async copies competed with the
+//    consumers for the MIO queue.
 //
 // ---- Where it stands (H200, measured; see benchmarks/cuda_kernel_harness.cu) ----
 //  Bit-exact decode, tested against a float64 reference (bf16 rel. error <= 3.7e-3).
@@ -90,9 +91,12 @@
 //  of copy, gate_up 52.1 us = 56 %, bits 5 -25 %). Small shapes (qwen3, glm: 2-3 chunks per
 //  CTA) stay at 8-13 us: SMs idle 27-40 % of the elapsed cycles (launch, tail), DRAM 11-19 %
 //  busy; they need a shorter critical path (first copy latency, 64 KiB table build, cluster
-//  reduction), e.g. a smaller table and more CTAs per SM. Next, in expected order of gain:
-//  that; the scale bytes by TMA too (their 16-byte cp.async are the producers' last LDGSTS);
-//  register tables for bits 2/3; a tensor-core path for M = 16..512.
+//  reduction), e.g. a smaller table and more CTAs per SM. Then the scale bytes and the
+//  activations went to TMA too (one producer thread, three tensor copies per chunk), which let
+//  this kernel take M = 9..16 from the cp.async kernel: 0.55-0.95x the time there (llama3-70b
+//  down bits 4 M = 16: 123.6 -> 71.7 us, 41 % of copy; gate_up 127.3 -> 80.7 us). Next, in
+//  expected order of gain: the small shapes' critical path; register tables for bits 2/3 (and
+//  bits 5's 2-tile limit); a tensor-core path for M = 17..512.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -778,54 +782,53 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 }
 
 // =============================================================================================
-// Warp-specialized version (the default where every copy is a whole 16-byte piece, see
-// launch_fused_bits): kWsProducerWarps producer warps stream each chunk into the ring with
-// 16-byte cp.async copies and signal the stage's "full" mbarrier with
-// cp.async.mbarrier.arrive.noinc; the kWarps consumer warps wait on it, compute, and release
-// the stage through its "empty" mbarrier (one arrival per warp). No CTA-wide barrier in the
-// steady state; consumer warps drift freely by up to kStages - 1 chunks. Each consumer warp
-// decodes the scale bytes of its own k-block (two per lane at kTN = 4) into a warp-private
-// float buffer (__syncwarp only). The end of an item stops only its leader warp (item_reduce.cuh);
-// the producers take part in no per-item synchronization, only in the cluster barriers at the
-// start and the end of the kernel.
+// Warp-specialized version (the default at M <= 16 where the buffers suit the tensor copies, see
+// launch_fused_bits): one thread of a producer warp streams each chunk into the ring with three
+// TMA tensor copies (tma.cuh: weights, scale bytes, activations) that complete on the stage's
+// "full" mbarrier by byte count; the kWarps consumer warps wait on it, compute, and release the
+// stage through its "empty" mbarrier (one arrival per warp). No CTA-wide barrier in the steady
+// state; consumer warps drift freely by up to kStages - 1 chunks. Each consumer warp decodes the
+// scale bytes of its own k-block (two per lane at kTN = 4) into a warp-private float buffer
+// (__syncwarp only). The end of an item stops only its leader warp (item_reduce.cuh); the
+// producer takes part in no per-item synchronization, only in the cluster barriers at the start
+// and the end of the kernel.
+// A slot holds [weights: KCH x SLAB][scale bytes: KCH x COLS][activations: KCH x x_rows x 64 B,
+// 64-byte swizzle]. The activation box has the rows inside the k-block (TMA writes boxes densely,
+// so rows of a whole chunk would sit 1 KiB apart, all in the same banks for ldmatrix); 64-byte
+// rows with the 64-byte swizzle put the 8 rows an ldmatrix reads in 8 distinct bank groups.
+// Partial chunks: k-split ranges are whole chunks (the launcher rounds them), so only the last
+// chunk of the K range can be partial, and the copies fill its k-blocks past K with zeros.
 // =============================================================================================
-#ifndef KBIT_WS_PRODUCER_WARPS
-#define KBIT_WS_PRODUCER_WARPS 2  // measured: 2 beat 1 by 1-5 % at M <= 4 (and by 1.4x at M = 16)
-#endif
-constexpr int kWsProducerWarps = KBIT_WS_PRODUCER_WARPS;
-#ifndef KBIT_WS_TMA
-#define KBIT_WS_TMA 1  // weights by one tensor copy per chunk (tma.cuh); 0: 16-byte cp.async
-#endif
-constexpr int kWsTma = KBIT_WS_TMA;
 // The largest M tiling (n8 tiles of 8 rows) this kernel serves; above it the cp.async kernel.
-// Measured with TMA weights (harness A/B, H200): serving M = 9..16 here (2: 16 consumer warps)
-// took 0.90-1.09x the cp.async kernel's time, median 1.02x (gate_up shapes a little faster,
-// down shapes slower): the producers' 16 rows of 16-byte activation copies per chunk are now
-// what the weights' copies were at M = 1. x by TMA too (a 3-D tensor map; the 16-byte row pad
-// that keeps ldmatrix free of bank conflicts would become a swizzle) is the way to try next.
+// 2 = M <= 16. Harness A/B on the H200 against the version with only the weights by TMA (whose
+// 16 rows of 16-byte activation copies per chunk kept M = 9..16 on the cp.async kernel): at
+// M = 16 0.55-0.95x the time, median 0.82x (llama3-70b down bits 4: 123.6 -> 71.7 us); M <= 8
+// unchanged (median 1.01x).
 #ifndef KBIT_WS_MAX_MT
-#define KBIT_WS_MAX_MT 1
+#define KBIT_WS_MAX_MT 2
 #endif
 constexpr int kWsMaxMT = KBIT_WS_MAX_MT;
+constexpr int kXKbBytes = 64;  // one k-block of one activation row (32 x 16 bit)
 
 template <int BITS, int MT, int V>
 struct WsConfig {
   using C = Config<BITS, MT, V>;
-  static constexpr int kWarps = C::kWarps;  // consumer warps
-  static constexpr int kThreads = C::kThreads + 32 * kWsProducerWarps;
+  static constexpr int kWarps = C::kWarps;             // consumer warps
+  static constexpr int kThreads = C::kThreads + 32;    // + one producer warp
   static constexpr int kSfWarpBytes = 2 * C::kTN * 8 * 4;  // one k-block: 8 g x kTN x 2 floats
   static constexpr int kSfBytes = kWarps * C::kKPW * 2 * kSfWarpBytes;  // double-buffered
   static constexpr int kSChunk = C::kKCH * C::kCols;                  // raw scale bytes
   using Reducer = ItemReducer<kWarps, C::kAcc>;                         // end-of-item sums
-  static constexpr size_t align128(size_t b) { return (b + 127) & ~size_t(127); }
-  // [LUT][reducer][sf][full x 8, empty x 8][ring]; the ring and its slots start on 128 bytes
-  // (the weights of a slot are a tensor-copy destination)
-  static constexpr size_t kRingOffset =
-      align128(size_t(WeightPath<BITS>::kLutBytes) + Reducer::kBytes + kSfBytes + 2 * 8 * 8);
-  static constexpr size_t fixed_bytes() { return kRingOffset; }
+  static constexpr size_t align1024(size_t b) { return (b + 1023) & ~size_t(1023); }
+  // [LUT][reducer][sf][full x 8, empty x 8][ring]; the ring and its slots start on 1024 bytes
+  // (tensor-copy destinations; the swizzled activations need 512). +1 KiB: the dynamic shared
+  // memory itself may start anywhere on 16 bytes.
+  static constexpr size_t kRingOffset = size_t(WeightPath<BITS>::kLutBytes) + Reducer::kBytes + kSfBytes + 2 * 8 * 8;
+  static constexpr size_t fixed_bytes() { return kRingOffset + 1024; }
   static constexpr size_t slot_bytes(int x_rows) {
-    return align128(size_t(C::kWChunk) + size_t(x_rows) * C::kXRowBytes + kSChunk);
+    return align1024(size_t(C::kWChunk) + kSChunk + size_t(x_rows) * C::kKCH * kXKbBytes);
   }
+  static_assert(C::kWChunk % 512 == 0 && kSChunk % 512 == 0, "activations of a slot start on 512 bytes");
   static constexpr int pick_stages() {
     for (int d = 8; d > 2; --d)
       if (fixed_bytes() + d * slot_bytes(8 * MT) <= size_t(kMaxSmem) && (d - 1) * C::kWChunk <= 64 * 1024)
@@ -837,11 +840,6 @@ struct WsConfig {
   static constexpr size_t smem_bytes(int x_rows) { return fixed_bytes() + kStages * slot_bytes(x_rows); }
 };
 
-// Arrive on the mbarrier once all of this thread's earlier cp.async copies have landed; the
-// arrival counts against the barrier's expected count (.noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 __device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr));
@@ -855,37 +853,52 @@ __device__ __forceinline__ void named_bar_sync(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(N) : "memory");
 }
 
-// `wmap`: the weights as a 2-D tensor of 32-bit words, B * KB k-block rows of N * BITS words,
-// read in boxes of KCH rows x COLS * BITS words (one chunk; see tma.cuh). Unused without TMA.
+// The B operand (activations) of one k-block for MT n8 tiles from a slot's swizzled
+// activations (`x_kb`: the k-block's first row, rows 64 bytes apart); as load_x_fragments.
+template <int MT>
+__device__ __forceinline__ void load_x_fragments_sw64(uint32_t (&xb)[MT][4], uint32_t x_kb, int rows, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int row = min(8 * mt + (lane & 7), rows - 1);
+    ldmatrix_x4(xb[mt], swizzle64(x_kb + row * kXKbBytes + (lane >> 3) * 16));
+  }
+}
+
+// The tensor maps (tma.cuh), encoded per launch and passed by value:
+//   wmap  the weights as 32-bit words: B * KB k-block rows of N * BITS words; box KCH rows x
+//         COLS * BITS words.
+//   smap  the scale bytes: B * KB rows of N bytes; box KCH rows x COLS bytes.
+//   xmap  the activations as 16-bit elements, 3-D {32 (a k-block), B * M rows, KB k-blocks};
+//         box {32, x_rows, KCH}, 64-byte swizzle.
 template <int BITS, class Act, int MT, int V>
 __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
-    kbit_matmul_ws_kernel(const Params p, const __grid_constant__ CUtensorMap wmap) {
+    kbit_matmul_ws_kernel(const Params p, const __grid_constant__ CUtensorMap wmap,
+                          const __grid_constant__ CUtensorMap smap, const __grid_constant__ CUtensorMap xmap) {
   using Cfg = Config<BITS, MT, V>;
   using WC = WsConfig<BITS, MT, V>;
   using WP = WeightPath<BITS>;
   using T = typename Act::T;
   constexpr int NW = Cfg::kWarps, NT = Cfg::kThreads, TN = Cfg::kTN, D = WC::kStages;
-  constexpr int KCH = Cfg::kKCH, XRB = Cfg::kXRowBytes, NACC = Cfg::kAcc, COLS = Cfg::kCols;
+  constexpr int KCH = Cfg::kKCH, NACC = Cfg::kAcc, COLS = Cfg::kCols;
   constexpr int SLAB = Cfg::kSlabBytes, KPW = Cfg::kKPW, SFW = WC::kSfWarpBytes;
 
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const ItemWalk<KCH, COLS, 8 * MT> walk(p);
-  const int KS = walk.ks, rank = walk.rank, kbA = walk.kbA, kbEnd = walk.kbEnd, nch = walk.nch, Q = walk.q;
-  const int64_t K = walk.k;
+  const int KS = walk.ks, rank = walk.rank, kbA = walk.kbA, nch = walk.nch, Q = walk.q;
 
-  // ---- shared memory: [LUT][reducer][sf][full x 8, empty x 8][ring: D x (weights | x | scales)]
+  // ---- shared memory: [LUT][reducer][sf][full x 8, empty x 8][ring: D x (weights | scales | x)]
   const uint32_t s_lut = smem_u32(smem);
   const typename WC::Reducer reducer(s_lut + WP::kLutBytes, KS, rank);
   const uint32_t s_sf = s_lut + WP::kLutBytes + WC::Reducer::kBytes;
   const uint32_t s_full = s_sf + WC::kSfBytes, s_empty = s_full + 64;
-  const uint32_t s_ring = s_lut + WC::kRingOffset;
-  const uint32_t x_slot = uint32_t(p.x_rows) * XRB;
+  const uint32_t s_ring = (s_lut + uint32_t(WC::kRingOffset) + 1023u) & ~1023u;
   const uint32_t slot_bytes = uint32_t(WC::slot_bytes(p.x_rows));
+  constexpr uint32_t kXOffset = Cfg::kWChunk + WC::kSChunk;  // activations within a slot
+  const uint32_t x_kb_bytes = uint32_t(p.x_rows) * kXKbBytes;  // one k-block of the activations
 
   if (tid < D) {
-    // full: every producer thread's cp.async arrival, plus (TMA) the weight copy's arrival
-    mbar_init(s_full + 8 * tid, 32 * kWsProducerWarps + kWsTma);
+    mbar_init(s_full + 8 * tid, 1);  // the producer's arrival (with the copies' byte count)
     mbar_init(s_empty + 8 * tid, NW);
   }
   if (tid == 0) reducer.init();
@@ -897,85 +910,30 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   if (KS > 1) cluster_arrive_relaxed();
 
   if (warp >= NW) {
-    // ================= producer warps =================
-    // Every producer thread copies fixed 16-byte pieces of each chunk with cp.async, then
-    // cp.async.mbarrier.arrive.noinc on the stage's full barrier (count = producer threads):
-    // the stage completes when all of them have landed. (A first version issued one
-    // cp.async.bulk per k-block row / scale row / activation row instead: ~33 bulk copies per
-    // chunk cost ~1.8 us per chunk on the H200, 0.5-0.85x the speed of the cp.async kernel.)
-    constexpr int PT = 32 * kWsProducerWarps;
-    const int ptid = tid - NT;
-    const uint8_t* planes = reinterpret_cast<const uint8_t*>(p.planes);
-    const uint8_t* xbase = reinterpret_cast<const uint8_t*>(p.x);
-    const uint32_t row_bytes = uint32_t(p.N) * BITS * 4;  // one k-block row of the weight
-    const uint32_t x_row_bytes = uint32_t(K) * sizeof(T);
-    constexpr int kPPK = SLAB / 16;       // weight pieces per k-block
-    constexpr int kSPK = COLS / 16;       // scale pieces per k-block
-    constexpr int kWPR = (kPPK + PT - 1) / PT;  // passes per weight row
-    constexpr int kSPer = (KCH * kSPK + PT - 1) / PT;
-    constexpr int kXPR = (KCH * 4 + PT - 1) / PT;  // passes per activation row
-    Cursor ic = walk.first();
-    int slot = 0;
-    uint32_t round = 0;  // passes over the ring; pass r >= 1 waits for completion r - 1 of empty
-    for (int q = 0; q < Q; ++q) {
-      if (round > 0) mbar_wait(s_empty + 8 * slot, (round - 1) & 1u);
-      const uint32_t base = s_ring + slot * slot_bytes;
-      const int kb0 = kbA + ic.c * KCH;
-      const int nkb = min(KCH, kbEnd - kb0);
-      const int wcols = min(COLS, p.N - ic.col0);  // a multiple of 16 (N % 16 == 0)
-      const int wpp = wcols * BITS / 4, spp = wcols / 16;  // valid pieces per k-block row
-      if constexpr (kWsTma) {
-        // weights: one tensor copy of KCH k-block rows from row b * KB + kb0. Rows past the
-        // item's range (a partial chunk) hold other weights or, past the tensor, zeros; their
-        // activations are zero-filled below, so they add zero. Columns past N arrive as zeros.
-        if (ptid == 0) {
-          mbar_arrive_expect_tx(s_full + 8 * slot, uint32_t(Cfg::kWChunk));
-          tma_load_2d(base, &wmap, ic.col0 * BITS, ic.b * p.KB + kb0, s_full + 8 * slot);
-        }
-      } else {
-        // weights: nkb rows of wpp pieces (a runtime row loop keeps the register count low)
-        const uint8_t* wsrc = planes + ic.cell0 * (BITS * 4);
-        uint32_t wdst = base;
-#pragma unroll 1
-        for (int kbl = 0; kbl < nkb; ++kbl) {
-#pragma unroll
-          for (int r = 0; r < kWPR; ++r) {
-            const int o = ptid + r * PT;
-            if ((kPPK % PT == 0 || o < kPPK) && o < wpp) cp_async16(wdst + o * 16, wsrc + o * 16);
-          }
-          wsrc += row_bytes;
-          wdst += SLAB;
-        }
+    // ================= producer warp =================
+    // Lane 0 announces the chunk's bytes on the stage's full barrier and issues its three tensor
+    // copies. (Earlier versions had 64 producer threads issuing 16-byte cp.async copies: they
+    // shared the MIO queue with the consumers and fell behind, see tma.cuh; a version with one
+    // 1-D cp.async.bulk per k-block row issued ~33 copies per chunk and was slower still.)
+    if (lane == 0) {
+      const uint32_t bytes = uint32_t(Cfg::kWChunk + WC::kSChunk) + uint32_t(KCH) * x_kb_bytes;
+      Cursor ic = walk.first();
+      int slot = 0;
+      uint32_t round = 0;  // passes over the ring; pass r >= 1 waits for completion r - 1 of empty
+      for (int q = 0; q < Q; ++q) {
+        if (round > 0) mbar_wait(s_empty + 8 * slot, (round - 1) & 1u);
+        const uint32_t base = s_ring + slot * slot_bytes, full = s_full + 8 * slot;
+        const int kb0 = kbA + ic.c * KCH;
+        const int wrow = ic.b * p.KB + kb0;  // k-block row of the weights and the scales
+        mbar_arrive_expect_tx(full, bytes);
+        tma_load_2d(base, &wmap, ic.col0 * BITS, wrow, full);
+        tma_load_2d(base + Cfg::kWChunk, &smap, ic.col0, wrow, full);
+        tma_load_3d(base + kXOffset, &xmap, 0, int(int64_t(ic.b) * p.M + ic.m0), kb0, full);
+        walk.advance(ic);
+        if (++slot == D) { slot = 0; ++round; }
       }
-      // scale bytes: nkb rows of spp pieces
-      const uint8_t* ssrc = p.scales + ic.cell0;
-#pragma unroll
-      for (int r = 0; r < kSPer; ++r) {
-        const int i = ptid + r * PT;
-        const int kbl = i / kSPK, o = i % kSPK;
-        if (kbl < nkb && o < spp)
-          cp_async16(base + Cfg::kWChunk + x_slot + kbl * COLS + o * 16, ssrc + (int64_t(kbl) * p.N + o * 16));
-      }
-      // activations: rows of 4 * KCH pieces; those of k-blocks past the range are zero-filled
-      // (source size 0, no read) so that the consumers' branch-free compute adds zero for them
-      const uint8_t* xsrc = xbase + ic.x0 * int64_t(sizeof(T));
-      uint32_t xdst = base + Cfg::kWChunk;
-#pragma unroll 1
-      for (int row = 0; row < ic.rows; ++row) {
-#pragma unroll
-        for (int r = 0; r < kXPR; ++r) {
-          const int o = ptid + r * PT;
-          if (o < 4 * nkb) cp_async16(xdst + o * 16, xsrc + o * 16);
-          else if (o < 4 * KCH) cp_async16_zfill(xdst + o * 16, xsrc, 0u);
-        }
-        xsrc += x_row_bytes;
-        xdst += XRB;
-      }
-      cp_async_mbar_arrive_noinc(s_full + 8 * slot);
-      walk.advance(ic);
-      if (++slot == D) { slot = 0; ++round; }
     }
-    cp_async_wait<0>();
+    __syncwarp();
     if (KS > 1) cluster_wait();  // pairs with the arrive at the start
   } else {
     // ================= consumer warps =================
@@ -991,10 +949,9 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // KPW k-blocks (scale bytes, activations, codes) is issued before the first decode, so the
     // latencies overlap and the scheduler interleaves the k-blocks' lookup -> mma chains. (With
     // a branch per k-block they ran one after the other; ncu: 28 % of the samples waited on
-    // fixed-latency dependencies.) There is no branch: a k-block past the item's k-range (the
-    // last chunk of a range that is not a multiple of KCH) is computed too, and adds exactly
-    // zero because the producers zero-fill its activations (its codes -- other weights, zeros
-    // or stale bytes -- and scale bytes decode to finite values: every table entry is a
+    // fixed-latency dependencies.) There is no branch: a k-block past K (in the last chunk) is
+    // computed too, and adds exactly zero because its activations arrive as zeros (its codes and
+    // scale bytes -- other weights or zeros -- decode to finite values: every table entry is a
     // codebook value, every E4M4 byte finite).
     auto compute = [&](const Cursor& cur, int slot, int par) {
       const uint32_t base = s_ring + slot * slot_bytes;
@@ -1005,7 +962,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         const int kbl = warp * KPW + u;
         // scales of this k-block: lane (g, t) decodes columns 16 j + 8 h + g for the entries
         // i = 2 j + h it owns, into the warp's buffer at float g * 2TN + i.
-        const uint32_t sraw = base + Cfg::kWChunk + x_slot + kbl * COLS;
+        const uint32_t sraw = base + Cfg::kWChunk + kbl * COLS;
         const uint32_t sfa = s_sf + (kbl * 2 + par) * SFW;
         if constexpr (TN == 4) {
           const uint32_t b0 = lds_u8(sraw + 16 * t + g), b1 = lds_u8(sraw + 16 * t + 8 + g);
@@ -1016,7 +973,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         } else {
           if (t < 2) sts32f(sfa + (g * 2 + t) * 4, decode_e4m4_fast(lds_u8(sraw + 8 * t + g) << 19));
         }
-        load_x_fragments<MT>(xb[u], base + Cfg::kWChunk + kbl * 64, XRB, cur.rows, lane);
+        load_x_fragments_sw64<MT>(xb[u], base + kXOffset + kbl * x_kb_bytes, cur.rows, lane);
         load_codes<WP, TN>(raw[u], base + kbl * SLAB, o0, o1);
       }
       __syncwarp();
@@ -1160,6 +1117,12 @@ struct Launcher {
     const int64_t items = col_groups * m_blocks * a.batch;
     if (items > 0x7fffffffLL) return std::string(name) + ": too many work items for " + shape;
 
+    // k-blocks per cluster rank at cluster size ks; whole chunks in the warp-specialized kernel,
+    // whose copies zero-fill only the k-blocks past K (see its header)
+    auto split_len = [&](int ks) {
+      const int kps = (KB + ks - 1) / ks;
+      return WS ? (kps + Cfg::kKCH - 1) / Cfg::kKCH * Cfg::kKCH : kps;
+    };
     // Choose the cluster size (k-split) that minimizes the critical path: the most items a
     // cluster processes times the chunks per item, plus a per-item cost for the epilogue.
     int best_ks = 1;
@@ -1167,7 +1130,7 @@ struct Launcher {
     const int ks_max = std::min(8, std::max(KB, 1));
     for (int ks = 1; ks <= ks_max; ++ks) {
       if (tuning && tuning->k_split > 0 && ks != std::min(tuning->k_split, ks_max)) continue;
-      const int kps = (KB + ks - 1) / ks;
+      const int kps = split_len(ks);
       if ((KB + kps - 1) / kps != ks) continue;  // would leave a rank empty
       const int64_t ncl = std::min<int64_t>(items, max_clusters(dev, ks, smem));
       const int64_t per_cluster = (items + ncl - 1) / ncl;
@@ -1176,7 +1139,7 @@ struct Launcher {
       if (cost < best_cost - 1e-9) { best_cost = cost; best_ks = ks; }
     }
     const int ks = best_ks;
-    const int kps = (KB + ks - 1) / std::max(ks, 1);
+    const int kps = split_len(ks);
     const int64_t ncl = std::min<int64_t>(items, max_clusters(dev, ks, smem));
 
     Params prm;
@@ -1215,13 +1178,26 @@ struct Launcher {
     const std::string where = shape + " k_split=" + std::to_string(ks) + " ctas=" + std::to_string(ncl * ks) +
                               " smem=" + std::to_string(smem);
     cudaError_t err;
-    if constexpr (WS) {
-      CUtensorMap wmap;  // the weights as B * KB rows of N * BITS words, one chunk per box
-      const std::string bad = encode_tensor_map_2d_u32(
-          &wmap, a.planes, uint64_t(a.n) * BITS, uint64_t(a.batch) * KB, uint64_t(a.n) * BITS * 4,
-          uint32_t(Cfg::kCols * BITS), uint32_t(Cfg::kKCH));
+    if constexpr (WS) {  // the tensor maps of the kernel's three copies (see its header)
+      CUtensorMap wmap, smap, xmap;
+      const uint64_t rows = uint64_t(a.batch) * KB, n = uint64_t(a.n);
+      const uint64_t w_dims[2] = {n * BITS, rows}, w_strides[1] = {n * BITS * 4};
+      const uint32_t w_box[2] = {uint32_t(Cfg::kCols * BITS), uint32_t(Cfg::kKCH)};
+      const uint64_t s_dims[2] = {n, rows}, s_strides[1] = {n};
+      const uint32_t s_box[2] = {uint32_t(Cfg::kCols), uint32_t(Cfg::kKCH)};
+      const uint64_t x_dims[3] = {32, uint64_t(a.batch * a.m), uint64_t(KB)};
+      const uint64_t x_strides[2] = {uint64_t(a.k) * 2, uint64_t(kXKbBytes)};
+      const uint32_t x_box[3] = {32, uint32_t(x_rows), uint32_t(Cfg::kKCH)};
+      std::string bad = encode_tensor_map(&wmap, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, a.planes, w_dims, w_strides,
+                                          w_box, CU_TENSOR_MAP_SWIZZLE_NONE);
+      if (bad.empty())
+        bad = encode_tensor_map(&smap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.scales, s_dims, s_strides, s_box,
+                                CU_TENSOR_MAP_SWIZZLE_NONE);
+      if (bad.empty())
+        bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, a.x, x_dims, x_strides, x_box,
+                                CU_TENSOR_MAP_SWIZZLE_64B);
       if (!bad.empty()) return std::string(name) + ": " + bad + " (" + where + ")";
-      err = cudaLaunchKernelEx(&cfg, kernel, prm, wmap);
+      err = cudaLaunchKernelEx(&cfg, kernel, prm, wmap, smap, xmap);
     } else {
       err = cudaLaunchKernelEx(&cfg, kernel, prm);
     }
@@ -1243,14 +1219,16 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
     const cudaError_t err = cudaMemsetAsync(a.y, 0, size_t(a.batch * a.m * a.n) * 2, stream);
     return err == cudaSuccess ? std::string() : std::string("kbit_matmul: memset failed: ") + cudaGetErrorString(err);
   }
-  // The warp-specialized kernel (M <= 8 only) needs every copy to be a whole 16-byte piece:
-  // N % 16 == 0 and 16-byte-aligned buffers (K is a multiple of 32). Otherwise, and for
-  // M > 8, the cp.async kernel with one __syncthreads per chunk. Measured on the H200 (bf16,
-  // cold weights, four shapes x bits 2..5): at M = 1 and 4 the warp-specialized kernel takes
-  // 0.71-0.91x the time; at M = 16 (MT = 2, 16 consumer warps, x is half of the copied
-  // bytes) it took 1.0-1.7x, so M > 8 stays on the cp.async kernel.
+  // The warp-specialized kernel (M <= 16, kWsMaxMT) needs what its tensor copies need: N % 16
+  // == 0 (16-byte rows of scale bytes) and 16-byte-aligned buffers (K is a multiple of 32).
+  // Otherwise, and for M > 16, the cp.async kernel with one __syncthreads per chunk. Measured
+  // on the H200 (harness, ten shapes x bits 2..5): at M = 1 and 4 the warp-specialized kernel
+  // took 0.71-0.91x the cp.async kernel's time with cp.async copies of its own, and the TMA
+  // copies took that to a median 0.93x; at M = 16 the TMA version takes 0.55-0.95x.
   auto al16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
-  const bool ws = m_tiles(a.m) <= kWsMaxMT && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x);
+  // (tensor-copy coordinates are 32-bit: rows B * M and B * K / 32 must fit)
+  const bool ws = m_tiles(a.m) <= kWsMaxMT && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x) &&
+                  a.batch * a.m < (int64_t(1) << 31) && a.batch * (a.k / 32) < (int64_t(1) << 31);
   // Default tiling variant at M <= 8 (see Config); tuning->variant overrides. cp.async kernel,
   // measured on the H200 over the ten benchmark shapes at M = 1 and 4: V1 takes 0.95x the time
   // of V0 at bits 3 (faster in 18/20 cases) and 0.98x at bits 5 (16/20); 1.02x at bits 2 and

@@ -1,14 +1,16 @@
-// Hopper's tensor-memory accelerator (TMA) for the weight stream of the warp-specialized fused
-// matmul: one 2-D tensor copy moves a whole chunk of weights (KCH k-block rows x the column
-// group's bytes) from global to shared memory and completes on an mbarrier by byte count.
+// Hopper's tensor-memory accelerator (TMA) for the warp-specialized fused matmul: per chunk,
+// one tensor copy each moves the weights (KCH k-block rows x the column group's bytes), their
+// scale bytes and the activations from global to shared memory, all completing on one mbarrier
+// by byte count.
 //
 // Why: with 16-byte cp.async copies the producer warps issue ~32 LDGSTS per 16 KiB chunk through
 // the same MIO queue as the consumers' ~700 shared-memory loads. Nsight Compute (llama3-70b
 // gate_up, H200): each LDGSTS.128 cost 13.6 shared-memory wavefronts (ideal 4), the producers
 // stalled on the queue (long-scoreboard waits on their address registers) and the consumers
 // then waited on the ring's full barrier for 11-25 % of their samples, with DRAM 35-45 % busy.
-// A tensor copy is one instruction per chunk, issued by one thread, and the copy engine writes
-// shared memory without the LSU.
+// A tensor copy is one instruction, issued by one thread, and the copy engine writes shared
+// memory without the LSU. (With only the weights by TMA, 16 rows of 16-byte activation copies
+// per chunk limited M = 9..16 the same way.)
 //
 // Host side: the tensor map (a 128-byte descriptor passed to the kernel by value as a
 // __grid_constant__ parameter, so CUDA-graph capture records it with the launch) is encoded by
@@ -32,9 +34,9 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// Copy the box at element coordinates (c0, c1) of the 2-D tensor `map` to shared memory at
-// `dst` (128-byte aligned); completes `bytes` = the box size on mbarrier `bar`. Elements outside
-// the tensor arrive as zeros.
+// Copy the box at element coordinates (c0, c1[, c2]) of the tensor `map` to shared memory at
+// `dst` (aligned as the map's swizzle needs); completes the box's bytes on mbarrier `bar`.
+// Elements outside the tensor arrive as zeros (and count towards the bytes).
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
@@ -42,14 +44,29 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// The shared-memory address at which CU_TENSOR_MAP_SWIZZLE_64B puts the byte that would be at
+// `addr` unswizzled: the 16-byte chunk index (bits 4-5) is XORed with bits 7-8 of the address
+// (the destination is 512-byte aligned, so absolute and box-relative bits agree).
+__device__ __forceinline__ uint32_t swizzle64(uint32_t addr) { return addr ^ (((addr >> 7) & 3u) << 4); }
 
 // ---- host side ----
 
-// A row-major 2-D tensor of 32-bit words: `rows` rows of `row_words` words, `row_stride_bytes`
-// apart (a multiple of 16), read in boxes of box_rows x box_words (box_words <= 256, box_words
-// * 4 a multiple of 16). Returns "" or what failed.
-inline std::string encode_tensor_map_2d_u32(CUtensorMap* map, const void* base, uint64_t row_words, uint64_t rows,
-                                            uint64_t row_stride_bytes, uint32_t box_words, uint32_t box_rows) {
+// A tensor of `rank` (2 or 3) dimensions, dims[0] innermost and contiguous, strides[i] the
+// byte distance between consecutive indices of dimension i + 1 (multiples of 16, in any
+// order), read in boxes of box[] elements (box[0] * element size a multiple of 16 and at most
+// the swizzle span). Returns "" or what failed.
+inline std::string encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base,
+                                     const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
+                                     CUtensorMapSwizzle swizzle) {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
     void* fn = nullptr;
@@ -61,17 +78,21 @@ inline std::string encode_tensor_map_2d_u32(CUtensorMap* map, const void* base, 
     return reinterpret_cast<Encode>(fn);
   }();
   if (encode == nullptr) return "cuTensorMapEncodeTiled is not available from the CUDA driver";
-  const cuuint64_t dims[2] = {row_words, rows};
-  const cuuint64_t strides[1] = {row_stride_bytes};
-  const cuuint32_t box[2] = {box_words, box_rows};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(base), dims, strides, box,
-                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  cuuint64_t d[3] = {}, st[2] = {};
+  cuuint32_t b[3] = {}, es[3] = {1, 1, 1};
+  std::string shape;
+  for (int i = 0; i < rank; ++i) {
+    d[i] = dims[i];
+    b[i] = box[i];
+    if (i + 1 < rank) st[i] = strides[i];
+    shape += (i ? " x " : "") + std::to_string(dims[i]);
+  }
+  const CUresult r = encode(map, type, cuuint32_t(rank), const_cast<void*>(base), d, st, b, es,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
-    return "cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) + ") for a " +
-           std::to_string(rows) + " x " + std::to_string(row_words) + " word tensor, box " +
-           std::to_string(box_rows) + " x " + std::to_string(box_words);
+    return "cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) + ") for a " + shape +
+           " tensor (innermost first)";
   return std::string();
 }
 
