@@ -6,13 +6,14 @@ import jax.numpy as jnp
 import kbit_jax as kj
 
 # (K, N): N = 136 and 257 end inside a tile (257 at M = 33 once read past the scales), N = 256
-# takes the warp-specialized kernel at M <= 8.
+# takes the warp-specialized (TMA) kernel at M <= 16 (M = 1, 5: one n8 tile; 12: two), K = 320
+# ends in a partial chunk.
 for bits, (k, n) in [(b, s) for b in (2, 3, 4, 5) for s in ((256, 136), (320, 257), (256, 256))]:
     w = jax.random.normal(jax.random.key(bits), (k, n))
     for layout in ("planes", "fragment"):
         q = kj.quantize(w, bits, layout=layout)
         jax.block_until_ready(kj.dequantize(q, jnp.bfloat16))
-        for m in (1, 5, 17, 33, 64):
+        for m in (1, 5, 12, 17, 33, 64):
             for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
                 x = jax.random.normal(jax.random.key(m), (m, k), dtype)
                 jax.block_until_ready(kj.matmul(x, q, method="fused"))
