@@ -24,9 +24,10 @@ M_SWEEP = [0, 1, 2, 5, 16, 17, 33, 64, 100, 128, 511, 4096]
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("n", [200, 256])
 def test_matmul_m_sweep(n, bits, dtype, method, rng):
-    """N = 200 is not a multiple of any tile; N = 256 takes the warp-specialized kernel at M <= 8."""
+    """N = 200 is not a multiple of any tile; N = 256 takes the warp-specialized kernel at M <= 16.
+    K = 544 (17 blocks of 32) ends in a partial chunk of 16 k-blocks."""
     gpu = jax.devices("gpu")[0]
-    k = 512
+    k = 544
     q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
     w64 = dense64(q)
     for m in M_SWEEP:
