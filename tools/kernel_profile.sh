@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: build the standalone kernel harness (no JAX) and time or profile the fused
 # matmul. Logs, reports and CSV exports go to $OUT (or ./gpu_out).
+#   tools/kernel_profile.sh test                 the harness's correctness checks (every kernel
+#                                                 against a float64 reference; each case named
+#                                                 before it runs, so a hang names itself)
 #   tools/kernel_profile.sh sel                  harness timings (ten shapes x bits x M 1, 4, 16)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
@@ -36,6 +39,8 @@ build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then 
 build . "$bin" || exit 1
 
 case $what in
+  test) KBIT_HARNESS_VERBOSE=1 timeout 300 "$bin" test > "$OUT/harness_test.log" 2>&1; echo "harness test rc=$?"
+        grep -E "^TESTS|^matmul:|FAIL" "$OUT/harness_test.log" | tail -5 ;;
   sel) "$bin" sel | tee "$OUT/sel${TAG:-}.log" | grep -E "^SEL|copy" ;;
   ncu)
     while [[ $# -ge 4 ]]; do
