@@ -464,18 +464,14 @@ __device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, i
 
 // ---- the per-k-block steps that both kernels share ----
 
-// The B operand (activations) of one k-block for MT n8 tiles: x rows at `x_kb` (the k-block's
-// first element of row 0), `row_bytes` apart; rows past `rows` repeat the last row (their
-// results are never stored). Lane l supplies row l % 8 of matrix l / 8, i.e. of the 8-wide k
-// sub-block l / 8 of the 32-block.
-template <int MT>
-__device__ __forceinline__ void load_x_fragments(uint32_t (&xb)[MT][4], uint32_t x_kb, int row_bytes, int rows,
-                                                 int lane) {
+// The B operand (activations) of one k-block for MT n8 tiles. `addr(row, s)` is the shared
+// address of the 16 bytes of activation row `row` in the 8-wide k sub-block s of the k-block
+// (each kernel stages x in its own layout); rows past `rows` repeat the last row (their results
+// are never stored). Lane l supplies row l % 8 of matrix l / 8, i.e. of sub-block l / 8.
+template <int MT, class RowAddr>
+__device__ __forceinline__ void load_x_fragments(uint32_t (&xb)[MT][4], int rows, int lane, RowAddr addr) {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int row = min(8 * mt + (lane & 7), rows - 1);
-    ldmatrix_x4(xb[mt], x_kb + row * row_bytes + (lane >> 3) * 16);
-  }
+  for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(xb[mt], addr(min(8 * mt + (lane & 7), rows - 1), lane >> 3));
 }
 
 // The lane's 2 TN decoded block scales of one k-block (rows g and g + 8 of each tile).
@@ -687,7 +683,8 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
       if (kbA + cur.c * KCH + kbl >= kbEnd) return;  // warp-uniform
       const uint32_t slab = base + kbl * SLAB;
       uint32_t xb[MT][4];
-      load_x_fragments<MT>(xb, base + Cfg::kWChunk + kbl * 64, XRB, cur.rows, lane);
+      const uint32_t x_kb = base + Cfg::kWChunk + kbl * 64;  // rows XRB apart
+      load_x_fragments<MT>(xb, cur.rows, lane, [&](int row, int s) { return x_kb + row * XRB + s * 16; });
       float sc[2 * TN];
       load_scales<TN>(sc, s_sf + sfbuf * Cfg::kSfChunk + kbl * SFB + sf_lane_off);
       typename WP::Raw raw[TN];
@@ -853,17 +850,6 @@ __device__ __forceinline__ void named_bar_sync(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(N) : "memory");
 }
 
-// The B operand (activations) of one k-block for MT n8 tiles from a slot's swizzled
-// activations (`x_kb`: the k-block's first row, rows 64 bytes apart); as load_x_fragments.
-template <int MT>
-__device__ __forceinline__ void load_x_fragments_sw64(uint32_t (&xb)[MT][4], uint32_t x_kb, int rows, int lane) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int row = min(8 * mt + (lane & 7), rows - 1);
-    ldmatrix_x4(xb[mt], swizzle64(x_kb + row * kXKbBytes + (lane >> 3) * 16));
-  }
-}
-
 // The tensor maps (tma.cuh), encoded per launch and passed by value:
 //   wmap  the weights as 32-bit words: B * KB k-block rows of N * BITS words; box KCH rows x
 //         COLS * BITS words.
@@ -973,7 +959,9 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         } else {
           if (t < 2) sts32f(sfa + (g * 2 + t) * 4, decode_e4m4_fast(lds_u8(sraw + 8 * t + g) << 19));
         }
-        load_x_fragments_sw64<MT>(xb[u], base + kXOffset + kbl * x_kb_bytes, cur.rows, lane);
+        const uint32_t x_kb = base + kXOffset + kbl * x_kb_bytes;  // rows 64 bytes apart, swizzled
+        load_x_fragments<MT>(xb[u], cur.rows, lane,
+                             [&](int row, int s) { return swizzle64(x_kb + row * kXKbBytes + s * 16); });
         load_codes<WP, TN>(raw[u], base + kbl * SLAB, o0, o1);
       }
       __syncwarp();
