@@ -215,6 +215,8 @@ def run_worker(args) -> list[dict]:
         })
         print(f"  {args.config} {args.weights:>4} tp {tp} batch {batch:>3}: "
               f"{rows[-1]['decode_tokens_per_s']:10.1f} tok/s", file=sys.stderr, flush=True)
+        if profile:
+            print(profile, file=sys.stderr, flush=True)
     return rows
 
 
@@ -223,7 +225,10 @@ def _profile_summary(path, steps):
     import profile_summary  # benchmarks/, next to this script
     try:
         trace = profile_summary.load_trace(path)
-        return profile_summary.summarize(profile_summary.kernel_events(trace), steps)
+        # The Llama layer's kbit products in order: q/k/v, o, gate/up, down (lm_head too when
+        # quantized, which breaks the period; the summary then says so).
+        return (profile_summary.summarize(profile_summary.kernel_events(trace), steps, period=4)
+                + "\n" + profile_summary.host_summary(trace, steps))
     except (SystemExit, OSError, ValueError) as e:   # e.g. a CPU run: no GPU process in the trace
         return f"no summary: {e}"
 

@@ -8,6 +8,8 @@
 //   build/cuda_kernel_harness bench [csv_path]  timings on cold weights (H200 shapes)
 //   build/cuda_kernel_harness all [csv_path]
 //   build/cuda_kernel_harness sel                ten shapes x bits 2..5 x M 1, 4, 16 ("SEL" lines)
+//   build/cuda_kernel_harness layers             a Llama-3-70B layer's products at TP 1, 2, 4, M = 1
+//   build/cuda_kernel_harness timeline BITS K N M ...   milestones of a launch (-DKBIT_TIMELINE builds)
 //   build/cuda_kernel_harness one BITS K N M [reps] [variant]   one configuration (for ncu)
 // Environment: KBIT_HARNESS_VERBOSE=1 prints each matmul test case before it runs (a case that
 // hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel".
@@ -36,6 +38,7 @@
 #include "cuda/codes.cuh"
 #include "cuda/common.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/timeline.cuh"
 #include "format.h"
 
 using kbit::cuda::DType;
@@ -597,7 +600,7 @@ struct BenchEnv {
       const float one = 1.f;
       CK(cudaMemcpy(ts, &one, 4, cudaMemcpyHostToDevice));
     }
-    const size_t max_k = 28672, max_n = 28672;
+    const size_t max_k = 28672, max_n = 57344;   // up to llama3-70b's fused gate/up
     CK(cudaMalloc(&x, max_m * max_k * 2));
     CK(cudaMalloc(&y, max_m * max_n * 2));
     std::vector<uint16_t> hx(max_m * max_k);
@@ -682,6 +685,127 @@ static void bench_sel() {
       }
     }
 }
+
+// The kbit products of one Llama-3-70B decoder layer per device, at tensor-parallel sizes 1, 2
+// and 4 (kbit_jax.examples.llama: fused q/k/v and gate/up split on N, o and down on K), M = 1:
+// their times add up to the layer's matmul time, x 80 layers to the decode step's. That is the
+// kernel's share of bench_decode.py's ms/step, measured without JAX around it.
+static void bench_layers() {
+  BenchEnv env(1);
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  Timer tm;
+  for (int tp : {1, 2, 4}) {
+    const Shape layer[] = {{"qkv", 8192, 10240 / tp}, {"o", 8192 / tp, 8192},
+                           {"gate_up", 8192, 57344 / tp}, {"down", 28672 / tp, 8192}};
+    for (int bits : {4, 2}) {
+      double total_us = 0, total_bytes = 0;
+      for (const Shape& s : layer) {
+        const WeightCopies w(env, s, bits);
+        double us_v[2];
+        const double us = time_variants(tm, env.matmul_args(s, bits, 1), w, 0, us_v);
+        const double bytes = w.plane_bytes + w.scale_bytes;
+        total_us += us;
+        total_bytes += bytes;
+        printf("LAYER tp %d bits %d %-8s K %5d N %5d %8.2f us %5.1f %% of copy\n", tp, bits, s.name, s.K, s.N, us,
+               100 * bytes / (us * 1e-6) / 1e9 / env.copy_gbs);
+        if (bits == 4) {  // the same product at every cluster size (k-split) the launcher accepts
+          printf("      k_split:");
+          for (int ks = 1; ks <= 8; ++ks) printf(" %d: %.2f", ks, time_variants(tm, env.matmul_args(s, bits, 1), w, ks, us_v));
+          printf("\n");
+        }
+      }
+      printf("LAYER tp %d bits %d total %8.1f us/layer, %6.2f ms per 80-layer step, %5.1f %% of copy\n", tp, bits,
+             total_us, 80 * total_us * 1e-3, 100 * total_bytes / (total_us * 1e-6) / 1e9 / env.copy_gbs);
+    }
+  }
+}
+
+#ifdef KBIT_TIMELINE
+// Where one launch's time goes (cuda/timeline.cuh), averaged over `reps` launches on cold
+// weights: each launch follows a one-thread kernel that stamps %globaltimer, so a CTA's entry
+// is measured from the previous kernel's run (launch latency), and its milestones from its own
+// entry by clock64 (converted to ns at the CTA's own rate: clock cycles over globaltimer ns
+// between entry and exit).
+__global__ void stamp_kernel(unsigned long long* out) { *out = kbit::cuda::global_ns(); }
+
+static void bench_timeline(int bits, int K, int N, int M, int reps) {
+  using namespace kbit::cuda;
+  BenchEnv env(std::max(M, 1));
+  const Shape s{"timeline", K, N};
+  const WeightCopies w(env, s, bits);
+  constexpr int kMaxCtas = 4096;
+  const size_t buf_bytes = size_t(kMaxCtas) * kTlSlots * 8;
+  unsigned long long *buf, *stamp;
+  CK(cudaMalloc(&buf, buf_bytes));
+  CK(cudaMalloc(&stamp, 8));
+  std::vector<unsigned long long> h(size_t(kMaxCtas) * kTlSlots);
+  const char* names[kTlMarks] = {"entry", "setup", "first copy issued", "table built", "first chunk arrived",
+                                 "first item computed", "first item stored", "last chunk arrived", "all stored",
+                                 "exit"};
+  // per mark: the per-launch median and maximum over CTAs (ns from the CTA's entry)
+  std::vector<std::vector<double>> med(kTlMarks), mx(kTlMarks);
+  std::vector<double> entry_min, entry_med, entry_max, exit_max, chunks_min, chunks_max, rate;
+  MatmulArgs a = env.matmul_args(s, bits, M);
+  MatmulTuning tune;
+  tune.timeline = buf;
+  int ctas = 0;
+  for (int r = 0; r < reps + 2; ++r) {
+    a.planes = w.planes(r);
+    a.scales = w.scales(r);
+    CK(cudaMemset(buf, 0, buf_bytes));
+    stamp_kernel<<<1, 1>>>(stamp);
+    const std::string e = launch_matmul(a, 0, &tune);
+    if (!e.empty()) { printf("ERROR %s\n", e.c_str()); ++g_failures; return; }
+    CK(cudaDeviceSynchronize());
+    if (r < 2) continue;  // warm-up
+    unsigned long long t0;
+    CK(cudaMemcpy(h.data(), buf, buf_bytes, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(&t0, stamp, 8, cudaMemcpyDeviceToHost));
+    std::vector<std::vector<double>> d(kTlMarks);
+    std::vector<double> ent, ex, ch;
+    for (int c = 0; c < kMaxCtas; ++c) {
+      const unsigned long long* row = &h[size_t(c) * kTlSlots];
+      if (row[kTlEntry] == 0) continue;
+      const double ns = double(row[kTlGlobalExit] - row[kTlGlobalEntry]);
+      const double cyc_per_ns = ns > 0 ? double(row[kTlExit] - row[kTlEntry]) / ns : 1.98;
+      rate.push_back(cyc_per_ns);
+      for (int m = 0; m < kTlMarks; ++m)
+        if (row[m]) d[m].push_back(double(row[m] - row[kTlEntry]) / cyc_per_ns);
+      ent.push_back(double(row[kTlGlobalEntry]) - double(t0));
+      ex.push_back(double(row[kTlGlobalExit]) - double(t0));
+      ch.push_back(double(row[kTlChunks]));
+    }
+    if (ent.empty()) { printf("ERROR: no CTA recorded a timeline (built without -DKBIT_TIMELINE?)\n"); ++g_failures; return; }
+    ctas = int(ent.size());
+    auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0.0 : v[v.size() / 2]; };
+    auto maxv = [](const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); };
+    for (int m = 0; m < kTlMarks; ++m) { med[m].push_back(median(d[m])); mx[m].push_back(maxv(d[m])); }
+    entry_min.push_back(*std::min_element(ent.begin(), ent.end()));
+    entry_med.push_back(median(ent));
+    entry_max.push_back(maxv(ent));
+    exit_max.push_back(maxv(ex));
+    chunks_min.push_back(*std::min_element(ch.begin(), ch.end()));
+    chunks_max.push_back(maxv(ch));
+  }
+  auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0.0 : v[v.size() / 2]; };
+  Timer tm;
+  double us_v[2];
+  const double us = time_variants(tm, a, w, 0, us_v);
+  const double bytes = w.plane_bytes + w.scale_bytes;
+  printf("TIMELINE bits %d K %d N %d M %d: %d CTAs, chunks per CTA %.0f..%.0f, clock %.2f GHz; back-to-back "
+         "launches %.2f us (%.1f %% of copy), DRAM time at copy rate %.2f us\n", bits, K, N, M, ctas,
+         median(chunks_min), median(chunks_max), median(rate), us, 100 * bytes / (us * 1e-6) / 1e9 / env.copy_gbs,
+         bytes / (env.copy_gbs * 1e9) * 1e6);
+  printf("  CTA entry after the previous kernel's stamp: first %.2f us, median %.2f, last %.2f; last exit %.2f us\n",
+         median(entry_min) * 1e-3, median(entry_med) * 1e-3, median(entry_max) * 1e-3, median(exit_max) * 1e-3);
+  printf("  %-22s %12s %12s   (us from the CTA's entry; medians over %d launches)\n", "milestone", "median CTA",
+         "slowest CTA", reps);
+  for (int m = 1; m < kTlMarks; ++m)
+    printf("  %-22s %12.2f %12.2f\n", names[m], median(med[m]) * 1e-3, median(mx[m]) * 1e-3);
+  cudaFree(buf);
+  cudaFree(stamp);
+}
+#endif
 
 static void bench(const char* csv_path, bool full) {
   BenchEnv env(64);
@@ -826,6 +950,19 @@ int main(int argc, char** argv) {
   if (mode == "race") {
     test_sanitizer_subset();
     printf("\nTESTS: %d checks, %d failures\n", g_checks, g_failures);
+    return g_failures ? 1 : 0;
+  }
+  if (mode == "timeline") {
+#ifdef KBIT_TIMELINE
+    for (int i = 2; i + 3 < argc; i += 4) bench_timeline(atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), 20);
+    return g_failures ? 1 : 0;
+#else
+    printf("timeline: build with -DKBIT_TIMELINE (tools/kernel_profile.sh timeline)\n");
+    return 2;
+#endif
+  }
+  if (mode == "layers") {
+    bench_layers();
     return g_failures ? 1 : 0;
   }
   if (mode == "sel") {

@@ -70,6 +70,25 @@ def kernel_events(trace: dict, device: int = 0) -> list[tuple[float, float, str]
     return out
 
 
+def host_summary(trace: dict, steps: int = 1, top: int = 8) -> str:
+    """The host threads' XLA events (thunk launches; Python frames left out) with the largest
+    total time: a launch path slower than the GPU's kernels shows here as host time per step
+    above the step's span."""
+    events = trace["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    host = {pid for pid, name in procs.items() if "host" in name.lower()}
+    total, count = defaultdict(float), defaultdict(int)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in host and not e["name"].startswith(("$", "end: ")):
+            name = re.sub(r"\.\d+$", "", e["name"])   # one row per op kind, not per HLO instance
+            total[name] += float(e.get("dur", 0))
+            count[name] += 1
+    lines = [f"host events with the largest total time (us per step, calls per step, mean us):"]
+    for name, t in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {t / steps:10.1f}  x{count[name] / steps:6.1f}  {t / count[name]:8.1f}  {name[:80]}")
+    return "\n".join(lines)
+
+
 def category(name: str) -> str:
     for label, pattern in CATEGORIES:
         if pattern.search(name):
@@ -77,7 +96,39 @@ def category(name: str) -> str:
     return OTHER
 
 
-def summarize(kernels: list[tuple[float, float, str]], steps: int = 1, top: int = 12) -> str:
+def _gaps_by_category(kernels, steps) -> list[str]:
+    """Idle time before each kernel (from the previous kernel's end), summed per category of the
+    kernel that follows it: a category that collects most of the idle time is launched late
+    (a slow host path, a graph boundary), not run slowly."""
+    gap, n = defaultdict(float), defaultdict(int)
+    end = kernels[0][1]
+    for s, e, name in kernels[1:]:
+        if s > end:
+            gap[category(name)] += s - end
+            n[category(name)] += 1
+        end = max(end, e)
+    lines = ["idle time before kernels, by the category of the kernel that follows:"]
+    for label, t in sorted(gap.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {label:<58s} {t / steps:10.1f}  ({n[label] / steps:.1f} gaps, "
+                     f"mean {t / n[label]:.1f} us)")
+    return lines
+
+
+def _kbit_by_position(kernels, steps, period) -> list[str]:
+    """Median time of the kbit matmul calls by their position modulo ``period`` (e.g. 4 in a
+    decoder layer with q/k/v, o, gate/up and down projections), in order of execution."""
+    calls = [e - s for s, e, name in kernels if category(name) == "kbit fused matmul"]
+    if not calls or len(calls) % period:
+        return [f"kbit matmul calls: {len(calls)}, not a multiple of {period}; no per-position times"]
+    lines = [f"kbit matmul time by position in a period of {period} calls (median, min, max us):"]
+    for i in range(period):
+        t = sorted(calls[i::period])
+        lines.append(f"  position {i}: {t[len(t) // 2]:8.1f} {t[0]:8.1f} {t[-1]:8.1f}  x{len(t) / steps:.1f} per step")
+    return lines
+
+
+def summarize(kernels: list[tuple[float, float, str]], steps: int = 1, top: int = 12,
+              period: int = 0) -> str:
     if not kernels:
         return "no kernels in the trace"
     span = kernels[-1][1] - kernels[0][0]
@@ -101,6 +152,9 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int = 1, top: int 
              "kernel time by category:"]
     for label, t in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {label:<58s} {t / steps:10.1f}  ({100 * t / busy:.1f} % of busy)")
+    lines += _gaps_by_category(kernels, steps)
+    if period:
+        lines += _kbit_by_position(kernels, steps, period)
     lines.append(f"top {top} kernels:")
     for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {t / steps:10.1f}  x{count[name] / steps:6.1f}  {name[:100]}")
@@ -113,10 +167,14 @@ def main():
     p.add_argument("--steps", type=int, default=1, help="divide every time by this (decode steps)")
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--period", type=int, default=0,
+                   help="also give the kbit matmul times by call position modulo this (4 for a Llama layer)")
     args = p.parse_args()
     for path in args.paths:
         print(f"== {path}")
-        print(summarize(kernel_events(load_trace(path), args.device), args.steps, args.top))
+        trace = load_trace(path)
+        print(summarize(kernel_events(trace, args.device), args.steps, args.top, args.period))
+        print(host_summary(trace, args.steps))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: build, run the GPU tests, compute-sanitizer (memcheck + racecheck) on a
 # representative workload, then the benchmark. Logs and results go to $OUT (or ./gpu_out).
-#   tools/gpu_check.sh [build|test|sanitize|bench|all] [bench args...]
+#   tools/gpu_check.sh [build|test|sanitize|verify|bench|all] [bench args...]   (verify: test + sanitize)
 #   tools/gpu_check.sh decode   # Llama-3-8B table (bf16, K=2..5) + Llama-3-70B K=4/K=2 on GPU 0
 #   tools/gpu_check.sh tp       # Llama-3-70B tensor-parallel decode over 2 (and 4) GPUs + the
 #                               # sharded matmul microbenchmark (a multi-GPU machine)
@@ -17,11 +17,11 @@ KBIT_JAX_CUDA=ON $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/
   || { tail -40 "$OUT/build.log"; exit 1; }
 $PY -c "import kbit_jax; print(kbit_jax.build_info())"
 
-if [[ $what == test || $what == all ]]; then
+if [[ $what == test || $what == verify || $what == all ]]; then
   echo "== pytest -m gpu"
   $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 fi
-if [[ $what == sanitize || $what == all ]]; then
+if [[ $what == sanitize || $what == verify || $what == all ]]; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
     timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 $PY tools/sanitize_case.py \

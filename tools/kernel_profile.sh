@@ -5,6 +5,10 @@
 #                                                 against a float64 reference; each case named
 #                                                 before it runs, so a hang names itself)
 #   tools/kernel_profile.sh sel                  harness timings (ten shapes x bits x M 1, 4, 16)
+#   tools/kernel_profile.sh layers               a Llama-3-70B layer's products per device at
+#                                                 TP 1, 2, 4 (M = 1): the decode step's matmul time
+#   tools/kernel_profile.sh timeline BITS K N M ...   where a launch's time goes: milestone clocks
+#                                                 per CTA (an instrumented build, cuda/timeline.cuh)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
@@ -36,12 +40,19 @@ build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then 
   for p in "${pids[@]}"; do wait "$p" || { echo "build failed"; return 1; }; done
   nvcc -arch=sm_90a "$objs"/*.o -o "$out"
 }
-build . "$bin" || exit 1
+if [[ $what == timeline ]]; then  # an instrumented build (cuda/timeline.cuh) of its own
+  bin=$work/harness_timeline
+  EXTRA_NVCC="${EXTRA_NVCC:-} -DKBIT_TIMELINE" build . "$bin" || exit 1
+else
+  build . "$bin" || exit 1
+fi
 
 case $what in
   test) KBIT_HARNESS_VERBOSE=1 timeout 300 "$bin" test > "$OUT/harness_test.log" 2>&1; echo "harness test rc=$?"
         grep -E "^TESTS|^matmul:|FAIL" "$OUT/harness_test.log" | tail -5 ;;
   sel) "$bin" sel | tee "$OUT/sel${TAG:-}.log" | grep -E "^SEL|copy" ;;
+  layers) "$bin" layers | tee "$OUT/layers${TAG:-}.log" ;;
+  timeline) "$bin" timeline "$@" | tee "$OUT/timeline${TAG:-}.log" ;;
   ncu)
     while [[ $# -ge 4 ]]; do
       tag="b$1_k$2_n$3_m$4"

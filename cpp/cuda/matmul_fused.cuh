@@ -117,6 +117,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/item_reduce.cuh"
+#include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
 
 namespace kbit::cuda::fused {
@@ -355,6 +356,9 @@ struct Params {
   int x_rows;                       // rows the shared-memory layout is sized for
   int vec16;                        // weight rows are 16-byte aligned: 16-byte copies
   int64_t scale_bytes;              // B * KB * N, the end of the scales buffer
+#ifdef KBIT_TIMELINE
+  unsigned long long* timeline;     // timeline.cuh: per-CTA milestone clocks, or null
+#endif
 };
 
 // cp.async with a source size: copies `src_bytes` (0..16 / 0..4) and zero-fills the rest.
@@ -882,6 +886,9 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   const uint32_t slot_bytes = uint32_t(WC::slot_bytes(p.x_rows));
   constexpr uint32_t kXOffset = Cfg::kWChunk + WC::kSChunk;  // activations within a slot
   const uint32_t x_kb_bytes = uint32_t(p.x_rows) * kXKbBytes;  // one k-block of the activations
+  KBIT_TL_MARK(p, kTlEntry, tid == 0);
+  KBIT_TL_GLOBAL(p, kTlGlobalEntry, tid == 0);
+  KBIT_TL_VALUE(p, kTlChunks, Q, tid == 0);
 
   if (tid < D) {
     mbar_init(s_full + 8 * tid, 1);  // the producer's arrival (with the copies' byte count)
@@ -890,6 +897,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   if (tid == 0) reducer.init();
   asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
+  KBIT_TL_MARK(p, kTlSetup, tid == 0);
   // Every rank's reducer barriers must exist before another rank arrives on them: arrive on the
   // cluster barrier now, wait just before the first cross-CTA step (the first item's end), so a
   // rank that starts late does not hold the others up at the start.
@@ -915,6 +923,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         tma_load_2d(base, &wmap, ic.col0 * BITS, wrow, full);
         tma_load_2d(base + Cfg::kWChunk, &smap, ic.col0, wrow, full);
         tma_load_3d(base + kXOffset, &xmap, 0, int(int64_t(ic.b) * p.M + ic.m0), kb0, full);
+        KBIT_TL_MARK(p, kTlFirstCopy, q == 0);
         walk.advance(ic);
         if (++slot == D) { slot = 0; ++round; }
       }
@@ -986,17 +995,22 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       lut_b = cc.b;
     }
     named_bar_sync<NT>(1);
+    KBIT_TL_MARK(p, kTlTable, tid == 0);
 
     int slot = 0;
     uint32_t fparity = 0;
     for (int q = 0; q < Q; ++q) {
       mbar_wait(s_full + 8 * slot, fparity);
+      KBIT_TL_MARK(p, kTlFirstChunk, tid == 0 && q == 0);
+      KBIT_TL_MARK(p, kTlLastChunk, tid == 0 && q == Q - 1);
       compute(cc, slot, q & 1);
       __syncwarp();
       if (lane == 0) mbar_arrive(s_empty + 8 * slot);
       if (++slot == D) { slot = 0; fparity ^= 1u; }
       const bool last = cc.c == nch - 1;
+      KBIT_TL_MARK(p, kTlFirstItemEnd, tid == 0 && last && item_seq == 0);
       if (last) epilogue(cc);
+      KBIT_TL_MARK(p, kTlFirstStored, tid == 0 && last && item_seq == 1);
       walk.advance(cc);
       if (last && q + 1 < Q && cc.b != lut_b) {  // next item belongs to another batch entry
         named_bar_sync<NT>(1);                   // (every warp finished reading the old table)
@@ -1006,8 +1020,11 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       }
     }
     if (KS > 1 && item_seq == 0) cluster_wait();  // (no item: still pair the start's arrive)
+    KBIT_TL_MARK(p, kTlLoopEnd, tid == 0);
   }  // consumer warps
   if (KS > 1) cluster_barrier();  // rank 0 may still read this CTA's sum, or arrive on it
+  KBIT_TL_MARK(p, kTlExit, tid == 0);
+  KBIT_TL_GLOBAL(p, kTlGlobalExit, tid == 0);
 }
 
 // ---- host side: launch configuration ----
@@ -1148,6 +1165,9 @@ struct Launcher {
     prm.x_rows = x_rows;
     prm.vec16 = ((a.n * BITS) % 4 == 0 && (reinterpret_cast<uintptr_t>(a.planes) & 15) == 0) ? 1 : 0;
     prm.scale_bytes = a.batch * int64_t(KB) * a.n;
+#ifdef KBIT_TIMELINE
+    prm.timeline = tuning ? tuning->timeline : nullptr;
+#endif
 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(ncl * ks));

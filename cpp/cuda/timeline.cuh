@@ -1,0 +1,58 @@
+// Milestone clocks of the warp-specialized matmul kernel, for the harness's "timeline" mode:
+// where the fixed cost of a launch goes (a small product takes ~8 us against ~1 us of DRAM
+// time). Compiled in only with -DKBIT_TIMELINE (tools/kernel_profile.sh timeline); without it
+// every mark is an empty statement and Params has no buffer, so the kernel is unchanged.
+//
+// Per CTA, buffer row blockIdx.x holds kTlSlots 64-bit values: the SM's clock64 at each mark
+// (0 = not reached), %globaltimer (ns) at entry and at exit (clocks of different SMs are not
+// comparable; the globaltimer values place the CTAs on one time axis and give the clock rate),
+// and the CTA's chunk count.
+#pragma once
+
+#include <cstdint>
+
+namespace kbit::cuda {
+
+enum TimelineMark : int {
+  kTlEntry = 0,       // first instruction (thread 0)
+  kTlSetup,           // mbarriers initialised, __syncthreads passed (thread 0)
+  kTlFirstCopy,       // producer: first chunk's tensor copies issued
+  kTlTable,           // consumers: lookup table built (thread 0, after the consumers' barrier)
+  kTlFirstChunk,      // consumer warp 0: first chunk's full barrier passed (its bytes arrived)
+  kTlFirstItemEnd,    // consumer warp 0: first item's last chunk computed (epilogue starts)
+  kTlFirstStored,     // consumer warp 0: first item reduced and stored
+  kTlLastChunk,       // consumer warp 0: last chunk's full barrier passed
+  kTlLoopEnd,         // consumer warp 0: all items reduced and stored
+  kTlExit,            // thread 0, after the final cluster barrier
+  kTlMarks,
+  kTlGlobalEntry = kTlMarks,  // %globaltimer at kTlEntry
+  kTlGlobalExit,              // %globaltimer at kTlExit
+  kTlChunks,                  // chunks this CTA consumed
+  kTlSlots
+};
+
+}  // namespace kbit::cuda
+
+#if defined(KBIT_TIMELINE) && defined(__CUDACC__)
+namespace kbit::cuda {
+__device__ __forceinline__ void timeline_store(unsigned long long* buf, int slot, unsigned long long v) {
+  if (buf) buf[size_t(blockIdx.x) * kTlSlots + slot] = v;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+}  // namespace kbit::cuda
+// Record `mark` (a TimelineMark) when `cond` holds; `p` is the kernel's Params.
+#define KBIT_TL_MARK(p, mark, cond) \
+  do { if (cond) ::kbit::cuda::timeline_store((p).timeline, (mark), clock64()); } while (0)
+#define KBIT_TL_GLOBAL(p, slot, cond) \
+  do { if (cond) ::kbit::cuda::timeline_store((p).timeline, (slot), ::kbit::cuda::global_ns()); } while (0)
+#define KBIT_TL_VALUE(p, slot, value, cond) \
+  do { if (cond) ::kbit::cuda::timeline_store((p).timeline, (slot), (value)); } while (0)
+#else
+#define KBIT_TL_MARK(p, mark, cond) do {} while (0)
+#define KBIT_TL_GLOBAL(p, slot, cond) do {} while (0)
+#define KBIT_TL_VALUE(p, slot, value, cond) do {} while (0)
+#endif
