@@ -10,6 +10,8 @@
 //   build/cuda_kernel_harness sel                ten shapes x bits 2..5 x M 1, 4, 16 ("SEL" lines)
 //   build/cuda_kernel_harness layers             a Llama-3-70B layer's products at TP 1, 2, 4, M = 1
 //   build/cuda_kernel_harness timeline BITS K N M ...   milestones of a launch (-DKBIT_TIMELINE builds)
+//   build/cuda_kernel_harness host               host time of a launch and of its parts
+//   build/cuda_kernel_harness sweep              every cluster size (k-split) vs the launcher's choice
 //   build/cuda_kernel_harness one BITS K N M [reps] [variant]   one configuration (for ncu)
 // Environment: KBIT_HARNESS_VERBOSE=1 prints each matmul test case before it runs (a case that
 // hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel".
@@ -26,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -39,6 +42,7 @@
 #include "cuda/common.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/timeline.cuh"
+#include "cuda/tma.cuh"
 #include "format.h"
 
 using kbit::cuda::DType;
@@ -664,6 +668,51 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
   return us_v[1] > 0 ? std::min(us_v[0], us_v[1]) : us_v[0];
 }
 
+// The launcher's k-split choice against every cluster size: for each shape (the ten above and
+// a Llama-3-70B layer's products per device at TP 2 and 4), bits 2, 4, 5 and M 1, 16, one line
+//   SWEEP <shape> K N bits M  <default us> <default k_split> <ctas>  then per forced size
+//   1..8: <us>/<k_split launched>/<ctas>   (a size the launcher rejects runs as another)
+// Fewer repetitions than "sel" (5 batches of 10 launches): it is for choosing, not reporting.
+static void bench_sweep() {
+  BenchEnv env(16);
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  Timer tm;
+  std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+  for (int tp : {2, 4})
+    for (const Shape& s : {Shape{"tp-qkv", 8192, 10240 / tp}, Shape{"tp-o", 8192 / tp, 8192},
+                           Shape{"tp-gate_up", 8192, 57344 / tp}, Shape{"tp-down", 28672 / tp, 8192}})
+      if (!(tp == 2 && s.N == 28672 && s.K == 8192)) shapes.push_back(s);  // = llama3-70b.gate_up
+  for (const Shape& s : shapes)
+    for (int bits : {2, 4, 5}) {
+      const WeightCopies w(env, s, bits);
+      for (int M : {1, 16}) {
+        auto time = [&](int ks, kbit::cuda::MatmulTuning& tune) {
+          tune.k_split = ks;
+          kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
+          double best = 1e30;
+          for (int v = 0; v < (M <= 8 ? 2 : 1); ++v) {
+            tune.variant = v;
+            best = std::min(best, tm.median_us([&](int c) {
+              a.planes = w.planes(c);
+              a.scales = w.scales(c);
+              if (!kbit::cuda::launch_matmul(a, 0, &tune).empty()) ++g_failures;
+            }, 5, 10));
+          }
+          return best;
+        };
+        kbit::cuda::MatmulTuning tune;
+        const double us = time(0, tune);
+        printf("SWEEP %-18s %5d %6d %d %2d %8.2f %d %3d ", s.name, s.K, s.N, bits, M, us, tune.launched_k_split,
+               tune.launched_ctas);
+        for (int ks = 1; ks <= 8; ++ks) {
+          const double t = time(ks, tune);
+          printf(" %.2f/%d/%d", t, tune.launched_k_split, tune.launched_ctas);
+        }
+        printf("\n");
+      }
+    }
+}
+
 // Selected shapes (both tiling variants at M <= 8): one "SEL" line per case, for comparing
 // two builds of the kernel (benchmarks/sel_compare.py). KBIT_HARNESS_KSPLIT=n forces the
 // cluster size (k-split) of every launch.
@@ -682,6 +731,7 @@ static void bench_sel() {
         const double gbs = (w.plane_bytes + w.scale_bytes) / (us * 1e-6) / 1e9;
         printf("SEL %-18s %5d %6d %d %2d %8.2f %8.2f %8.2f %6.0f %5.1f\n", s.name, s.K, s.N, bits, M, us_v[0], us_v[1],
                us, gbs, 100 * gbs / env.copy_gbs);
+
       }
     }
 }
@@ -744,7 +794,7 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
                                  "exit"};
   // per mark: the per-launch median and maximum over CTAs (ns from the CTA's entry)
   std::vector<std::vector<double>> med(kTlMarks), mx(kTlMarks);
-  std::vector<double> entry_min, entry_med, entry_max, exit_max, chunks_min, chunks_max, rate;
+  std::vector<double> entry_min, entry_med, entry_max, exit_max, chunks_min, chunks_max, rate, host_us;
   MatmulArgs a = env.matmul_args(s, bits, M);
   MatmulTuning tune;
   tune.timeline = buf;
@@ -754,7 +804,9 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
     a.scales = w.scales(r);
     CK(cudaMemset(buf, 0, buf_bytes));
     stamp_kernel<<<1, 1>>>(stamp);
+    const auto h0 = std::chrono::steady_clock::now();
     const std::string e = launch_matmul(a, 0, &tune);
+    host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
     if (!e.empty()) { printf("ERROR %s\n", e.c_str()); ++g_failures; return; }
     CK(cudaDeviceSynchronize());
     if (r < 2) continue;  // warm-up
@@ -796,8 +848,9 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
          "launches %.2f us (%.1f %% of copy), DRAM time at copy rate %.2f us\n", bits, K, N, M, ctas,
          median(chunks_min), median(chunks_max), median(rate), us, 100 * bytes / (us * 1e-6) / 1e9 / env.copy_gbs,
          bytes / (env.copy_gbs * 1e9) * 1e6);
-  printf("  CTA entry after the previous kernel's stamp: first %.2f us, median %.2f, last %.2f; last exit %.2f us\n",
-         median(entry_min) * 1e-3, median(entry_med) * 1e-3, median(entry_max) * 1e-3, median(exit_max) * 1e-3);
+  printf("  CTA entry after the previous kernel's stamp: first %.2f us, median %.2f, last %.2f; last exit %.2f us; "
+         "host time of launch_matmul %.2f us\n", median(entry_min) * 1e-3, median(entry_med) * 1e-3,
+         median(entry_max) * 1e-3, median(exit_max) * 1e-3, median(host_us));
   printf("  %-22s %12s %12s   (us from the CTA's entry; medians over %d launches)\n", "milestone", "median CTA",
          "slowest CTA", reps);
   for (int m = 1; m < kTlMarks; ++m)
@@ -806,6 +859,67 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   cudaFree(stamp);
 }
 #endif
+
+// Host time of one launch_matmul call and of its parts, in us per call (median of 9 batches of
+// 200 calls, the GPU queue never full): a decode step issues ~4 kbit products per layer, and
+// when the host launches slower than the GPU runs them, the GPU idles (XLA command buffers,
+// i.e. CUDA graphs, skip this path after capture).
+__global__ void empty_kernel(const __grid_constant__ CUtensorMap a, const __grid_constant__ CUtensorMap b,
+                             const __grid_constant__ CUtensorMap c, int v) {
+  if (v == 12345 && threadIdx.x == 0) printf("%p %p %p\n", &a, &b, &c);
+}
+
+static void bench_host() {
+  using namespace kbit::cuda;
+  BenchEnv env(1);
+  const Shape s{"qkv-tp2", 8192, 5120};
+  const WeightCopies w(env, s, 4);
+  MatmulArgs a = env.matmul_args(s, 4, 1);
+  a.planes = w.planes(0);
+  a.scales = w.scales(0);
+  auto per_call = [](auto&& f) {
+    std::vector<double> t;
+    for (int r = 0; r < 10; ++r) {
+      CK(cudaDeviceSynchronize());
+      const auto h0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 200; ++i) f();
+      t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count() / 200);
+    }
+    CK(cudaDeviceSynchronize());
+    std::sort(t.begin() + 1, t.end());  // the first batch warms up
+    return t[5];
+  };
+  const double full = per_call([&] { if (!launch_matmul(a, 0).empty()) ++g_failures; });
+  CUtensorMap m;
+  const uint64_t dims[3] = {32, 1, 256}, strides[2] = {8192 * 2, 64};
+  const uint32_t box[3] = {32, 1, 16};
+  const double encode = per_call([&] {
+    if (!encode_tensor_map(&m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, a.x, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_64B).empty())
+      ++g_failures;
+  });
+  auto launch = [&](int cluster) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(132);
+    cfg.blockDim = dim3(544);
+    cudaLaunchAttribute attr[1];
+    if (cluster > 1) {
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = cluster;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+    }
+    if (cudaLaunchKernelEx(&cfg, empty_kernel, m, m, m, 0) != cudaSuccess) ++g_failures;
+  };
+  const double plain = per_call([&] { launch(1); });
+  const double clustered = per_call([&] { launch(2); });
+  const double last_error = per_call([&] { if (cudaGetLastError() != cudaSuccess) ++g_failures; });
+  printf("HOST launch_matmul (bits 4, K 8192, N 5120, M 1) %.2f us per call; its parts: "
+         "one cuTensorMapEncodeTiled %.2f us (3 per launch), cudaLaunchKernelEx of an empty kernel with three "
+         "tensor-map parameters %.2f us (2-CTA clusters: %.2f us), cudaGetLastError %.2f us\n",
+         full, encode, plain, clustered, last_error);
+}
 
 static void bench(const char* csv_path, bool full) {
   BenchEnv env(64);
@@ -960,6 +1074,14 @@ int main(int argc, char** argv) {
     printf("timeline: build with -DKBIT_TIMELINE (tools/kernel_profile.sh timeline)\n");
     return 2;
 #endif
+  }
+  if (mode == "sweep") {
+    bench_sweep();
+    return g_failures ? 1 : 0;
+  }
+  if (mode == "host") {
+    bench_host();
+    return g_failures ? 1 : 0;
   }
   if (mode == "layers") {
     bench_layers();

@@ -37,7 +37,8 @@ def test_busy_idle_and_categories():
     assert "(60.0 %)" in lines["busy"]
     for label, per_step in (("kbit fused matmul", "5.0"), ("cuBLAS / dense GEMM", "5.0"),
                             ("NCCL", "5.0"), (profile_summary.OTHER, "2.5")):
-        (row,) = [line for line in text.splitlines() if line.strip().startswith(label)]
+        by_category = text.split("kernel time by category:")[1].split("idle time before")[0]
+        (row,) = [line for line in by_category.splitlines() if line.strip().startswith(label)]
         assert row.strip()[len(label):].split()[0] == per_step, row
     assert profile_summary.category("void kbit::cuda::(anonymous namespace)::dequantize_kernel<4>") \
         == "kbit dequantize"
@@ -51,3 +52,34 @@ def test_no_gpu_process_is_a_clear_error():
         assert "no GPU:0 process" in str(e)
     else:
         raise AssertionError("expected SystemExit")
+
+
+def test_idle_gaps_by_following_kernel_and_kbit_positions():
+    kbit = "void kbit::cuda::fused::kbit_matmul_ws_kernel<4, ...>"
+    t = trace([
+        (10, 0.0, 10.0, kbit),                   # position 0
+        (10, 12.0, 4.0, kbit),                   # position 1, 2 us gap before it
+        (10, 16.0, 2.0, "loop_add_fusion"),      # no gap
+        (10, 21.0, 12.0, kbit),                  # position 0, 3 us gap
+        (10, 33.0, 6.0, kbit),                   # position 1
+    ])
+    text = profile_summary.summarize(profile_summary.kernel_events(t), steps=1, period=2)
+    (gaps,) = [line for line in text.splitlines() if line.strip().startswith("kbit fused matmul")
+               and "gaps" in line]
+    assert gaps.split()[3] == "5.0" and "2.0 gaps, mean 2.5 us" in gaps
+    pos = [line.split() for line in text.splitlines() if line.strip().startswith("position")]
+    # medians of (10, 12) and (4, 6): the upper middle of two
+    assert [p[2] for p in pos] == ["12.0", "6.0"] and [p[3] for p in pos] == ["10.0", "4.0"]
+    odd = profile_summary.summarize(profile_summary.kernel_events(t), steps=1, period=3)
+    assert "not a multiple of 3" in odd
+
+
+def test_host_summary_groups_instances_and_skips_python_frames():
+    t = trace([])
+    t["traceEvents"] += [{"ph": "X", "pid": 1, "tid": 2, "ts": 0.0, "dur": d, "name": n}
+                         for n, d in (("custom-call.3", 6.0), ("custom-call.7", 4.0), ("$python frame", 99.0),
+                                      ("end: custom-call.3", 1.0), ("fusion.1", 2.0))]
+    text = profile_summary.host_summary(t, steps=2)
+    rows = [line.split() for line in text.splitlines()[1:]]
+    assert rows[0] == ["5.0", "x", "1.0", "5.0", "custom-call"] and rows[1][-1] == "fusion"
+    assert "python" not in text

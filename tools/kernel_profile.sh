@@ -9,6 +9,9 @@
 #                                                 TP 1, 2, 4 (M = 1): the decode step's matmul time
 #   tools/kernel_profile.sh timeline BITS K N M ...   where a launch's time goes: milestone clocks
 #                                                 per CTA (an instrumented build, cuda/timeline.cuh)
+#   tools/kernel_profile.sh host                 host time of one launch and of its parts
+#   tools/kernel_profile.sh sweep                every cluster size (k-split) against the launcher's
+#                                                 choice; benchmarks/ksplit_fit.py scores its cost model
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
@@ -53,6 +56,8 @@ case $what in
   sel) "$bin" sel | tee "$OUT/sel${TAG:-}.log" | grep -E "^SEL|copy" ;;
   layers) "$bin" layers | tee "$OUT/layers${TAG:-}.log" ;;
   timeline) "$bin" timeline "$@" | tee "$OUT/timeline${TAG:-}.log" ;;
+  host) "$bin" host | tee "$OUT/host${TAG:-}.log" ;;
+  sweep) "$bin" sweep > "$OUT/sweep${TAG:-}.log"; python3 benchmarks/ksplit_fit.py "$OUT/sweep${TAG:-}.log" ;;
   ncu)
     while [[ $# -ge 4 ]]; do
       tag="b$1_k$2_n$3_m$4"

@@ -59,6 +59,9 @@ struct MatmulTuning {
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline = nullptr;  // cuda/timeline.cuh: [CTAs, kTlSlots] milestone clocks
 #endif
+  // Written by the fused kernel's launcher (for benchmarks): the cluster size and CTA count it
+  // launched with.
+  mutable int launched_k_split = 0, launched_ctas = 0;
 };
 
 // Which kernel launch_matmul would use, for logs: "fused" or "generic" plus the reason.
