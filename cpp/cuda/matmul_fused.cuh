@@ -94,9 +94,18 @@
 //  reduction), e.g. a smaller table and more CTAs per SM. Then the scale bytes and the
 //  activations went to TMA too (one producer thread, three tensor copies per chunk), which let
 //  this kernel take M = 9..16 from the cp.async kernel: 0.55-0.95x the time there (llama3-70b
-//  down bits 4 M = 16: 123.6 -> 71.7 us, 41 % of copy; gate_up 127.3 -> 80.7 us). Next, in
-//  expected order of gain: the small shapes' critical path; register tables for bits 2/3 (and
-//  bits 5's 2-tile limit); a tensor-core path for M = 17..512.
+//  down bits 4 M = 16: 123.6 -> 71.7 us, 41 % of copy; gate_up 127.3 -> 80.7 us).
+//  Session 5 (harness "timeline", cuda/timeline.cuh, median CTA, bits 4): the first chunk arrives
+//  2.3-2.6 us after a CTA's entry (setup 0.6 us, copies issued at 1.0-1.3 us); an item's end
+//  (leader's last chunk -> stored) takes 1.3-2.5 us; in k-split clusters the other ranks wait
+//  4-6 us at exit for rank 0, which adds every rank's sum per item and so falls behind. The
+//  launcher's k-split cost now charges that (1 + ks/2 chunks per item; see Launcher). Tried and
+//  dropped: one mbarrier arrival per warp instead of per lane in item_reduce.cuh, and a
+//  prefetch.tensormap at entry (together 1.006x, milestones within 0.1 us). Next, in expected
+//  order of gain: a cheaper item end (rotate the reducing rank as the leader warp rotates; add
+//  the warps' sums in parallel); the prologue under the previous kernel (programmatic
+//  dependent launch); register tables for bits 2/3 (and bits 5's 2-tile limit); a tensor-core
+//  path for M = 17..512.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -1129,7 +1138,14 @@ struct Launcher {
       return WS ? (kps + Cfg::kKCH - 1) / Cfg::kKCH * Cfg::kKCH : kps;
     };
     // Choose the cluster size (k-split) that minimizes the critical path: the most items a
-    // cluster processes times the chunks per item, plus a per-item cost for the epilogue.
+    // cluster processes times (the chunks per item + the item's end, in chunk times). In a
+    // cluster, rank 0 waits for, reads and adds every rank's sum, so in the warp-specialized
+    // kernel an item's end grows with the cluster size: 1 + ks / 2 chunks, fitted to the
+    // harness's "sweep" (H200: 17 shapes x bits 2, 4, 5 x M 1, 16, each at cluster sizes 1..8).
+    // There it picked sizes within 0.04 % of the best on (geometric) average, 3.2 % at worst,
+    // against 2.0 % and 1.41x for a flat 1 chunk (which it replaced: 12 of the 102 cases changed,
+    // all faster, e.g. llama3-70b gate/up at TP 2 (K 8192, N 28672) 52.5 -> 50.6 us and q/k/v
+    // (K 8192, N 5120) 20.4 -> 16.3 us at M = 1). The cp.async kernel keeps the flat cost.
     int best_ks = 1;
     double best_cost = 1e30;
     const int ks_max = std::min(8, std::max(KB, 1));
@@ -1140,12 +1156,17 @@ struct Launcher {
       const int64_t ncl = std::min<int64_t>(items, max_clusters(dev, ks, smem));
       const int64_t per_cluster = (items + ncl - 1) / ncl;
       const double chunks = double((kps + Cfg::kKCH - 1) / Cfg::kKCH);
-      const double cost = per_cluster * (chunks + (ks > 1 ? 1.0 : 0.5));
+      const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + 0.5 * ks : 1.0;
+      const double cost = per_cluster * (chunks + item_end);
       if (cost < best_cost - 1e-9) { best_cost = cost; best_ks = ks; }
     }
     const int ks = best_ks;
     const int kps = split_len(ks);
     const int64_t ncl = std::min<int64_t>(items, max_clusters(dev, ks, smem));
+    if (tuning) {
+      tuning->launched_k_split = ks;
+      tuning->launched_ctas = static_cast<int>(ncl * ks);
+    }
 
     Params prm;
     prm.x = a.x;
