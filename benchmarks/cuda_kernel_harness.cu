@@ -36,6 +36,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/codes.cuh"
@@ -1075,22 +1076,13 @@ int main(int argc, char** argv) {
     return 2;
 #endif
   }
-  if (mode == "sweep") {
-    bench_sweep();
-    return g_failures ? 1 : 0;
-  }
-  if (mode == "host") {
-    bench_host();
-    return g_failures ? 1 : 0;
-  }
-  if (mode == "layers") {
-    bench_layers();
-    return g_failures ? 1 : 0;
-  }
-  if (mode == "sel") {
-    bench_sel();
-    return g_failures ? 1 : 0;
-  }
+  const std::pair<const char*, void (*)()> timing_modes[] = {
+      {"sweep", bench_sweep}, {"host", bench_host}, {"layers", bench_layers}, {"sel", bench_sel}};
+  for (const auto& [name, run] : timing_modes)
+    if (mode == name) {
+      run();
+      return g_failures ? 1 : 0;
+    }
   if (mode == "test" || mode == "all") {
     test_e4m4();
     test_quantize(quick);
