@@ -47,10 +47,15 @@ def load_trace(path: str) -> dict:
         return json.load(f)
 
 
+def _process_names(events) -> dict:
+    """pid -> process name ("/host:CPU", "/device:GPU:0", ...) from the trace's metadata."""
+    return {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+
+
 def kernel_events(trace: dict, device: int = 0) -> list[tuple[float, float, str]]:
     """(start_us, end_us, name) of the kernels that ran on GPU `device`, sorted by start."""
     events = trace["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    procs = _process_names(events)
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     want = [pid for pid, name in procs.items() if re.search(rf"GPU:{device}\b", name)]
@@ -75,15 +80,14 @@ def host_summary(trace: dict, steps: int = 1, top: int = 8) -> str:
     total time: a launch path slower than the GPU's kernels shows here as host time per step
     above the step's span."""
     events = trace["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    host = {pid for pid, name in procs.items() if "host" in name.lower()}
+    host = {pid for pid, name in _process_names(events).items() if "host" in name.lower()}
     total, count = defaultdict(float), defaultdict(int)
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in host and not e["name"].startswith(("$", "end: ")):
             name = re.sub(r"\.\d+$", "", e["name"])   # one row per op kind, not per HLO instance
             total[name] += float(e.get("dur", 0))
             count[name] += 1
-    lines = [f"host events with the largest total time (us per step, calls per step, mean us):"]
+    lines = ["host events with the largest total time (us per step, calls per step, mean us):"]
     for name, t in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {t / steps:10.1f}  x{count[name] / steps:6.1f}  {t / count[name]:8.1f}  {name[:80]}")
     return "\n".join(lines)
@@ -96,10 +100,10 @@ def category(name: str) -> str:
     return OTHER
 
 
-def _gaps_by_category(kernels, steps) -> list[str]:
-    """Idle time before each kernel (from the previous kernel's end), summed per category of the
-    kernel that follows it: a category that collects most of the idle time is launched late
-    (a slow host path, a graph boundary), not run slowly."""
+def _idle_gaps(kernels) -> tuple[dict, dict, float]:
+    """Idle time before each kernel (from the end of everything that ran before it; overlapping
+    kernels leave no gap), summed and counted per category of the kernel that follows it; and
+    the last end of any kernel."""
     gap, n = defaultdict(float), defaultdict(int)
     end = kernels[0][1]
     for s, e, name in kernels[1:]:
@@ -107,6 +111,12 @@ def _gaps_by_category(kernels, steps) -> list[str]:
             gap[category(name)] += s - end
             n[category(name)] += 1
         end = max(end, e)
+    return gap, n, end
+
+
+def _gap_lines(gap, n, steps) -> list[str]:
+    """The idle gaps by following category: a category that collects most of the idle time is
+    launched late (a slow host path, a graph boundary), not run slowly."""
     lines = ["idle time before kernels, by the category of the kernel that follows:"]
     for label, t in sorted(gap.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {label:<58s} {t / steps:10.1f}  ({n[label] / steps:.1f} gaps, "
@@ -132,14 +142,8 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int = 1, top: int 
     if not kernels:
         return "no kernels in the trace"
     span = kernels[-1][1] - kernels[0][0]
-    busy, cur_start, cur_end = 0.0, kernels[0][0], kernels[0][1]
-    for s, e, _ in kernels[1:]:
-        if s > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = s, e
-        else:
-            cur_end = max(cur_end, e)
-    busy += cur_end - cur_start
+    gap, gap_count, last_end = _idle_gaps(kernels)
+    busy = last_end - kernels[0][0] - sum(gap.values())   # the union of the kernels' intervals
     by_cat, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
     for s, e, name in kernels:
         by_cat[category(name)] += e - s
@@ -152,7 +156,7 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int = 1, top: int 
              "kernel time by category:"]
     for label, t in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {label:<58s} {t / steps:10.1f}  ({100 * t / busy:.1f} % of busy)")
-    lines += _gaps_by_category(kernels, steps)
+    lines += _gap_lines(gap, gap_count, steps)
     if period:
         lines += _kbit_by_position(kernels, steps, period)
     lines.append(f"top {top} kernels:")
