@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -570,6 +571,13 @@ static const Shape kShapes[] = {
     {"glm4.7.gate_up", 2048, 10240},    {"glm4.7.down", 10240, 2048},
 };
 
+// A Llama-3-70B decoder layer's four kbit products on each of `tp` devices
+// (kbit_jax.examples.llama: the fused q/k/v and gate/up split on N, o and down on K).
+static std::array<Shape, 4> llama70b_layer(int tp) {
+  return {{{"qkv", 8192, 10240 / tp}, {"o", 8192 / tp, 8192}, {"gate_up", 8192, 57344 / tp},
+           {"down", 28672 / tp, 8192}}};
+}
+
 // What every timing mode needs: the device-to-device copy rate (bytes read + written, 1 GiB)
 // as the bandwidth reference, a pool of random weight words far larger than L2, a codebook,
 // tensor scale 1, and bf16 activations / outputs for up to max_m rows.
@@ -647,11 +655,13 @@ struct WeightCopies {
   uint8_t* scales(int c) const { return pool + size_t(c % copies) * one + (plane_bytes + 255) / 256 * 256; }
 };
 
-// Median time of product `a` over cold copies, for tiling variants 0 and 1 (1 only at M <= 8;
-// us_v[1] stays 0 otherwise); returns the faster, which is what launch_matmul's default picks
-// for the warp-specialized kernel.
+// Median time of product `a` over cold copies (`reps` batches of `per` launches), for tiling
+// variants 0 and 1 (1 only at M <= 8; us_v[1] stays 0 otherwise); returns the faster, which is
+// what launch_matmul's default picks for the warp-specialized kernel. `launched`, if given,
+// receives the cluster size and CTA count of the last variant's launches.
 static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCopies& w, int k_split,
-                            double (&us_v)[2]) {
+                            double (&us_v)[2], int reps = 7, int per = 20,
+                            kbit::cuda::MatmulTuning* launched = nullptr) {
   us_v[0] = us_v[1] = 0;
   for (int v = 0; v < (a.m <= 8 ? 2 : 1); ++v) {
     kbit::cuda::MatmulTuning tune;
@@ -663,8 +673,12 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
       a.scales = w.scales(c);
       std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
       if (!e.empty() && err.empty()) err = e;
-    }, 7, 20);
+    }, reps, per);
     if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+    if (launched) {
+      launched->launched_k_split = tune.launched_k_split;
+      launched->launched_ctas = tune.launched_ctas;
+    }
   }
   return us_v[1] > 0 ? std::min(us_v[0], us_v[1]) : us_v[0];
 }
@@ -680,26 +694,16 @@ static void bench_sweep() {
   Timer tm;
   std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
   for (int tp : {2, 4})
-    for (const Shape& s : {Shape{"tp-qkv", 8192, 10240 / tp}, Shape{"tp-o", 8192 / tp, 8192},
-                           Shape{"tp-gate_up", 8192, 57344 / tp}, Shape{"tp-down", 28672 / tp, 8192}})
-      if (!(tp == 2 && s.N == 28672 && s.K == 8192)) shapes.push_back(s);  // = llama3-70b.gate_up
+    for (const Shape& s : llama70b_layer(tp))
+      if (std::none_of(shapes.begin(), shapes.end(), [&](const Shape& o) { return o.K == s.K && o.N == s.N; }))
+        shapes.push_back(s);  // (TP 2's gate/up is llama3-70b.gate_up)
   for (const Shape& s : shapes)
     for (int bits : {2, 4, 5}) {
       const WeightCopies w(env, s, bits);
       for (int M : {1, 16}) {
         auto time = [&](int ks, kbit::cuda::MatmulTuning& tune) {
-          tune.k_split = ks;
-          kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
-          double best = 1e30;
-          for (int v = 0; v < (M <= 8 ? 2 : 1); ++v) {
-            tune.variant = v;
-            best = std::min(best, tm.median_us([&](int c) {
-              a.planes = w.planes(c);
-              a.scales = w.scales(c);
-              if (!kbit::cuda::launch_matmul(a, 0, &tune).empty()) ++g_failures;
-            }, 5, 10));
-          }
-          return best;
+          double us_v[2];
+          return time_variants(tm, env.matmul_args(s, bits, M), w, ks, us_v, 5, 10, &tune);
         };
         kbit::cuda::MatmulTuning tune;
         const double us = time(0, tune);
@@ -746,11 +750,9 @@ static void bench_layers() {
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
   for (int tp : {1, 2, 4}) {
-    const Shape layer[] = {{"qkv", 8192, 10240 / tp}, {"o", 8192 / tp, 8192},
-                           {"gate_up", 8192, 57344 / tp}, {"down", 28672 / tp, 8192}};
     for (int bits : {4, 2}) {
       double total_us = 0, total_bytes = 0;
-      for (const Shape& s : layer) {
+      for (const Shape& s : llama70b_layer(tp)) {
         const WeightCopies w(env, s, bits);
         double us_v[2];
         const double us = time_variants(tm, env.matmul_args(s, bits, 1), w, 0, us_v);
