@@ -901,19 +901,8 @@ static void bench_host() {
       ++g_failures;
   });
   auto launch = [&](int cluster) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(132);
-    cfg.blockDim = dim3(544);
-    cudaLaunchAttribute attr[1];
-    if (cluster > 1) {
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = cluster;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-    }
-    if (cudaLaunchKernelEx(&cfg, empty_kernel, m, m, m, 0) != cudaSuccess) ++g_failures;
+    const ClusterLaunch l(132, 544, 0, nullptr, cluster);
+    if (cudaLaunchKernelEx(&l.cfg, empty_kernel, m, m, m, 0) != cudaSuccess) ++g_failures;
   };
   const double plain = per_call([&] { launch(1); });
   const double clustered = per_call([&] { launch(2); });

@@ -186,6 +186,29 @@ inline std::string check_launch(const char* kernel, const std::string& shape) {
          cudaGetErrorString(err) + ") for " + shape;
 }
 
+// A cudaLaunchKernelEx configuration, in thread-block clusters of `cluster` CTAs along x when
+// cluster > 1. cfg.attrs points into the object, so it is neither copied nor moved.
+struct ClusterLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1] = {};
+  ClusterLaunch(unsigned grid, unsigned threads, size_t smem, cudaStream_t stream, int cluster) {
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    if (cluster > 1) {
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+    }
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 }  // namespace kbit::cuda

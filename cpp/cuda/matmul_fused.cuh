@@ -1086,18 +1086,8 @@ struct Launcher {
         per_sm = 1;
       n = std::max(per_sm, 1) * device_sm_count(dev);
     } else {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(ks * 64);
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = ks;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n < 1) {
+      const ClusterLaunch probe(ks * 64, kThreads, smem, nullptr, ks);
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe.cfg) != cudaSuccess || n < 1) {
         cudaGetLastError();
         n = std::max(1, device_sm_count(dev) / ks / 2);
       }
@@ -1190,20 +1180,7 @@ struct Launcher {
     prm.timeline = tuning ? tuning->timeline : nullptr;
 #endif
 
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(ncl * ks));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    if (ks > 1) {
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = static_cast<unsigned>(ks);
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-    }
+    const ClusterLaunch launch(static_cast<unsigned>(ncl * ks), kThreads, smem, stream, ks);
     const std::string where = shape + " k_split=" + std::to_string(ks) + " ctas=" + std::to_string(ncl * ks) +
                               " smem=" + std::to_string(smem);
     cudaError_t err;
@@ -1226,9 +1203,9 @@ struct Launcher {
         bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, a.x, x_dims, x_strides, x_box,
                                 CU_TENSOR_MAP_SWIZZLE_64B);
       if (!bad.empty()) return std::string(name) + ": " + bad + " (" + where + ")";
-      err = cudaLaunchKernelEx(&cfg, kernel, prm, wmap, smap, xmap);
+      err = cudaLaunchKernelEx(&launch.cfg, kernel, prm, wmap, smap, xmap);
     } else {
-      err = cudaLaunchKernelEx(&cfg, kernel, prm);
+      err = cudaLaunchKernelEx(&launch.cfg, kernel, prm);
     }
     if (err != cudaSuccess) {
       cudaGetLastError();  // clear
