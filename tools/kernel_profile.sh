@@ -23,6 +23,8 @@
 #        mkdir -p .git/info .ab_base; echo /.ab_base/ >> .git/info/exclude
 #        git archive <ref> cpp benchmarks | tar -x -C .ab_base      (then carry [".ab_base"])
 #   EXTRA_NVCC="-DKBIT_WS_MAX_MT=2" tools/kernel_profile.sh sel   a compile-time variant
+#   tools/kernel_profile.sh test,sel,sweep       modes without arguments, one after another on
+#                                                 one build
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -50,7 +52,9 @@ else
   build . "$bin" || exit 1
 fi
 
-case $what in
+run_mode() {  # MODE [ARGS...]
+local mode=$1; shift
+case $mode in
   test) KBIT_HARNESS_VERBOSE=1 timeout 300 "$bin" test > "$OUT/harness_test.log" 2>&1; echo "harness test rc=$?"
         grep -E "^TESTS|^matmul:|FAIL" "$OUT/harness_test.log" | tail -5 ;;
   sel) "$bin" sel | tee "$OUT/sel${TAG:-}.log" | grep -E "^SEL|copy" ;;
@@ -79,5 +83,13 @@ case $what in
     cat "${b[@]}" > "$OUT/sel_base.log"; cat "${a[@]}" > "$OUT/sel_new.log"
     (IFS=,; python3 benchmarks/sel_compare.py "${a[*]}" "${b[*]}" --md "$OUT/sel_ab.md") ;;
   none) ;;
-  *) echo "unknown mode $what"; exit 2 ;;
+  *) echo "unknown mode $mode"; exit 2 ;;
 esac
+}
+# Modes without arguments may be chained on one build: tools/kernel_profile.sh test,sel,sweep
+IFS=, read -ra modes <<< "$what"
+if [[ ${#modes[@]} -gt 1 ]]; then
+  for m in "${modes[@]}"; do echo "== $m"; run_mode "$m"; done
+else
+  run_mode "$what" "$@"
+fi
