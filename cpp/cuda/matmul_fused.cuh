@@ -301,9 +301,11 @@ struct WeightPath<5> {
 constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 
 // Tiling per (bits, MT = number of n8 tiles along M = ceil(rows / 8), 8 rows per tile, V).
-// V = 0: 16 warps, one k-block per warp per chunk. V = 1 (MT = 1 only): 8 warps, two k-blocks
+// V = 0: 16 warps, one k-block per warp per chunk. V = 1 (MT <= 2): 8 warps, two k-blocks
 // per warp per chunk: the same chunk with half the per-chunk bookkeeping per unit of work, but
-// fewer warps to hide latency; the harness measures both.
+// fewer warps to hide latency; the harness measures both. At MT = 2, V = 1 also doubles the
+// column group (bits 2..4: 64 columns, as at MT = 1): each chunk's activations (16 rows, as many
+// bytes as 64 columns of bits-4 weights) then serve twice the weights.
 template <int BITS, int MT, int V = 0>
 struct Config {
   // Warps per CTA (one CTA per SM). At MT >= 4 the activation chunk grows with the rows, so
@@ -314,10 +316,16 @@ struct Config {
   // 16-column tiles per warp: one ldmatrix (x) and one or two LDS.128 (scales) per k-block
   // serve all kTN tiles; accumulators kTN * MT * 4 <= 32. bits 5 uses 2 to leave shared
   // memory for the ring next to its 128 KiB table.
-  static constexpr int kTN = MT == 1 ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
+  static constexpr int kTN = MT == 1 || (MT == 2 && V == 1) ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
   static constexpr int kCols = 16 * kTN;
   static constexpr int kKCH = kWarps * kKPW;  // k-blocks per chunk
   static constexpr int kAcc = kTN * MT * 4;
+  // A chunk's time relative to a chunk of the V0 tiling of the same MT, for the launcher's
+  // choice between the tilings at M = 9..16 (launch_fused_bits). There V1's chunk holds twice
+  // the columns at bits 2..4 and takes about 1.4x as long: fitted on the harness's "sel" (H200,
+  // 10 shapes x bits 2..5, both tilings timed): 1.3-1.5 picks within 0.7 % of the faster tiling
+  // in all 40 cases, 1.0 (pure work count) is up to 11 % off. Bits 5 keeps 32 columns.
+  static constexpr double kChunkCost = (MT == 2 && V == 1 && BITS != 5) ? 1.4 : 1.0;
   static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
   static constexpr int kWChunk = kKCH * kSlabBytes;
   static constexpr int kXRowBytes = kKCH * 64 + 16;  // +16 B: ldmatrix rows in distinct banks
@@ -1096,31 +1104,49 @@ struct Launcher {
     return n;
   }
 
-  static std::string launch(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
-    const std::string shape = "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) +
-                              " K=" + std::to_string(a.k) + " N=" + std::to_string(a.n) +
-                              " bits=" + std::to_string(BITS) + " dtype=" + Act::kName +
-                              " MT=" + std::to_string(MT) + " V=" + std::to_string(V);
-    const char* name = WS ? "kbit_matmul_ws_kernel" : "kbit_matmul_fused_kernel";
-    const int KB = static_cast<int>(a.k / 32);
-    const int x_rows = static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
-    size_t smem;
-    if constexpr (WS) smem = WsConfig<BITS, MT, V>::smem_bytes(x_rows);
-    else smem = Cfg::smem_bytes(x_rows);
-    const int dev = current_device();
-    if (smem_set(dev).load(std::memory_order_relaxed) < int(smem)) {
-      const cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-      if (err != cudaSuccess)
-        return std::string(name) + ": cannot reserve " + std::to_string(smem) +
-               " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape + ")";
-      smem_set(dev).store(int(smem), std::memory_order_relaxed);
-    }
-    const int64_t col_groups = (a.n + Cfg::kCols - 1) / Cfg::kCols;
-    const int64_t m_blocks = (a.m + 8 * MT - 1) / (8 * MT);
-    const int64_t items = col_groups * m_blocks * a.batch;
-    if (items > 0x7fffffffLL) return std::string(name) + ": too many work items for " + shape;
+  static const char* name() { return WS ? "kbit_matmul_ws_kernel" : "kbit_matmul_fused_kernel"; }
+  static std::string shape(const MatmulArgs& a) {
+    return "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" + std::to_string(a.k) +
+           " N=" + std::to_string(a.n) + " bits=" + std::to_string(BITS) + " dtype=" + Act::kName +
+           " MT=" + std::to_string(MT) + " V=" + std::to_string(V);
+  }
 
+  // How a launch covers the problem: shared memory, cluster size (k-split) and clusters, and the
+  // critical path's estimated length in chunk times of the V0 tiling of this MT (`cost`), which
+  // launch_fused_bits compares between the tilings. `error` is set if the shared memory cannot
+  // be reserved.
+  struct Plan {
+    size_t smem = 0;
+    int x_rows = 0, KB = 0, ks = 1, kps = 1;
+    int64_t col_groups = 0, m_blocks = 0, items = 0, ncl = 0;
+    double cost = 0;
+    std::string error;
+  };
+  static Plan plan(const MatmulArgs& a, const MatmulTuning* tuning) {
+    Plan pl;
+    pl.KB = static_cast<int>(a.k / 32);
+    pl.x_rows = static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
+    if constexpr (WS) pl.smem = WsConfig<BITS, MT, V>::smem_bytes(pl.x_rows);
+    else pl.smem = Cfg::smem_bytes(pl.x_rows);
+    const int dev = current_device();
+    if (smem_set(dev).load(std::memory_order_relaxed) < int(pl.smem)) {
+      const cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pl.smem));
+      if (err != cudaSuccess) {
+        pl.error = std::string(name()) + ": cannot reserve " + std::to_string(pl.smem) +
+                   " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape(a) + ")";
+        return pl;
+      }
+      smem_set(dev).store(int(pl.smem), std::memory_order_relaxed);
+    }
+    pl.col_groups = (a.n + Cfg::kCols - 1) / Cfg::kCols;
+    pl.m_blocks = (a.m + 8 * MT - 1) / (8 * MT);
+    pl.items = pl.col_groups * pl.m_blocks * a.batch;
+    if (pl.items > 0x7fffffffLL) {
+      pl.error = std::string(name()) + ": too many work items for " + shape(a);
+      return pl;
+    }
+    const int KB = pl.KB;
     // k-blocks per cluster rank at cluster size ks; whole chunks in the warp-specialized kernel,
     // whose copies zero-fill only the k-blocks past K (see its header)
     auto split_len = [&](int ks) {
@@ -1136,23 +1162,31 @@ struct Launcher {
     // against 2.0 % and 1.41x for a flat 1 chunk (which it replaced: 12 of the 102 cases changed,
     // all faster, e.g. llama3-70b gate/up at TP 2 (K 8192, N 28672) 52.5 -> 50.6 us and q/k/v
     // (K 8192, N 5120) 20.4 -> 16.3 us at M = 1). The cp.async kernel keeps the flat cost.
-    int best_ks = 1;
     double best_cost = 1e30;
     const int ks_max = std::min(8, std::max(KB, 1));
     for (int ks = 1; ks <= ks_max; ++ks) {
       if (tuning && tuning->k_split > 0 && ks != std::min(tuning->k_split, ks_max)) continue;
       const int kps = split_len(ks);
       if ((KB + kps - 1) / kps != ks) continue;  // would leave a rank empty
-      const int64_t ncl = std::min<int64_t>(items, max_clusters(dev, ks, smem));
-      const int64_t per_cluster = (items + ncl - 1) / ncl;
+      const int64_t ncl = std::min<int64_t>(pl.items, max_clusters(dev, ks, pl.smem));
+      const int64_t per_cluster = (pl.items + ncl - 1) / ncl;
       const double chunks = double((kps + Cfg::kKCH - 1) / Cfg::kKCH);
       const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + 0.5 * ks : 1.0;
-      const double cost = per_cluster * (chunks + item_end);
-      if (cost < best_cost - 1e-9) { best_cost = cost; best_ks = ks; }
+      const double cost = per_cluster * (chunks + item_end) * Cfg::kChunkCost;
+      if (cost < best_cost - 1e-9) { best_cost = cost; pl.ks = ks; }
     }
-    const int ks = best_ks;
-    const int kps = split_len(ks);
-    const int64_t ncl = std::min<int64_t>(items, max_clusters(dev, ks, smem));
+    pl.cost = best_cost;
+    pl.kps = split_len(pl.ks);
+    pl.ncl = std::min<int64_t>(pl.items, max_clusters(dev, pl.ks, pl.smem));
+    return pl;
+  }
+
+  static std::string launch(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
+    const Plan pl = plan(a, tuning);
+    if (!pl.error.empty()) return pl.error;
+    const int KB = pl.KB, ks = pl.ks, kps = pl.kps, x_rows = pl.x_rows;
+    const int64_t ncl = pl.ncl;
+    const size_t smem = pl.smem;
     if (tuning) {
       tuning->launched_k_split = ks;
       tuning->launched_ctas = static_cast<int>(ncl * ks);
@@ -1170,9 +1204,9 @@ struct Launcher {
     prm.KB = KB;
     prm.kb_per_split = std::max(kps, 1);
     prm.k_split = ks;
-    prm.col_groups = static_cast<int>(col_groups);
-    prm.m_blocks = static_cast<int>(m_blocks);
-    prm.items = static_cast<int>(items);
+    prm.col_groups = static_cast<int>(pl.col_groups);
+    prm.m_blocks = static_cast<int>(pl.m_blocks);
+    prm.items = static_cast<int>(pl.items);
     prm.x_rows = x_rows;
     prm.vec16 = ((a.n * BITS) % 4 == 0 && (reinterpret_cast<uintptr_t>(a.planes) & 15) == 0) ? 1 : 0;
     prm.scale_bytes = a.batch * int64_t(KB) * a.n;
@@ -1181,7 +1215,7 @@ struct Launcher {
 #endif
 
     const ClusterLaunch launch(static_cast<unsigned>(ncl * ks), kThreads, smem, stream, ks);
-    const std::string where = shape + " k_split=" + std::to_string(ks) + " ctas=" + std::to_string(ncl * ks) +
+    const std::string where = shape(a) + " k_split=" + std::to_string(ks) + " ctas=" + std::to_string(ncl * ks) +
                               " smem=" + std::to_string(smem);
     cudaError_t err;
     if constexpr (WS) {  // the tensor maps of the kernel's three copies (see its header)
@@ -1202,17 +1236,17 @@ struct Launcher {
       if (bad.empty())
         bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, a.x, x_dims, x_strides, x_box,
                                 CU_TENSOR_MAP_SWIZZLE_64B);
-      if (!bad.empty()) return std::string(name) + ": " + bad + " (" + where + ")";
+      if (!bad.empty()) return std::string(name()) + ": " + bad + " (" + where + ")";
       err = cudaLaunchKernelEx(&launch.cfg, kernel, prm, wmap, smap, xmap);
     } else {
       err = cudaLaunchKernelEx(&launch.cfg, kernel, prm);
     }
     if (err != cudaSuccess) {
       cudaGetLastError();  // clear
-      return std::string(name) + " failed to launch: " + cudaGetErrorName(err) + " (" +
+      return std::string(name()) + " failed to launch: " + cudaGetErrorName(err) + " (" +
              cudaGetErrorString(err) + ") for " + where;
     }
-    return check_launch(name, where);
+    return check_launch(name(), where);
   }
 };
 
@@ -1233,15 +1267,21 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   // copies took that to a median 0.93x; at M = 16 the TMA version takes 0.55-0.95x.
   auto al16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
   // (tensor-copy coordinates are 32-bit: rows B * M and B * K / 32 must fit)
-  const bool ws = m_tiles(a.m) <= kWsMaxMT && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x) &&
+  const int mt = m_tiles(a.m);
+  const bool ws = mt <= kWsMaxMT && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x) &&
                   a.batch * a.m < (int64_t(1) << 31) && a.batch * (a.k / 32) < (int64_t(1) << 31);
-  // Default tiling variant at M <= 8 (see Config); tuning->variant overrides. cp.async kernel,
+  // The tiling variant (see Config); tuning->variant overrides. At M <= 8, cp.async kernel,
   // measured on the H200 over the ten benchmark shapes at M = 1 and 4: V1 takes 0.95x the time
   // of V0 at bits 3 (faster in 18/20 cases) and 0.98x at bits 5 (16/20); 1.02x at bits 2 and
   // 1.01x at bits 4, where V0 stays. Warp-specialized kernel: V1 (8 consumer warps, two
-  // k-blocks each per chunk) takes 0.81-0.90x the time of V0 at every bits value.
+  // k-blocks each per chunk) takes 0.81-0.90x the time of V0 at every bits value. At M = 9..16
+  // the cp.async kernel keeps V0, and the warp-specialized kernel takes the variant whose plan
+  // (cluster size and critical path, Launcher::plan) is shorter: V1 wins where the columns are
+  // plentiful (llama3 gate/up and down: 0.72-0.88x the time of V0 at bits 2..4), V0 where
+  // 64-column groups would leave too few items (N = 2048: V1 up to 1.11x).
+  const bool forced_variant = tuning && tuning->variant >= 0;
   constexpr int kDefaultV = (BITS == 3 || BITS == 5) ? 1 : 0;
-  const int v1 = tuning && tuning->variant >= 0 ? tuning->variant : ws ? 1 : kDefaultV;
+  const int variant = forced_variant ? tuning->variant : mt > 1 ? 0 : ws ? 1 : kDefaultV;
   auto by_ws = [&](auto act_tag, auto mt_tag, auto v_tag) -> std::string {
     using A = typename decltype(act_tag)::type;
     constexpr int MT = decltype(mt_tag)::value, V = decltype(v_tag)::value;
@@ -1253,16 +1293,24 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
     constexpr int MT = decltype(mt_tag)::value;
     using V0 = std::integral_constant<int, 0>;
     using V1 = std::integral_constant<int, 1>;
-    if constexpr (MT == 1) {
-      if (v1 == 1) {
-        if (a.dtype == DType::kBF16) return by_ws(ActTag<ActBF16>{}, mt_tag, V1{});
-        return by_ws(ActTag<ActF16>{}, mt_tag, V1{});
+    auto with = [&](auto act_tag) -> std::string {
+      using A = typename decltype(act_tag)::type;
+      if constexpr (MT <= 2) {
+        int v = variant;
+        if constexpr (MT == 2 && MT <= kWsMaxMT)
+          if (ws && !forced_variant) {
+            const auto p0 = Launcher<BITS, A, 2, 0, true>::plan(a, tuning);
+            const auto p1 = Launcher<BITS, A, 2, 1, true>::plan(a, tuning);
+            v = p1.error.empty() && (!p0.error.empty() || p1.cost <= p0.cost) ? 1 : 0;
+          }
+        if (v == 1) return by_ws(act_tag, mt_tag, V1{});
       }
-    }
-    if (a.dtype == DType::kBF16) return by_ws(ActTag<ActBF16>{}, mt_tag, V0{});
-    return by_ws(ActTag<ActF16>{}, mt_tag, V0{});
+      return by_ws(act_tag, mt_tag, V0{});
+    };
+    if (a.dtype == DType::kBF16) return with(ActTag<ActBF16>{});
+    return with(ActTag<ActF16>{});
   };
-  switch (m_tiles(a.m)) {
+  switch (mt) {
     case 1: return by_act(std::integral_constant<int, 1>{});
     case 2: return by_act(std::integral_constant<int, 2>{});
     case 4: return by_act(std::integral_constant<int, 4>{});
