@@ -12,6 +12,7 @@
 //   build/cuda_kernel_harness timeline BITS K N M ...   milestones of a launch (-DKBIT_TIMELINE builds)
 //   build/cuda_kernel_harness host               host time of a launch and of its parts
 //   build/cuda_kernel_harness sweep              every cluster size (k-split) vs the launcher's choice
+//   build/cuda_kernel_harness rows               M = 17..128: warp-specialized vs cp.async kernel
 //   build/cuda_kernel_harness one BITS K N M [reps] [variant]   one configuration (for ncu)
 // Environment: KBIT_HARNESS_VERBOSE=1 prints each matmul test case before it runs (a case that
 // hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel".
@@ -470,6 +471,8 @@ static void test_matmul(bool quick) {
       // rebuilt per item), larger M tilings with a k-split
       {1, 3, 1056, 48, 0, false},  {2, 1, 2048, 80, 2, false},  {2, 12, 3072, 208, 3, false},
       {1, 40, 1024, 64, 2, false}, {4, 1, 512, 32, 4, false},
+      // several 16-row blocks of M in the warp-specialized kernel, over batch entries
+      {2, 50, 1024, 128, 0, false}, {3, 33, 2048, 64, 2, false}, {1, 128, 512, 64, 0, false},
       // many items per CTA or cluster: the end-of-item mbarriers run through many phases
       // (item_reduce.cuh), across batch entries too
       {1, 1, 2048, 16384, 2, false}, {1, 16, 1024, 8192, 2, false}, {2, 3, 1024, 12288, 4, false},
@@ -480,11 +483,11 @@ static void test_matmul(bool quick) {
       {1, 1, 3584, 12288, 7, false}, {1, 12, 4096, 8192, 8, false},
   };
   if (quick) cases.resize(8);
-  // The second tiling variant of the fused kernel (M <= 16 only).
+  // The second tiling variant of the fused kernel (M <= 128: the warp-specialized kernel's rows).
   {
     const size_t n = cases.size();
     for (size_t i = 0; i < n; ++i)
-      if (cases[i].M <= 16 && !cases[i].force_generic) {
+      if (cases[i].M <= 128 && !cases[i].force_generic) {
         MMCase v = cases[i];
         v.variant = 1;
         cases.push_back(v);
@@ -671,17 +674,19 @@ struct WeightCopies {
 };
 
 // Median time of product `a` over cold copies (`reps` batches of `per` launches), for tiling
-// variants 0 and 1 (1 only at M <= 16; us_v[1] stays 0 otherwise); returns the faster, which is
-// what launch_matmul's default picks for the warp-specialized kernel. `launched`, if given,
-// receives the cluster size and CTA count of the last variant's launches.
+// variants 0 and 1 (1 only at M <= 128, where the warp-specialized kernel may run; us_v[1] stays
+// 0 otherwise); returns the faster. `launched`, if given, receives the cluster size and CTA
+// count of the last variant's launches; `ws_max_rows` >= 0 overrides the launcher's limit for
+// the warp-specialized kernel.
 static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCopies& w, int k_split,
                             double (&us_v)[2], int reps = 7, int per = 20,
-                            kbit::cuda::MatmulTuning* launched = nullptr) {
+                            kbit::cuda::MatmulTuning* launched = nullptr, int ws_max_rows = -1) {
   us_v[0] = us_v[1] = 0;
-  for (int v = 0; v < (a.m <= 16 ? 2 : 1); ++v) {
+  for (int v = 0; v < (a.m <= 128 ? 2 : 1); ++v) {
     kbit::cuda::MatmulTuning tune;
     tune.variant = v;
     tune.k_split = k_split;
+    tune.ws_max_rows = ws_max_rows;
     std::string err;
     us_v[v] = tm.median_us([&](int c) {
       a.planes = w.planes(c);
@@ -752,6 +757,25 @@ static void bench_sel() {
         printf("SEL %-18s %5d %6d %d %2d %8.2f %8.2f %8.2f %6.0f %5.1f\n", s.name, s.K, s.N, bits, M, us_v[0], us_v[1],
                us, gbs, 100 * gbs / env.copy_gbs);
 
+      }
+    }
+}
+
+// M = 17..128: the warp-specialized kernel in blocks of 16 rows (the default up to kWsMaxRows)
+// against the cp.async kernel (32- and 64-row tilings); one line per case
+//   ROWS <shape> K N bits M <warp-specialized us> <cp.async us> <ratio>
+static void bench_rows() {
+  BenchEnv env(128);
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  Timer tm;
+  for (const Shape& s : kShapes)
+    for (int bits : {2, 4, 5}) {
+      const WeightCopies w(env, s, bits);
+      for (int M : {17, 32, 48, 64, 128}) {
+        double us_v[2];
+        const double ws = time_variants(tm, env.matmul_args(s, bits, M), w, 0, us_v, 5, 10, nullptr, 1 << 30);
+        const double cp = time_variants(tm, env.matmul_args(s, bits, M), w, 0, us_v, 5, 10, nullptr, 0);
+        printf("ROWS %-18s %5d %6d %d %3d %8.2f %8.2f %6.3f\n", s.name, s.K, s.N, bits, M, ws, cp, ws / cp);
       }
     }
 }
@@ -1083,7 +1107,8 @@ int main(int argc, char** argv) {
 #endif
   }
   const std::pair<const char*, void (*)()> timing_modes[] = {
-      {"sweep", bench_sweep}, {"host", bench_host}, {"layers", bench_layers}, {"sel", bench_sel}};
+      {"sweep", bench_sweep}, {"host", bench_host}, {"layers", bench_layers}, {"sel", bench_sel},
+      {"rows", bench_rows}};
   for (const auto& [name, run] : timing_modes)
     if (mode == name) {
       run();

@@ -24,7 +24,7 @@ M_SWEEP = [0, 1, 2, 5, 16, 17, 33, 64, 100, 128, 511, 4096]
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("n", [200, 256])
 def test_matmul_m_sweep(n, bits, dtype, method, rng):
-    """N = 200 is not a multiple of any tile; N = 256 takes the warp-specialized kernel at M <= 16.
+    """N = 200 is not a multiple of any tile; N = 256 takes the warp-specialized kernel at M <= 128.
     K = 544 (17 blocks of 32) ends in a partial chunk of 16 k-blocks."""
     gpu = jax.devices("gpu")[0]
     k = 544

@@ -10,6 +10,8 @@
 #   tools/kernel_profile.sh timeline BITS K N M ...   where a launch's time goes: milestone clocks
 #                                                 per CTA (an instrumented build, cuda/timeline.cuh)
 #   tools/kernel_profile.sh host                 host time of one launch and of its parts
+#   tools/kernel_profile.sh rows                 M = 17..128: warp-specialized (blocks of 16 rows)
+#                                                 against the cp.async kernel
 #   tools/kernel_profile.sh sweep                every cluster size (k-split) against the launcher's
 #                                                 choice; benchmarks/ksplit_fit.py scores its cost model
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
@@ -61,6 +63,7 @@ case $mode in
   layers) "$bin" layers | tee "$OUT/layers${TAG:-}.log" ;;
   timeline) "$bin" timeline "$@" | tee "$OUT/timeline${TAG:-}.log" ;;
   host) "$bin" host | tee "$OUT/host${TAG:-}.log" ;;
+  rows) "$bin" rows | tee "$OUT/rows${TAG:-}.log" | grep -E "^ROWS|copy" ;;
   sweep) "$bin" sweep > "$OUT/sweep${TAG:-}.log"; python3 benchmarks/ksplit_fit.py "$OUT/sweep${TAG:-}.log" ;;
   ncu)
     while [[ $# -ge 4 ]]; do

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import kbit_jax as kj
 
 # (K, N): N = 136 and 257 end inside a tile (257 at M = 33 once read past the scales), N = 256
-# takes the warp-specialized (TMA) kernel at M <= 16 (M = 1, 5: one n8 tile; 12: two), K = 320
-# ends in a partial chunk.
+# takes the warp-specialized (TMA) kernel at M <= 128 (M = 1, 5: one n8 tile; 12: two; 17, 33,
+# 64: several blocks of 16 rows, the last one partial at 17 and 33), K = 320 ends in a partial
+# chunk.
 for bits, (k, n) in [(b, s) for b in (2, 3, 4, 5) for s in ((256, 136), (320, 257), (256, 256))]:
     w = jax.random.normal(jax.random.key(bits), (k, n))
     for layout in ("planes", "fragment"):

@@ -106,6 +106,14 @@
 //  the warps' sums in parallel); the prologue under the previous kernel (programmatic
 //  dependent launch); register tables for bits 2/3 (and bits 5's 2-tile limit); a tensor-core
 //  path for M = 17..512.
+//  Session 6 (benchmarks/results/kernel_rows_h200.md): at M = 9..16 a 64-column tiling (Config
+//  V1) where the launcher's plan favours it (M = 16 median 0.90x the time, llama3-70b down bits
+//  4 70.8 -> 53.1 us); M = 17..128 runs this kernel in blocks of 16 rows, the blocks of a column
+//  group on neighbouring clusters (0.28-0.87x the cp.async kernel's time). Its time still grows
+//  with M (each block decodes the weights again): at M >= 64 it is well behind the dense dot,
+//  which needs one decode shared by several 16-row blocks. Tried and dropped: rotating a
+//  cluster's reducing rank (no gain with 1-2 items per cluster; its epilogue code shifted the
+//  main loop's schedule, M = 1 bits 4/5 up to 9 % slower).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -401,9 +409,10 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 
 // Where a CTA's chunk stream is: chunk within the item and the item's coordinates, advanced
 // incrementally (the item index grows by the number of clusters) so that the hot loop has no
-// integer division.
+// integer division (only an item boundary divides).
 struct Cursor {
   int c;           // chunk within the item
+  int item;        // item index: block of M fastest, then column group, then batch entry
   int cg, mb, b;   // column group, block of M, batch entry
   int col0, rows;  // first column, rows of M in the block
   int64_t m0;      // first row
@@ -412,7 +421,10 @@ struct Cursor {
 };
 
 // A CTA's share of the work, the same for both kernels: items (column group of COLS columns x
-// block of ROWS rows of M x batch entry) are dealt round-robin to the clusters; rank `rank` of a
+// block of ROWS rows of M x batch entry) are dealt round-robin to the clusters, the blocks of M
+// of one column group to neighbouring clusters, which run them at the same time: the second
+// and later reads of those weights hit L2 (with the column group fastest, a weight larger than
+// L2 was read from DRAM once per block of M); rank `rank` of a
 // cluster covers k-blocks [kbA, kbEnd) of each of its items in nch chunks of KCH k-blocks, q
 // chunks in all. Cursors advance incrementally, so the hot loop has no integer division.
 template <int KCH, int COLS, int ROWS>
@@ -435,6 +447,10 @@ struct ItemWalk {
     chunk_cells = int64_t(KCH) * p.N;
   }
   __device__ void set_derived(Cursor& cur) const {
+    cur.mb = cur.item % p.m_blocks;
+    const int rest = cur.item / p.m_blocks;
+    cur.cg = rest % p.col_groups;
+    cur.b = rest / p.col_groups;
     cur.col0 = cur.cg * COLS;
     cur.m0 = int64_t(cur.mb) * ROWS;
     cur.rows = int(min(int64_t(ROWS), p.M - cur.m0));
@@ -444,10 +460,7 @@ struct ItemWalk {
   __device__ Cursor first() const {
     Cursor cur;
     cur.c = 0;
-    cur.cg = cluster_id % p.col_groups;
-    const int rest = cluster_id / p.col_groups;
-    cur.mb = rest % p.m_blocks;
-    cur.b = rest / p.m_blocks;
+    cur.item = cluster_id;
     set_derived(cur);
     return cur;
   }
@@ -458,11 +471,7 @@ struct ItemWalk {
       return;
     }
     cur.c = 0;
-    cur.cg += n_clusters;
-    while (cur.cg >= p.col_groups) {  // runs only at item boundaries
-      cur.cg -= p.col_groups;
-      if (++cur.mb == p.m_blocks) { cur.mb = 0; ++cur.b; }
-    }
+    cur.item += n_clusters;
     set_derived(cur);
   }
 };
@@ -800,8 +809,8 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 }
 
 // =============================================================================================
-// Warp-specialized version (the default at M <= 16 where the buffers suit the tensor copies, see
-// launch_fused_bits): one thread of a producer warp streams each chunk into the ring with three
+// Warp-specialized version (the default at M <= 128 where the buffers suit the tensor copies, in
+// blocks of up to 16 rows, see launch_fused_bits): one thread of a producer warp streams each chunk into the ring with three
 // TMA tensor copies (tma.cuh: weights, scale bytes, activations) that complete on the stage's
 // "full" mbarrier by byte count; the kWarps consumer warps wait on it, compute, and release the
 // stage through its "empty" mbarrier (one arrival per warp). No CTA-wide barrier in the steady
@@ -817,8 +826,7 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 // Partial chunks: k-split ranges are whole chunks (the launcher rounds them), so only the last
 // chunk of the K range can be partial, and the copies fill its k-blocks past K with zeros.
 // =============================================================================================
-// The largest M tiling (n8 tiles of 8 rows) this kernel serves; above it the cp.async kernel.
-// 2 = M <= 16. Harness A/B on the H200 against the version with only the weights by TMA (whose
+// The largest M tiling (n8 tiles of 8 rows) this kernel serves: 2 = blocks of 16 rows. Harness A/B on the H200 against the version with only the weights by TMA (whose
 // 16 rows of 16-byte activation copies per chunk kept M = 9..16 on the cp.async kernel): at
 // M = 16 0.55-0.95x the time, median 0.82x (llama3-70b down bits 4: 123.6 -> 71.7 us); M <= 8
 // unchanged (median 1.01x).
@@ -826,6 +834,14 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 #define KBIT_WS_MAX_MT 2
 #endif
 constexpr int kWsMaxMT = KBIT_WS_MAX_MT;
+// The largest M the warp-specialized kernel takes, in blocks of 8 kWsMaxMT rows (the blocks of
+// one column group run on neighbouring clusters, so the weights come from DRAM about once);
+// above it the cp.async kernel. Harness "rows" (H200, ten shapes x bits 2, 4, 5): at M = 17..64
+// 0.28-0.83x the cp.async kernel's time (median 0.50-0.60x), at M = 128 0.50-0.87x.
+#ifndef KBIT_WS_MAX_ROWS
+#define KBIT_WS_MAX_ROWS 128
+#endif
+constexpr int kWsMaxRows = KBIT_WS_MAX_ROWS;
 constexpr int kXKbBytes = 64;  // one k-block of one activation row (32 x 16 bit)
 
 template <int BITS, int MT, int V>
@@ -1259,17 +1275,19 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
     const cudaError_t err = cudaMemsetAsync(a.y, 0, size_t(a.batch * a.m * a.n) * 2, stream);
     return err == cudaSuccess ? std::string() : std::string("kbit_matmul: memset failed: ") + cudaGetErrorString(err);
   }
-  // The warp-specialized kernel (M <= 16, kWsMaxMT) needs what its tensor copies need: N % 16
-  // == 0 (16-byte rows of scale bytes) and 16-byte-aligned buffers (K is a multiple of 32).
-  // Otherwise, and for M > 16, the cp.async kernel with one __syncthreads per chunk. Measured
-  // on the H200 (harness, ten shapes x bits 2..5): at M = 1 and 4 the warp-specialized kernel
-  // took 0.71-0.91x the cp.async kernel's time with cp.async copies of its own, and the TMA
-  // copies took that to a median 0.93x; at M = 16 the TMA version takes 0.55-0.95x.
+  // The warp-specialized kernel (M <= kWsMaxRows, in blocks of up to 16 rows) needs what its
+  // tensor copies need: N % 16 == 0 (16-byte rows of scale bytes) and 16-byte-aligned buffers
+  // (K is a multiple of 32). Otherwise, and for larger M, the cp.async kernel with one
+  // __syncthreads per chunk. Measured on the H200 (harness, ten shapes x bits 2..5): at M = 1
+  // and 4 the warp-specialized kernel took 0.71-0.91x the cp.async kernel's time with cp.async
+  // copies of its own, and the TMA copies took that to a median 0.93x; at M = 16 the TMA
+  // version takes 0.55-0.95x.
   auto al16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
   // (tensor-copy coordinates are 32-bit: rows B * M and B * K / 32 must fit)
-  const int mt = m_tiles(a.m);
-  const bool ws = mt <= kWsMaxMT && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x) &&
+  const int64_t ws_rows = tuning && tuning->ws_max_rows >= 0 ? tuning->ws_max_rows : kWsMaxRows;
+  const bool ws = a.m <= ws_rows && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x) &&
                   a.batch * a.m < (int64_t(1) << 31) && a.batch * (a.k / 32) < (int64_t(1) << 31);
+  const int mt = ws ? std::min(m_tiles(a.m), kWsMaxMT) : m_tiles(a.m);
   // The tiling variant (see Config); tuning->variant overrides. At M <= 8, cp.async kernel,
   // measured on the H200 over the ten benchmark shapes at M = 1 and 4: V1 takes 0.95x the time
   // of V0 at bits 3 (faster in 18/20 cases) and 0.98x at bits 5 (16/20); 1.02x at bits 2 and
