@@ -141,8 +141,9 @@ def test_jit_under_eval_shape_and_dtypes(layer):
 @pytest.mark.parametrize("m, dtype, layout, method, fused", [
     (1, jnp.bfloat16, "fragment", "auto", True),
     (16, jnp.float16, "fragment", "auto", True),
-    (17, jnp.bfloat16, "fragment", "auto", False),      # above FUSED_MAX_M: dequantize + dot
-    (64, jnp.bfloat16, "fragment", "fused", True),
+    (64, jnp.bfloat16, "fragment", "auto", True),
+    (65, jnp.bfloat16, "fragment", "auto", False),      # above FUSED_MAX_M: dequantize + dot
+    (128, jnp.bfloat16, "fragment", "fused", True),
     (1, jnp.bfloat16, "fragment", "dequantize", False),
     (1, jnp.bfloat16, "planes", "auto", False),          # the fast kernel reads the fragment layout
     (64, jnp.float32, "planes", "auto", True),           # f32 keeps the f32 kernel (no TF32 dot)

@@ -23,9 +23,12 @@ matmul_p = Primitive("kbit_matmul")
 METHODS = ("auto", "fused", "dequantize")
 
 #: On CUDA, "auto" uses the fused kernel up to this many rows (M) and dequantize + dense dot
-#: above it. Measured on an H200 (benchmarks/results): at M = 32 on Llama-3-8B gate/up the
-#: fused kernel took 94 us against 43 us for dequantize alone plus the dense GEMM.
-FUSED_MAX_M = 16
+#: above it. Measured on an H200 (bench_matmul.py, bits 4, ten shapes;
+#: benchmarks/results/matmul_h200_m32-128.md): the fused kernel, which runs M <= 128 in blocks
+#: of 16 rows, takes 0.35-0.85x the time of dequantize + dot at M = 32 (Llama-3-70B gate/up
+#: 116 against 294 us), 0.67-1.28x at M = 64 (faster on 8 of 10 shapes) and 1.01-1.48x at
+#: M = 128 (slower on all).
+FUSED_MAX_M = 64
 
 
 def _abstract_eval(x, planes, scales, codebook, tensor_scale, *, layout, method):
