@@ -4,13 +4,15 @@
 
 The log (``cuda_kernel_harness sweep``) times every case at its default cluster size and at
 each forced size 1..8. This script mirrors the warp-specialized kernel's launcher
-(``Launcher::launch`` in ``cpp/cuda/matmul_fused.cuh``: column groups of 16 * TN columns, chunks
+(``Launcher::plan`` in ``cpp/cuda/matmul_fused.cuh``: column groups of 16 * TN columns, chunks
 of 16 k-blocks, ranks given whole chunks, a size that would leave a rank empty skipped, the
 resident clusters per size as the log's CTA counts show) and scores the model
 ``cost = items per cluster * (chunks per item + item_end)``, with ``item_end`` 0.5 at size 1 and
 ``a + b * size`` above: the measured time of the size it picks against the case's fastest size.
 It also prints the grid of (a, b) by mean regret, and the cases whose pick changes against the
-log's default (the launcher that ran), with both measured times.
+log's default (the launcher that ran), with both measured times. The committed log's M = 16
+lines ran the 32-column tiling (V0), which the mirror models; since session 6 the launcher may
+take the 64-column one there (see ``Config::kChunkCost``).
 """
 
 from __future__ import annotations
