@@ -329,10 +329,11 @@ struct Config {
   static constexpr int kKCH = kWarps * kKPW;  // k-blocks per chunk
   static constexpr int kAcc = kTN * MT * 4;
   // A chunk's time relative to a chunk of the V0 tiling of the same MT, for the launcher's
-  // choice between the tilings at M = 9..16 (launch_fused_bits). There V1's chunk holds twice
-  // the columns at bits 2..4 and takes about 1.4x as long: fitted on the harness's "sel" (H200,
-  // 10 shapes x bits 2..5, both tilings timed): 1.3-1.5 picks within 0.7 % of the faster tiling
-  // in all 40 cases, 1.0 (pure work count) is up to 11 % off. Bits 5 keeps 32 columns.
+  // choice between the tilings at MT = 2 (M > 8 on the warp-specialized kernel, see
+  // launch_fused_bits). There V1's chunk holds twice the columns at bits 2..4 and takes about
+  // 1.4x as long: fitted on the harness's "sel" at M = 16 (H200, 10 shapes x bits 2..5, both
+  // tilings timed): 1.3-1.5 pick within 1.7 % of the faster tiling in all 40 cases, 1.0 (pure
+  // work count) is up to 11 % off. Bits 5 keeps 32 columns.
   static constexpr double kChunkCost = (MT == 2 && V == 1 && BITS != 5) ? 1.4 : 1.0;
   static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
   static constexpr int kWChunk = kKCH * kSlabBytes;
@@ -809,16 +810,16 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 }
 
 // =============================================================================================
-// Warp-specialized version (the default at M <= 128 where the buffers suit the tensor copies, in
-// blocks of up to 16 rows, see launch_fused_bits): one thread of a producer warp streams each chunk into the ring with three
-// TMA tensor copies (tma.cuh: weights, scale bytes, activations) that complete on the stage's
-// "full" mbarrier by byte count; the kWarps consumer warps wait on it, compute, and release the
-// stage through its "empty" mbarrier (one arrival per warp). No CTA-wide barrier in the steady
-// state; consumer warps drift freely by up to kStages - 1 chunks. Each consumer warp decodes the
-// scale bytes of its own k-block (two per lane at kTN = 4) into a warp-private float buffer
-// (__syncwarp only). The end of an item stops only its leader warp (item_reduce.cuh); the
-// producer takes part in no per-item synchronization, only in the cluster barriers at the start
-// and the end of the kernel.
+// Warp-specialized version (the default at M <= 128, in blocks of up to 16 rows, where the
+// buffers suit the tensor copies, see launch_fused_bits): one thread of a producer warp streams
+// each chunk into the ring with three TMA tensor copies (tma.cuh: weights, scale bytes,
+// activations) that complete on the stage's "full" mbarrier by byte count; the kWarps consumer
+// warps wait on it, compute, and release the stage through its "empty" mbarrier (one arrival
+// per warp). No CTA-wide barrier in the steady state; consumer warps drift freely by up to
+// kStages - 1 chunks. Each consumer warp decodes the scale bytes of its own k-block (two per
+// lane at kTN = 4) into a warp-private float buffer (__syncwarp only). The end of an item stops
+// only its leader warp (item_reduce.cuh); the producer takes part in no per-item
+// synchronization, only in the cluster barriers at the start and the end of the kernel.
 // A slot holds [weights: KCH x SLAB][scale bytes: KCH x COLS][activations: KCH x x_rows x 64 B,
 // 64-byte swizzle]. The activation box has the rows inside the k-block (TMA writes boxes densely,
 // so rows of a whole chunk would sit 1 KiB apart, all in the same banks for ldmatrix); 64-byte
@@ -826,10 +827,11 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 // Partial chunks: k-split ranges are whole chunks (the launcher rounds them), so only the last
 // chunk of the K range can be partial, and the copies fill its k-blocks past K with zeros.
 // =============================================================================================
-// The largest M tiling (n8 tiles of 8 rows) this kernel serves: 2 = blocks of 16 rows. Harness A/B on the H200 against the version with only the weights by TMA (whose
-// 16 rows of 16-byte activation copies per chunk kept M = 9..16 on the cp.async kernel): at
-// M = 16 0.55-0.95x the time, median 0.82x (llama3-70b down bits 4: 123.6 -> 71.7 us); M <= 8
-// unchanged (median 1.01x).
+// The largest M tiling (n8 tiles of 8 rows) this kernel serves: 2 = blocks of 16 rows. Harness
+// A/B on the H200 against the version with only the weights by TMA (whose 16 rows of 16-byte
+// activation copies per chunk kept M = 9..16 on the cp.async kernel): at M = 16 0.55-0.95x the
+// time, median 0.82x (llama3-70b down bits 4: 123.6 -> 71.7 us); M <= 8 unchanged (median
+// 1.01x).
 #ifndef KBIT_WS_MAX_MT
 #define KBIT_WS_MAX_MT 2
 #endif
@@ -1292,11 +1294,11 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   // measured on the H200 over the ten benchmark shapes at M = 1 and 4: V1 takes 0.95x the time
   // of V0 at bits 3 (faster in 18/20 cases) and 0.98x at bits 5 (16/20); 1.02x at bits 2 and
   // 1.01x at bits 4, where V0 stays. Warp-specialized kernel: V1 (8 consumer warps, two
-  // k-blocks each per chunk) takes 0.81-0.90x the time of V0 at every bits value. At M = 9..16
+  // k-blocks each per chunk) takes 0.81-0.90x the time of V0 at every bits value. At M > 8
   // the cp.async kernel keeps V0, and the warp-specialized kernel takes the variant whose plan
   // (cluster size and critical path, Launcher::plan) is shorter: V1 wins where the columns are
-  // plentiful (llama3 gate/up and down: 0.72-0.88x the time of V0 at bits 2..4), V0 where
-  // 64-column groups would leave too few items (N = 2048: V1 up to 1.11x).
+  // plentiful (llama3 gate/up and down at M = 16: 0.72-0.88x the time of V0 at bits 2..4), V0
+  // where 64-column groups would leave too few items (N = 2048: V1 up to 1.11x).
   const bool forced_variant = tuning && tuning->variant >= 0;
   constexpr int kDefaultV = (BITS == 3 || BITS == 5) ? 1 : 0;
   const int variant = forced_variant ? tuning->variant : mt > 1 ? 0 : ws ? 1 : kDefaultV;
