@@ -36,8 +36,10 @@ def plot(result, path) -> None:
         if r["dtype"] == "bfloat16":
             series[(r["shape"], r["bits"])].append((r["m"], r["speedup"]))
     shapes = sorted({s for s, _ in series})
-    fig, axes = plt.subplots(1, 4, figsize=(20, 5), sharey=True)
-    for ax, bits in zip(axes, (2, 3, 4, 5)):
+    all_bits = sorted({b for _, b in series})  # one panel per bits value the run has
+    fig, axes = plt.subplots(1, len(all_bits), figsize=(5 * len(all_bits), 5), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, bits in zip(axes, all_bits):
         for shape in shapes:
             pts = sorted(series.get((shape, bits), []))
             if pts:
