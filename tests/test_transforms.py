@@ -138,22 +138,23 @@ def test_jit_under_eval_shape_and_dtypes(layer):
         assert out.shape == (7, 3, 48) and out.dtype == dtype
 
 
-@pytest.mark.parametrize("m, dtype, layout, method, fused", [
-    (1, jnp.bfloat16, "fragment", "auto", True),
-    (16, jnp.float16, "fragment", "auto", True),
-    (64, jnp.bfloat16, "fragment", "auto", True),
-    (65, jnp.bfloat16, "fragment", "auto", False),      # above FUSED_MAX_M: dequantize + dot
-    (128, jnp.bfloat16, "fragment", "fused", True),
-    (1, jnp.bfloat16, "fragment", "dequantize", False),
-    (1, jnp.bfloat16, "planes", "auto", False),          # the fast kernel reads the fragment layout
-    (64, jnp.float32, "planes", "auto", True),           # f32 keeps the f32 kernel (no TF32 dot)
+@pytest.mark.parametrize("m, n, dtype, layout, method, fused", [
+    (1, 64, jnp.bfloat16, "fragment", "auto", True),
+    (16, 72, jnp.float16, "fragment", "auto", True),      # any N up to 16 rows
+    (64, 64, jnp.bfloat16, "fragment", "auto", True),
+    (17, 72, jnp.bfloat16, "fragment", "auto", False),    # N % 16 != 0 above 16 rows
+    (65, 64, jnp.bfloat16, "fragment", "auto", False),    # above FUSED_MAX_M: dequantize + dot
+    (128, 72, jnp.bfloat16, "fragment", "fused", True),
+    (1, 64, jnp.bfloat16, "fragment", "dequantize", False),
+    (1, 64, jnp.bfloat16, "planes", "auto", False),        # the fast kernel reads the fragment layout
+    (64, 72, jnp.float32, "planes", "auto", True),         # f32 keeps the f32 kernel (no TF32 dot)
 ])
-def test_cuda_lowering_dispatch(m, dtype, layout, method, fused):
+def test_cuda_lowering_dispatch(m, n, dtype, layout, method, fused):
     """The CUDA lowering's choice between the fused kernel and dequantize + dense dot, checked
     by lowering for CUDA on any machine (needs only the CUDA module to be built)."""
     if not kj.build_info()["cuda_module"]:
         pytest.skip("the CUDA module is not built")
-    w = kj.quantize(jnp.ones((256, 64)), 4, layout=layout)
+    w = kj.quantize(jnp.ones((256, n)), 4, layout=layout)
     x = jnp.ones((m, 256), dtype)
     f = jax.jit(lambda x, w: kj.matmul(x, w, method=method))
     text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()

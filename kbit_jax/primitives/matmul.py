@@ -27,8 +27,12 @@ METHODS = ("auto", "fused", "dequantize")
 #: benchmarks/results/matmul_h200_m32-128.md): the fused kernel, which runs M <= 128 in blocks
 #: of 16 rows, takes 0.35-0.85x the time of dequantize + dot at M = 32 (Llama-3-70B gate/up
 #: 116 against 294 us), 0.67-1.28x at M = 64 (faster on 8 of 10 shapes) and 1.01-1.48x at
-#: M = 128 (slower on all).
+#: M = 128 (slower on all). Above 16 rows that holds for the warp-specialized kernel, which
+#: needs N % 16 == 0; other N keep dequantize + dot there (the other kernel takes about as long
+#: as dequantize + dot at M = 32: Llama-3-8B gate/up 97 against 88 us).
 FUSED_MAX_M = 64
+#: Rows up to which every N takes the fused kernel under "auto".
+FUSED_ANY_N_MAX_M = 16
 
 
 def _abstract_eval(x, planes, scales, codebook, tensor_scale, *, layout, method):
@@ -60,7 +64,8 @@ def _cuda_lowering(ctx, x, planes, scales, codebook, tensor_scale, *, layout, me
     # activations take the (slower) float32 kernel to keep float32 accuracy, since XLA's
     # dense f32 dot may use TF32. The planes layout is served by dequantize + dense dot.
     fast = layout == "fragment" and x_aval.dtype != jnp.float32
-    small = x_aval.shape[1] <= FUSED_MAX_M
+    m, n = x_aval.shape[1], ctx.avals_in[1].shape[2]
+    small = m <= FUSED_ANY_N_MAX_M or (m <= FUSED_MAX_M and n % 16 == 0)
     fused = method == "fused" or (method == "auto" and (x_aval.dtype == jnp.float32 or (fast and small)))
     if not fused:
         return _dequantize_then_dot_lowering(ctx, x, planes, scales, codebook, tensor_scale,
