@@ -24,7 +24,7 @@ METHODS = ("auto", "fused", "dequantize")
 
 #: On CUDA, "auto" uses the fused kernel up to this many rows (M) and dequantize + dense dot
 #: above it. Measured on an H200 (bench_matmul.py, bits 4, ten shapes;
-#: benchmarks/results/matmul_h200_m32-128.md): the fused kernel, which runs M <= 128 in blocks
+#: benchmarks/results/kernel_rows_h200.md): the fused kernel, which runs M <= 128 in blocks
 #: of 16 rows, takes 0.35-0.85x the time of dequantize + dot at M = 32 (Llama-3-70B gate/up
 #: 116 against 294 us), 0.67-1.28x at M = 64 (faster on 8 of 10 shapes) and 1.01-1.48x at
 #: M = 128 (slower on all). Above 16 rows that holds for the warp-specialized kernel, which
