@@ -55,7 +55,7 @@ struct MatmulArgs {
 struct MatmulTuning {
   int k_split = 0;        // CTAs per thread-block cluster that split K (1..8); 0 = heuristic
   bool force_generic = false;  // use the slow SIMT kernel even where the fused one applies
-  int variant = -1;            // fused tiling variant at M <= 16 (0 or 1); -1 = default
+  int variant = -1;            // fused tiling variant (0 or 1) of the 8- and 16-row tilings; -1 = default
   int ws_max_rows = -1;        // M up to which the warp-specialized kernel runs; -1 = default
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline = nullptr;  // cuda/timeline.cuh: [CTAs, kTlSlots] milestone clocks

@@ -1200,7 +1200,10 @@ struct Launcher {
   }
 
   static std::string launch(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
-    const Plan pl = plan(a, tuning);
+    return launch(a, stream, tuning, plan(a, tuning));
+  }
+  // Launch with a plan already made (launch_fused_bits plans both tilings to choose one).
+  static std::string launch(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning, const Plan& pl) {
     if (!pl.error.empty()) return pl.error;
     const int KB = pl.KB, ks = pl.ks, kps = pl.kps, x_rows = pl.x_rows;
     const int64_t ncl = pl.ncl;
@@ -1315,16 +1318,17 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
     using V1 = std::integral_constant<int, 1>;
     auto with = [&](auto act_tag) -> std::string {
       using A = typename decltype(act_tag)::type;
-      if constexpr (MT <= 2) {
-        int v = variant;
-        if constexpr (MT == 2 && MT <= kWsMaxMT)
-          if (ws && !forced_variant) {
-            const auto p0 = Launcher<BITS, A, 2, 0, true>::plan(a, tuning);
-            const auto p1 = Launcher<BITS, A, 2, 1, true>::plan(a, tuning);
-            v = p1.error.empty() && (!p0.error.empty() || p1.cost <= p0.cost) ? 1 : 0;
-          }
-        if (v == 1) return by_ws(act_tag, mt_tag, V1{});
-      }
+      if constexpr (MT == 2 && MT <= kWsMaxMT)
+        if (ws && !forced_variant) {
+          using L0 = Launcher<BITS, A, 2, 0, true>;
+          using L1 = Launcher<BITS, A, 2, 1, true>;
+          const auto p0 = L0::plan(a, tuning);
+          const auto p1 = L1::plan(a, tuning);
+          if (p1.error.empty() && (!p0.error.empty() || p1.cost <= p0.cost)) return L1::launch(a, stream, tuning, p1);
+          return L0::launch(a, stream, tuning, p0);
+        }
+      if constexpr (MT <= 2)
+        if (variant == 1) return by_ws(act_tag, mt_tag, V1{});
       return by_ws(act_tag, mt_tag, V0{});
     };
     if (a.dtype == DType::kBF16) return with(ActTag<ActBF16>{});
