@@ -756,7 +756,6 @@ static void bench_sel() {
         const double gbs = (w.plane_bytes + w.scale_bytes) / (us * 1e-6) / 1e9;
         printf("SEL %-18s %5d %6d %d %2d %8.2f %8.2f %8.2f %6.0f %5.1f\n", s.name, s.K, s.N, bits, M, us_v[0], us_v[1],
                us, gbs, 100 * gbs / env.copy_gbs);
-
       }
     }
 }
@@ -841,6 +840,7 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   MatmulTuning tune;
   tune.timeline = buf;
   int ctas = 0;
+  auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0.0 : v[v.size() / 2]; };
   for (int r = 0; r < reps + 2; ++r) {
     a.planes = w.planes(r);
     a.scales = w.scales(r);
@@ -871,7 +871,6 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
     }
     if (ent.empty()) { printf("ERROR: no CTA recorded a timeline (built without -DKBIT_TIMELINE?)\n"); ++g_failures; return; }
     ctas = int(ent.size());
-    auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0.0 : v[v.size() / 2]; };
     auto maxv = [](const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); };
     for (int m = 0; m < kTlMarks; ++m) { med[m].push_back(median(d[m])); mx[m].push_back(maxv(d[m])); }
     entry_min.push_back(*std::min_element(ent.begin(), ent.end()));
@@ -881,7 +880,6 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
     chunks_min.push_back(*std::min_element(ch.begin(), ch.end()));
     chunks_max.push_back(maxv(ch));
   }
-  auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0.0 : v[v.size() / 2]; };
   Timer tm;
   double us_v[2];
   const double us = time_variants(tm, a, w, 0, us_v);
