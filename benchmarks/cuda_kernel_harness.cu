@@ -370,8 +370,9 @@ struct MMCase { int B, M, K, N; int k_split; bool force_generic; int variant = -
 // One matmul check; returns the relative Frobenius error (or +inf on failure to run).
 // Runs one case; returns the relative Frobenius error against the float64 reference and sets
 // *bound_ratio to the largest |error| / bound over the outputs, with the bound derived from the
-// arithmetic as in tests/helpers.py: fp32 accumulation of K terms (K u32 sum|x||w|), the codebook
-// rounded to the activation dtype (u_act sum|x||w|), the output rounded (u_out |y|), times 2.
+// arithmetic as in tests/helpers.py: fp32 accumulation of K terms (K u32 sum|x||w|), the weights
+// rounded to the activation dtype twice (the codebook entry; in the N-split tiling with bf16,
+// also the entry times its block scale: 2 u_act sum|x||w|), the output rounded (u_out |y|), x 2.
 // (A bound relative to |y| alone fails for a few outputs that cancel, e.g. K = 32, N = 1.)
 static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, uint32_t seed,
                               double* bound_ratio, std::string* path_out) {
@@ -453,7 +454,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
     if (!std::isfinite(v)) return INFINITY;
     num += (v - ref[i]) * (v - ref[i]);
     den += ref[i] * ref[i];
-    const double bound = 2 * ((c.K * u32 + u_act) * mag[i] + u_act * std::fabs(ref[i])) + 1e-30;
+    const double bound = 2 * ((c.K * u32 + 2 * u_act) * mag[i] + u_act * std::fabs(ref[i])) + 1e-30;
     *bound_ratio = std::max(*bound_ratio, std::fabs(v - ref[i]) / bound);
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
@@ -481,17 +482,22 @@ static void test_matmul(bool quick) {
       // reducing rank rotates with a period lcm(warps, ks) that runs through several phases
       {1, 1, 1536, 16384, 3, false}, {1, 9, 2560, 8192, 5, false}, {1, 1, 3072, 16384, 6, false},
       {1, 1, 3584, 12288, 7, false}, {1, 12, 4096, 8192, 8, false},
+      // the N-split tiling's per-warp cluster sums (variant 2) through several items per cluster
+      {1, 40, 1024, 32768, 2, false}, {2, 64, 768, 16384, 3, false},
   };
   if (quick) cases.resize(8);
-  // The second tiling variant of the fused kernel (M <= 128: the warp-specialized kernel's rows).
+  // The other tiling variants of the fused kernel at M <= 128 (where the warp-specialized
+  // kernel may run): 1, and 2 (N-split, 32- or 64-row blocks) where N % 16 == 0.
   {
     const size_t n = cases.size();
     for (size_t i = 0; i < n; ++i)
-      if (cases[i].M <= 128 && !cases[i].force_generic) {
-        MMCase v = cases[i];
-        v.variant = 1;
-        cases.push_back(v);
-      }
+      if (cases[i].M <= 128 && !cases[i].force_generic)
+        for (int v = 1; v <= 2; ++v) {
+          if (v == 2 && cases[i].N % 16 != 0) continue;
+          MMCase c = cases[i];
+          c.variant = v;
+          cases.push_back(c);
+        }
   }
   int n_ok = 0, n_total = 0;
   uint32_t seed = 9000;
@@ -760,21 +766,39 @@ static void bench_sel() {
     }
 }
 
-// M = 17..128: the warp-specialized kernel in blocks of 16 rows (the default up to kWsMaxRows)
-// against the cp.async kernel (32- and 64-row tilings); one line per case
-//   ROWS <shape> K N bits M <warp-specialized us> <cp.async us> <ratio>
+// M = 17..128 on the warp-specialized kernel: its 16-row tilings (the faster of variants 0 and
+// 1), its N-split tiling (variant 2, blocks of 32 or 64 rows), the launcher's choice, and the
+// cp.async kernel (32- and 64-row tilings); one line per case
+//   ROWS <shape> K N bits M <16-row us> <N-split us> <default us> <cp.async us> <default / best>
 static void bench_rows() {
   BenchEnv env(128);
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
+  auto time_tuned = [&](const kbit::cuda::MatmulArgs& a0, const WeightCopies& w, int variant) {
+    kbit::cuda::MatmulArgs a = a0;
+    kbit::cuda::MatmulTuning tune;
+    tune.variant = variant;
+    std::string err;
+    const double us = tm.median_us([&](int c) {
+      a.planes = w.planes(c);
+      a.scales = w.scales(c);
+      std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
+      if (!e.empty() && err.empty()) err = e;
+    }, 5, 10);
+    if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+    return us;
+  };
   for (const Shape& s : kShapes)
     for (int bits : {2, 4, 5}) {
       const WeightCopies w(env, s, bits);
       for (int M : {17, 32, 48, 64, 128}) {
+        const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
         double us_v[2];
-        const double ws = time_variants(tm, env.matmul_args(s, bits, M), w, 0, us_v, 5, 10, nullptr, 1 << 30);
-        const double cp = time_variants(tm, env.matmul_args(s, bits, M), w, 0, us_v, 5, 10, nullptr, 0);
-        printf("ROWS %-18s %5d %6d %d %3d %8.2f %8.2f %6.3f\n", s.name, s.K, s.N, bits, M, ws, cp, ws / cp);
+        const double ws = time_variants(tm, a, w, 0, us_v, 5, 10, nullptr, 1 << 30);
+        const double nsplit = time_tuned(a, w, 2), dflt = time_tuned(a, w, -1);
+        const double cp = time_variants(tm, a, w, 0, us_v, 5, 10, nullptr, 0);
+        printf("ROWS %-18s %5d %6d %d %3d %8.2f %8.2f %8.2f %8.2f %6.3f\n", s.name, s.K, s.N, bits, M, ws, nsplit,
+               dflt, cp, dflt / std::min(std::min(ws, nsplit), cp));
       }
     }
 }

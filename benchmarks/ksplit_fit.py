@@ -12,7 +12,7 @@ resident clusters per size as the log's CTA counts show) and scores the model
 It also prints the grid of (a, b) by mean regret, and the cases whose pick changes against the
 log's default (the launcher that ran), with both measured times. The committed log's M = 16
 lines ran the 32-column tiling (V0), which the mirror models; since session 6 the launcher may
-take the 64-column one there (see ``Config::kChunkCost``).
+take the 64-column one there (see ``Config::chunk_cost``).
 """
 
 from __future__ import annotations

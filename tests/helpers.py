@@ -30,14 +30,16 @@ def matmul_error_bound(x, w64, out_dtype, weight_dtype):
     """Worst-case |y - y_exact| per output element.
 
     y is accumulated in float32 (K terms: K * u32 * sum|x||w|), the weights may be rounded to
-    the activation dtype before the product (u_w * sum|x||w|) and the result is rounded to
-    the output dtype (u_out * |y|). A factor 2 covers the first-order terms' cross terms.
+    the activation dtype twice before the product (the codebook entry, then the entry times its
+    block scale in the GPU kernel's N-split tiling with bf16 activations: 2 u_w * sum|x||w|)
+    and the result is rounded to the output dtype (u_out * |y|). A factor 2 covers the
+    first-order terms' cross terms.
     """
     x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
     y64 = x64 @ w64
     mag = np.abs(x64) @ np.abs(w64)
     k = x64.shape[-1]
-    bound = (k * unit_roundoff(jnp.float32) + unit_roundoff(weight_dtype)) * mag
+    bound = (k * unit_roundoff(jnp.float32) + 2 * unit_roundoff(weight_dtype)) * mag
     bound += unit_roundoff(out_dtype) * np.abs(y64)
     return y64, 2 * bound + np.finfo(np.float32).tiny
 

@@ -1,6 +1,7 @@
 // The end of a work item of the warp-specialized fused matmul: adding the partial sums of the
 // consumer warps of a CTA (each covered some k-blocks of the item) and of the CTAs of a k-split
-// cluster, in a fixed order, without stopping the warps that the sum does not need.
+// cluster, in a fixed order, without stopping the warps that the sum does not need
+// (ItemReducer; WarpClusterReducer at the end is the N-split tiling's, whose warps own columns).
 // (The cp.async kernel keeps a barrier tree: its CTA meets at a barrier every chunk anyway, and
 // the slots below would cost it a ring stage at M = 9..16, measured 10-16 % slower.)
 //
@@ -180,6 +181,71 @@ struct ItemReducer {
         for (int r = 1; r < ks; ++r) mbar_arrive_rank(cl_empty, r);
         store(v);
       }
+    }
+#pragma unroll
+    for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
+  }
+};
+
+// The item end of the N-split tiling (Config V2), whose consumer warps each own their columns:
+// only the CTAs of a k-split cluster add up, warp by warp. Rank r > 0's warp w leaves its sums in
+// its slot and arrives on rank 0's cl_full[w] (release, cluster scope); rank 0's warp w waits
+// there, adds its own sums and the ranks' in rank order (deterministic), stores, and arrives on
+// every rank's cl_empty[w], which rank r's warp w waits on before it rewrites its slot. The
+// barriers are per warp, so no warp waits for another warp of its CTA. Phases: rank r's warp w
+// arrives for item seq only after rank 0's warp w has finished item seq - 1, so each barrier is
+// within one phase of its waiter. Without a cluster each warp stores its sums at once.
+template <int NW, int NACC>
+struct WarpClusterReducer {
+  static_assert(NACC % 4 == 0, "accumulators move as float4");
+  static constexpr int kSlotBytes = NACC * 32 * 4;
+  static constexpr int kPartBytes = NW * kSlotBytes;  // this rank's sums, one slot per warp
+  static constexpr int kBarBytes = 2 * NW * 8;
+  static constexpr int kBytes = kPartBytes + kBarBytes;
+
+  uint32_t part, cl_full, cl_empty;  // part[NW], cl_full[NW], cl_empty[NW]
+  int ks, rank;
+
+  __device__ WarpClusterReducer(uint32_t base, int k_split, int cluster_rank)
+      : part(base), cl_full(base + kPartBytes), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank) {}
+
+  // One thread, before the cluster-wide barrier that publishes the init.
+  __device__ void init() const {
+    if (ks == 1) return;
+    for (int w = 0; w < NW; ++w) {
+      mbar_init(cl_full + 8 * w, 32 * (ks - 1));  // (rank 0) warp w's lanes of the other ranks
+      mbar_init(cl_empty + 8 * w, 32);            // (rank > 0) rank 0's warp w's lanes
+    }
+  }
+
+  __device__ uint32_t slot_addr(int warp, int e4, int lane) const {
+    return part + uint32_t(warp * kSlotBytes + (e4 * 32 + lane) * 16);
+  }
+
+  // Called by every consumer warp at the end of its seq-th item; on rank 0 (or without a
+  // cluster) calls store(sum) with the warp's columns' sums. acc is zeroed.
+  template <class Store>
+  __device__ void finish(float (&acc)[NACC], int seq, int warp, int lane, Store&& store) const {
+    if (ks == 1) {
+      store(acc);
+    } else if (rank > 0) {
+      if (seq > 0) mbar_wait<true>(cl_empty + 8 * warp, uint32_t(seq - 1) & 1u);  // rank 0 read seq - 1
+#pragma unroll
+      for (int e4 = 0; e4 < NACC / 4; ++e4)
+        sts128f(slot_addr(warp, e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2], acc[4 * e4 + 3]);
+      mbar_arrive_rank(cl_full + 8 * warp, 0);
+    } else {
+      mbar_wait<true>(cl_full + 8 * warp, uint32_t(seq) & 1u);
+      for (int r = 1; r < ks; ++r) {  // rank order
+        const uint32_t rp = map_rank(slot_addr(warp, 0, lane), r);
+#pragma unroll
+        for (int e4 = 0; e4 < NACC / 4; ++e4) {
+          const float4 q = ld_cluster_f32x4(rp + uint32_t(e4 * 32 * 16));
+          acc[4 * e4] += q.x; acc[4 * e4 + 1] += q.y; acc[4 * e4 + 2] += q.z; acc[4 * e4 + 3] += q.w;
+        }
+      }
+      for (int r = 1; r < ks; ++r) mbar_arrive_rank(cl_empty + 8 * warp, r);
+      store(acc);
     }
 #pragma unroll
     for (int e = 0; e < NACC; ++e) acc[e] = 0.f;

@@ -55,7 +55,8 @@ struct MatmulArgs {
 struct MatmulTuning {
   int k_split = 0;        // CTAs per thread-block cluster that split K (1..8); 0 = heuristic
   bool force_generic = false;  // use the slow SIMT kernel even where the fused one applies
-  int variant = -1;            // fused tiling variant (0 or 1) of the 8- and 16-row tilings; -1 = default
+  int variant = -1;            // fused tiling: 0 or 1 (the 8- and 16-row tilings), 2 (the N-split tiling
+                               // of 32 or 64 rows, warp-specialized kernel only); -1 = the launcher picks
   int ws_max_rows = -1;        // M up to which the warp-specialized kernel runs; -1 = default
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline = nullptr;  // cuda/timeline.cuh: [CTAs, kTlSlots] milestone clocks

@@ -114,6 +114,14 @@
 //  which needs one decode shared by several 16-row blocks. Tried and dropped: rotating a
 //  cluster's reducing rank (no gain with 1-2 items per cluster; its epilogue code shifted the
 //  main loop's schedule, M = 1 bits 4/5 up to 9 % slower).
+//  Session 7 (benchmarks/results/kernel_rows_h200.md): the N-split tiling (Config V2) for
+//  M = 17..128: 8 warps each own 32 columns of a 256-column group for every k-block, so a weight
+//  is decoded once per 32 or 64 rows instead of once per 16; with bf16 activations the block
+//  scale multiplies the decoded weights and the mma accumulates directly (ncu at M = 64: the
+//  per-output FFMA were a quarter of the instructions, 1.6 issued per cycle of 4, no
+//  eligible warp 53 % of the time). Harness "rows", bits 4: llama3-70b gate/up 206.7 ->
+//  112.2 us at M = 64 (the dense dot: ~116), 404.7 -> 222.5 at M = 128; the launcher picks it
+//  where its plan is shorter (most Llama shapes and M >= 48; the N = 2048 shapes keep 16 rows).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -314,19 +322,31 @@ constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 // fewer warps to hide latency; the harness measures both. At MT = 2, V = 1 also doubles the
 // column group (bits 2..4: 64 columns, as at MT = 1): each chunk's activations (16 rows, as many
 // bytes as 64 columns of bits-4 weights) then serve twice the weights.
+// V = 2 (MT 4 and 8, warp-specialized kernel only): the warps split N instead of K. Each of the
+// 8 warps owns kTN = 2 16-column tiles (bits 5: 1) of a 256-column group for every k-block of
+// the chunk, so a weight is decoded once for all 8 MT rows of the block (V0/V1 split K over the
+// warps, and 16 rows per decode is what their 32 accumulators allow), and the warps never add
+// partial sums. The price is the activations: every warp loads all rows of every k-block, 4 MT
+// shared-memory wavefronts per k-block against ~11 per decoded tile, hence two tiles per warp
+// (64 accumulators at MT = 8; bits 5's 128 KiB table leaves room for one).
 template <int BITS, int MT, int V = 0>
 struct Config {
+  static_assert(V != 2 || MT >= 4, "the N-split tiling serves blocks of 32 or 64 rows");
   // Warps per CTA (one CTA per SM). At MT >= 4 the activation chunk grows with the rows, so
   // 8 warps (smaller chunks) fit.
-  static constexpr int kWarps = (MT >= 4 || V == 1) ? 8 : 16;
+  static constexpr int kWarps = (MT >= 4 || V >= 1) ? 8 : 16;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kKPW = V == 1 ? 2 : 1;  // k-blocks per warp per chunk
+  static constexpr int kKPW = V == 1 ? 2 : 1;  // k-blocks per warp per chunk (V0, V1)
   // 16-column tiles per warp: one ldmatrix (x) and one or two LDS.128 (scales) per k-block
   // serve all kTN tiles; accumulators kTN * MT * 4 <= 32. bits 5 uses 2 to leave shared
   // memory for the ring next to its 128 KiB table.
-  static constexpr int kTN = MT == 1 || (MT == 2 && V == 1) ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
-  static constexpr int kCols = 16 * kTN;
-  static constexpr int kKCH = kWarps * kKPW;  // k-blocks per chunk
+  static constexpr int kTN = V == 2 ? (BITS == 5 ? 1 : 2)
+                             : MT == 1 || (MT == 2 && V == 1) ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
+  static constexpr int kCols = 16 * kTN * (V == 2 ? kWarps : 1);  // the column group
+  // k-blocks per chunk. V2: 2 (8 KiB of bits-4 weights, 4 KiB of activations per 32 rows), so
+  // that the ring keeps 4-7 stages next to the table and the cluster's partial sums.
+  static constexpr int kKCH = V == 2 ? 2 : kWarps * kKPW;
+  static constexpr int kKBW = V == 2 ? kKCH : kKPW;  // k-blocks each warp computes per chunk
   static constexpr int kAcc = kTN * MT * 4;
   // A chunk's time relative to a chunk of the V0 tiling of the same MT, for the launcher's
   // choice between the tilings at MT = 2 (M > 8 on the warp-specialized kernel, see
@@ -334,7 +354,17 @@ struct Config {
   // 1.4x as long: fitted on the harness's "sel" at M = 16 (H200, 10 shapes x bits 2..5, both
   // tilings timed): 1.3-1.5 pick within 1.7 % of the faster tiling in all 40 cases, 1.0 (pure
   // work count) is up to 11 % off. Bits 5 keeps 32 columns.
-  static constexpr double kChunkCost = (MT == 2 && V == 1 && BITS != 5) ? 1.4 : 1.0;
+  // V2 is compared with the 16-row tilings (MT = 2) at M > 16 in the same unit, a V0 chunk at
+  // MT = 2: fitted on the harness's "rows" (H200, 10 shapes x bits 2, 4, 5 x M 17..128, bf16;
+  // benchmarks/rows_fit.py), 1.0 at MT = 4 and 1.3 at MT = 8, times 0.6 at bits 5 (one tile
+  // per warp): the faster tiling's time within 0.6 % on (geometric) average, 22 % at worst (a
+  // small N = 2048 shape at M = 128). fp16 activations take V2's slower scale path (see
+  // mma_k_block_scaled_weights): 2.1 at MT = 8, fitted on kernel_rows_nsplit_h200_first.log, run
+  // before V2 had the bf16 one.
+  static constexpr double chunk_cost(bool scaled_weights) {
+    if constexpr (V == 2) return (MT == 8 ? (scaled_weights ? 1.3 : 2.1) : 1.0) * (BITS == 5 ? 0.6 : 1.0);
+    return (MT == 2 && V == 1 && BITS != 5) ? 1.4 : 1.0;
+  }
   static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
   static constexpr int kWChunk = kKCH * kSlabBytes;
   static constexpr int kXRowBytes = kKCH * 64 + 16;  // +16 B: ldmatrix rows in distinct banks
@@ -548,6 +578,44 @@ __device__ __forceinline__ void mma_k_block(float (&acc)[TN * MT * 4], const typ
       c[1] = fmaf(d[1], sc[2 * j], c[1]);
       c[2] = fmaf(d[2], sc[2 * j + 1], c[2]);  // row g+8 = column 16 j + g + 8
       c[3] = fmaf(d[3], sc[2 * j + 1], c[3]);
+    }
+  }
+}
+
+// The N-split tiling (Config V2) with bf16 activations: the E4M4 block scale (exact in bf16)
+// multiplies the decoded weights, rounded once to bf16, and the mma accumulates into acc
+// directly. At MT = 8 that replaces 64 FFMA per warp and k-block (a quarter of the
+// instructions, Nsight Compute) and the mma into zero by 16 HMUL2. fp16 keeps mma_k_block:
+// scaled weights could be fp16 subnormals there. The tests' derived error bound counts that
+// second rounding of each weight to the activation dtype (the codebook entry's is the first).
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+template <class WP, int MT, int TN>
+__device__ __forceinline__ void mma_k_block_scaled_weights(float (&acc)[TN * MT * 4],
+                                                           const typename WP::Raw (&raw)[TN], uint32_t lut,
+                                                           const typename WP::Lane& L, const uint32_t (&xb)[MT][4],
+                                                           const float (&sc)[2 * TN]) {
+#pragma unroll
+  for (int j = 0; j < TN; ++j) {
+    uint32_t a[2][4];
+    WP::decode(raw[j], lut, L, a);
+    const uint32_t s_lo = ActBF16::pack2(sc[2 * j], sc[2 * j]);          // column 16 j + g
+    const uint32_t s_hi = ActBF16::pack2(sc[2 * j + 1], sc[2 * j + 1]);  // column 16 j + g + 8
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // registers 0, 2: mma row g; 1, 3: row g + 8
+      a[h][0] = mul_bf16x2(a[h][0], s_lo);
+      a[h][2] = mul_bf16x2(a[h][2], s_lo);
+      a[h][1] = mul_bf16x2(a[h][1], s_hi);
+      a[h][3] = mul_bf16x2(a[h][3], s_hi);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float(&c)[4] = *reinterpret_cast<float(*)[4]>(acc + (j * MT + mt) * 4);
+      mma_16816<ActBF16>(c, a[0], xb[mt][0], xb[mt][1], c);  // k 0..15 of the block
+      mma_16816<ActBF16>(c, a[1], xb[mt][2], xb[mt][3], c);  // k 16..31
     }
   }
 }
@@ -810,16 +878,18 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 }
 
 // =============================================================================================
-// Warp-specialized version (the default at M <= 128, in blocks of up to 16 rows, where the
-// buffers suit the tensor copies, see launch_fused_bits): one thread of a producer warp streams
-// each chunk into the ring with three TMA tensor copies (tma.cuh: weights, scale bytes,
+// Warp-specialized version (the default at M <= 128, in blocks of up to 16 rows or, with the
+// N-split tiling V2, 32 or 64 rows, where the buffers suit the tensor copies, see
+// launch_fused_bits): one thread of a producer warp streams each chunk into the ring with
+// three TMA tensor copies (tma.cuh: weights, scale bytes,
 // activations) that complete on the stage's "full" mbarrier by byte count; the kWarps consumer
 // warps wait on it, compute, and release the stage through its "empty" mbarrier (one arrival
 // per warp). No CTA-wide barrier in the steady state; consumer warps drift freely by up to
 // kStages - 1 chunks. Each consumer warp decodes the scale bytes of its own k-block (two per
 // lane at kTN = 4) into a warp-private float buffer (__syncwarp only). The end of an item stops
-// only its leader warp (item_reduce.cuh); the producer takes part in no per-item
-// synchronization, only in the cluster barriers at the start and the end of the kernel.
+// only its leader warp (item_reduce.cuh; in V2 each warp stores its own columns); the producer
+// takes part in no per-item synchronization, only in the cluster barriers at the start and the
+// end of the kernel.
 // A slot holds [weights: KCH x SLAB][scale bytes: KCH x COLS][activations: KCH x x_rows x 64 B,
 // 64-byte swizzle]. The activation box has the rows inside the k-block (TMA writes boxes densely,
 // so rows of a whole chunk would sit 1 KiB apart, all in the same banks for ldmatrix); 64-byte
@@ -827,7 +897,8 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 // Partial chunks: k-split ranges are whole chunks (the launcher rounds them), so only the last
 // chunk of the K range can be partial, and the copies fill its k-blocks past K with zeros.
 // =============================================================================================
-// The largest M tiling (n8 tiles of 8 rows) this kernel serves: 2 = blocks of 16 rows. Harness
+// The largest M tiling (n8 tiles of 8 rows) this kernel serves with V0/V1: 2 = blocks of 16
+// rows (the N-split tiling V2 has its own, 4 and 8, see launch_fused_bits). Harness
 // A/B on the H200 against the version with only the weights by TMA (whose 16 rows of 16-byte
 // activation copies per chunk kept M = 9..16 on the cp.async kernel): at M = 16 0.55-0.95x the
 // time, median 0.82x (llama3-70b down bits 4: 123.6 -> 71.7 us); M <= 8 unchanged (median
@@ -836,10 +907,11 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 #define KBIT_WS_MAX_MT 2
 #endif
 constexpr int kWsMaxMT = KBIT_WS_MAX_MT;
-// The largest M the warp-specialized kernel takes, in blocks of 8 kWsMaxMT rows (the blocks of
-// one column group run on neighbouring clusters, so the weights come from DRAM about once);
-// above it the cp.async kernel. Harness "rows" (H200, ten shapes x bits 2, 4, 5): at M = 17..64
-// 0.28-0.83x the cp.async kernel's time (median 0.50-0.60x), at M = 128 0.50-0.87x.
+// The largest M the warp-specialized kernel takes, in blocks of 8 kWsMaxMT rows or V2's 32 or 64
+// (the blocks of one column group run on neighbouring clusters, so the weights come from DRAM
+// about once); above it the cp.async kernel. Harness "rows" (H200, ten shapes x bits 2, 4, 5):
+// at M = 17..64 0.28-0.83x the cp.async kernel's time (median 0.50-0.60x), at M = 128
+// 0.50-0.87x, in blocks of 16 rows (session 6; V2 is faster still where the launcher takes it).
 #ifndef KBIT_WS_MAX_ROWS
 #define KBIT_WS_MAX_ROWS 128
 #endif
@@ -852,9 +924,12 @@ struct WsConfig {
   static constexpr int kWarps = C::kWarps;             // consumer warps
   static constexpr int kThreads = C::kThreads + 32;    // + one producer warp
   static constexpr int kSfWarpBytes = 2 * C::kTN * 8 * 4;  // one k-block: 8 g x kTN x 2 floats
-  static constexpr int kSfBytes = kWarps * C::kKPW * 2 * kSfWarpBytes;  // double-buffered
+  static constexpr int kSfBytes = kWarps * C::kKBW * 2 * kSfWarpBytes;  // double-buffered
   static constexpr int kSChunk = C::kKCH * C::kCols;                  // raw scale bytes
-  using Reducer = ItemReducer<kWarps, C::kAcc>;                         // end-of-item sums
+  static constexpr int kSSlot = (kSChunk + 511) & ~511;              // ... their room in a slot
+  // End-of-item sums: V0/V1 add the warps' partial sums (and the cluster's); in V2 each warp
+  // owns its columns and only the cluster's ranks add up.
+  using Reducer = std::conditional_t<V == 2, WarpClusterReducer<kWarps, C::kAcc>, ItemReducer<kWarps, C::kAcc>>;
   static constexpr size_t align1024(size_t b) { return (b + 1023) & ~size_t(1023); }
   // [LUT][reducer][sf][full x 8, empty x 8][ring]; the ring and its slots start on 1024 bytes
   // (tensor-copy destinations; the swizzled activations need 512). +1 KiB: the dynamic shared
@@ -862,9 +937,9 @@ struct WsConfig {
   static constexpr size_t kRingOffset = size_t(WeightPath<BITS>::kLutBytes) + Reducer::kBytes + kSfBytes + 2 * 8 * 8;
   static constexpr size_t fixed_bytes() { return kRingOffset + 1024; }
   static constexpr size_t slot_bytes(int x_rows) {
-    return align1024(size_t(C::kWChunk) + kSChunk + size_t(x_rows) * C::kKCH * kXKbBytes);
+    return align1024(size_t(C::kWChunk) + kSSlot + size_t(x_rows) * C::kKCH * kXKbBytes);
   }
-  static_assert(C::kWChunk % 512 == 0 && kSChunk % 512 == 0, "activations of a slot start on 512 bytes");
+  static_assert(C::kWChunk % 512 == 0, "activations of a slot start on 512 bytes");
   static constexpr int pick_stages() {
     for (int d = 8; d > 2; --d)
       if (fixed_bytes() + d * slot_bytes(8 * MT) <= size_t(kMaxSmem) && (d - 1) * C::kWChunk <= 64 * 1024)
@@ -919,7 +994,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   const uint32_t s_full = s_sf + WC::kSfBytes, s_empty = s_full + 64;
   const uint32_t s_ring = (s_lut + uint32_t(WC::kRingOffset) + 1023u) & ~1023u;
   const uint32_t slot_bytes = uint32_t(WC::slot_bytes(p.x_rows));
-  constexpr uint32_t kXOffset = Cfg::kWChunk + WC::kSChunk;  // activations within a slot
+  constexpr uint32_t kXOffset = Cfg::kWChunk + WC::kSSlot;  // activations within a slot
   const uint32_t x_kb_bytes = uint32_t(p.x_rows) * kXKbBytes;  // one k-block of the activations
   KBIT_TL_MARK(p, kTlEntry, tid == 0);
   KBIT_TL_GLOBAL(p, kTlGlobalEntry, tid == 0);
@@ -955,7 +1030,10 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         const int kb0 = kbA + ic.c * KCH;
         const int wrow = ic.b * p.KB + kb0;  // k-block row of the weights and the scales
         mbar_arrive_expect_tx(full, bytes);
-        tma_load_2d(base, &wmap, ic.col0 * BITS, wrow, full);
+        if constexpr (V == 2)  // 16-column pieces (a box dimension holds at most 256 words)
+          tma_load_3d(base, &wmap, 0, ic.col0 / 16, wrow, full);
+        else
+          tma_load_2d(base, &wmap, ic.col0 * BITS, wrow, full);
         tma_load_2d(base + Cfg::kWChunk, &smap, ic.col0, wrow, full);
         tma_load_3d(base + kXOffset, &xmap, 0, int(int64_t(ic.b) * p.M + ic.m0), kb0, full);
         KBIT_TL_MARK(p, kTlFirstCopy, q == 0);
@@ -1016,10 +1094,53 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       for (int u = 0; u < KPW; ++u) mma_k_block<WP, Act, MT, TN>(acc, raw[u], s_lut, L, xb[u], sc[u]);
     };
 
+    // V2: the warp's own TN tiles of every k-block of the chunk, one k-block after the other
+    // (the activation fragments of all 8 MT rows take 4 MT registers per k-block). The scale
+    // bytes of the whole chunk are decoded first, so one __syncwarp covers them: lane (g, t <
+    // 2 TN) decodes column 16 (t / 2) + 8 (t % 2) + g, entry t of its row g (see load_scales).
+    // ldmatrix lane l reads row l % 8 of sub-block l / 8; the 64-byte swizzle moves the 16-byte
+    // piece s of row r to piece s ^ ((r / 2) % 4) (tma.cuh: swizzle64, 512-byte aligned rows).
+    const uint32_t x_lane_off = uint32_t((lane & 7) * kXKbBytes + (((lane >> 3) ^ ((lane >> 1) & 3)) * 16));
+    auto compute_nsplit = [&](const Cursor&, int slot, int par) {
+      const uint32_t base = s_ring + slot * slot_bytes;
+      const uint32_t wcol = uint32_t(warp) * 16 * TN;  // the warp's first column in the group
+#pragma unroll
+      for (int u = 0; u < KCH; ++u)
+        if (t < 2 * TN)
+          sts32f(s_sf + ((warp * KCH + u) * 2 + par) * SFW + (g * 2 * TN + t) * 4,
+                 decode_e4m4_fast(lds_u8(base + Cfg::kWChunk + u * COLS + wcol + 16 * (t >> 1) + 8 * (t & 1) + g)
+                                  << 19));
+      __syncwarp();
+#pragma unroll
+      for (int u = 0; u < KCH; ++u) {
+        // The activations of a k-block: all 8 MT rows (the launcher sizes the box at 8 MT rows;
+        // rows past M hold other rows or zeros, and their sums are never stored), 512 bytes per
+        // n8 tile, so the swizzled lane offset is the same for every tile.
+        uint32_t xb[MT][4];
+        const uint32_t x_kb = base + kXOffset + u * x_kb_bytes + x_lane_off;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(xb[mt], x_kb + 512 * mt);
+        typename WP::Raw raw[TN];
+        load_codes<WP, TN>(raw, base + u * SLAB + warp * TN * WP::kTileBytes, o0, o1);
+        float sc[2 * TN];
+        load_scales<TN>(sc, s_sf + ((warp * KCH + u) * 2 + par) * SFW + sf_lane_off);
+        if constexpr (std::is_same_v<Act, ActBF16>)
+          mma_k_block_scaled_weights<WP, MT, TN>(acc, raw, s_lut, L, xb, sc);
+        else
+          mma_k_block<WP, Act, MT, TN>(acc, raw, s_lut, L, xb, sc);
+      }
+    };
+
     int item_seq = 0;
     auto epilogue = [&](const Cursor& cur) {
       if (KS > 1 && item_seq == 0) cluster_wait();  // the other ranks' reducer barriers exist
-      reducer.finish(acc, item_seq++, warp, lane, [&](const float (&v)[NACC]) { store_item<MT, T>(p, cur, g, t, v); });
+      if constexpr (V == 2) {  // the warp's own columns
+        Cursor wc = cur;
+        wc.col0 += 16 * TN * warp;
+        reducer.finish(acc, item_seq++, warp, lane, [&](const float (&v)[NACC]) { store_item<MT, T>(p, wc, g, t, v); });
+      } else {
+        reducer.finish(acc, item_seq++, warp, lane, [&](const float (&v)[NACC]) { store_item<MT, T>(p, cur, g, t, v); });
+      }
     };
 
     auto build_lut = [&](int b) { build_table<WP, Act>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, NT); };
@@ -1038,7 +1159,10 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       mbar_wait(s_full + 8 * slot, fparity);
       KBIT_TL_MARK(p, kTlFirstChunk, tid == 0 && q == 0);
       KBIT_TL_MARK(p, kTlLastChunk, tid == 0 && q == Q - 1);
-      compute(cc, slot, q & 1);
+      if constexpr (V == 2)
+        compute_nsplit(cc, slot, q & 1);
+      else
+        compute(cc, slot, q & 1);
       __syncwarp();
       if (lane == 0) mbar_arrive(s_empty + 8 * slot);
       if (++slot == D) { slot = 0; fparity ^= 1u; }
@@ -1143,7 +1267,8 @@ struct Launcher {
   static Plan plan(const MatmulArgs& a, const MatmulTuning* tuning) {
     Plan pl;
     pl.KB = static_cast<int>(a.k / 32);
-    pl.x_rows = static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
+    // (V2 reads all 8 MT rows of its block without a bound check: the box always has them)
+    pl.x_rows = V == 2 ? 8 * MT : static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
     if constexpr (WS) pl.smem = WsConfig<BITS, MT, V>::smem_bytes(pl.x_rows);
     else pl.smem = Cfg::smem_bytes(pl.x_rows);
     const int dev = current_device();
@@ -1190,7 +1315,7 @@ struct Launcher {
       const int64_t per_cluster = (pl.items + ncl - 1) / ncl;
       const double chunks = double((kps + Cfg::kKCH - 1) / Cfg::kKCH);
       const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + 0.5 * ks : 1.0;
-      const double cost = per_cluster * (chunks + item_end) * Cfg::kChunkCost;
+      const double cost = per_cluster * (chunks + item_end) * Cfg::chunk_cost(std::is_same_v<Act, ActBF16>);
       if (cost < best_cost - 1e-9) { best_cost = cost; pl.ks = ks; }
     }
     pl.cost = best_cost;
@@ -1242,15 +1367,21 @@ struct Launcher {
     if constexpr (WS) {  // the tensor maps of the kernel's three copies (see its header)
       CUtensorMap wmap, smap, xmap;
       const uint64_t rows = uint64_t(a.batch) * KB, n = uint64_t(a.n);
-      const uint64_t w_dims[2] = {n * BITS, rows}, w_strides[1] = {n * BITS * 4};
-      const uint32_t w_box[2] = {uint32_t(Cfg::kCols * BITS), uint32_t(Cfg::kKCH)};
+      // V2's column group is wider than a box dimension allows (256 words): its map splits the
+      // columns into 16-column pieces, {16 BITS words, N / 16 pieces, rows}; the box of
+      // COLS / 16 pieces lands in shared memory in the same order as a 2-D box would.
+      constexpr int w_rank = V == 2 ? 3 : 2;
+      const uint64_t w_dims[3] = {V == 2 ? 16 * BITS : n * BITS, V == 2 ? n / 16 : rows, rows};
+      const uint64_t w_strides[2] = {V == 2 ? 16 * BITS * 4 : n * BITS * 4, n * BITS * 4};
+      const uint32_t w_box[3] = {uint32_t(V == 2 ? 16 * BITS : Cfg::kCols * BITS),
+                                 uint32_t(V == 2 ? Cfg::kCols / 16 : Cfg::kKCH), uint32_t(Cfg::kKCH)};
       const uint64_t s_dims[2] = {n, rows}, s_strides[1] = {n};
       const uint32_t s_box[2] = {uint32_t(Cfg::kCols), uint32_t(Cfg::kKCH)};
       const uint64_t x_dims[3] = {32, uint64_t(a.batch * a.m), uint64_t(KB)};
       const uint64_t x_strides[2] = {uint64_t(a.k) * 2, uint64_t(kXKbBytes)};
       const uint32_t x_box[3] = {32, uint32_t(x_rows), uint32_t(Cfg::kKCH)};
-      std::string bad = encode_tensor_map(&wmap, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, a.planes, w_dims, w_strides,
-                                          w_box, CU_TENSOR_MAP_SWIZZLE_NONE);
+      std::string bad = encode_tensor_map(&wmap, CU_TENSOR_MAP_DATA_TYPE_UINT32, w_rank, a.planes, w_dims,
+                                          w_strides, w_box, CU_TENSOR_MAP_SWIZZLE_NONE);
       if (bad.empty())
         bad = encode_tensor_map(&smap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.scales, s_dims, s_strides, s_box,
                                 CU_TENSOR_MAP_SWIZZLE_NONE);
@@ -1301,10 +1432,18 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   // the cp.async kernel keeps V0, and the warp-specialized kernel takes the variant whose plan
   // (cluster size and critical path, Launcher::plan) is shorter: V1 wins where the columns are
   // plentiful (llama3 gate/up and down at M = 16: 0.72-0.88x the time of V0 at bits 2..4), V0
-  // where 64-column groups would leave too few items (N = 2048: V1 up to 1.11x).
-  const bool forced_variant = tuning && tuning->variant >= 0;
+  // where 64-column groups would leave too few items (N = 2048: V1 up to 1.11x). At M > 16 the
+  // N-split tiling (V2) joins the comparison (Config::chunk_cost puts the plans in one unit).
+  // Variant 2, the N-split tiling in blocks of 32 (M <= 32) or 64 rows, runs only on the
+  // warp-specialized kernel; a request for it elsewhere gets the default.
+  const bool forced_variant = tuning && tuning->variant >= 0 && (tuning->variant != 2 || ws);
   constexpr int kDefaultV = (BITS == 3 || BITS == 5) ? 1 : 0;
   const int variant = forced_variant ? tuning->variant : mt > 1 ? 0 : ws ? 1 : kDefaultV;
+  auto with_nsplit = [&](auto act_tag, auto&& use) -> std::string {
+    using A = typename decltype(act_tag)::type;
+    if (a.m <= 32) return use(Launcher<BITS, A, 4, 2, true>{});
+    return use(Launcher<BITS, A, 8, 2, true>{});
+  };
   auto by_ws = [&](auto act_tag, auto mt_tag, auto v_tag) -> std::string {
     using A = typename decltype(act_tag)::type;
     constexpr int MT = decltype(mt_tag)::value, V = decltype(v_tag)::value;
@@ -1318,13 +1457,28 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
     using V1 = std::integral_constant<int, 1>;
     auto with = [&](auto act_tag) -> std::string {
       using A = typename decltype(act_tag)::type;
+      if (variant == 2)
+        return with_nsplit(act_tag, [&](auto ln) { return decltype(ln)::launch(a, stream, tuning); });
       if constexpr (MT == 2 && MT <= kWsMaxMT)
         if (ws && !forced_variant) {
           using L0 = Launcher<BITS, A, 2, 0, true>;
           using L1 = Launcher<BITS, A, 2, 1, true>;
           const auto p0 = L0::plan(a, tuning);
           const auto p1 = L1::plan(a, tuning);
-          if (p1.error.empty() && (!p0.error.empty() || p1.cost <= p0.cost)) return L1::launch(a, stream, tuning, p1);
+          const bool v1 = p1.error.empty() && (!p0.error.empty() || p1.cost <= p0.cost);
+          if (a.m > 16) {  // the N-split tiling where its plan is shorter (costs in the same unit)
+            const double best = v1 ? p1.cost : p0.error.empty() ? p0.cost : 1e300;
+            bool taken = false;
+            std::string out = with_nsplit(act_tag, [&](auto ln) {
+              using LN = decltype(ln);
+              const auto pn = LN::plan(a, tuning);
+              if (!pn.error.empty() || pn.cost >= best) return std::string();
+              taken = true;
+              return LN::launch(a, stream, tuning, pn);
+            });
+            if (taken) return out;
+          }
+          if (v1) return L1::launch(a, stream, tuning, p1);
           return L0::launch(a, stream, tuning, p0);
         }
       if constexpr (MT <= 2)
