@@ -127,7 +127,7 @@ def matmul(x, w_q: KbitWeight, *, method: str = "auto") -> jax.Array:
     ``x`` is float32, bfloat16 or float16 and may have any leading shape. For a stacked
     weight ``W[*batch, K, N]``, x must be ``[*batch, ..., K]`` (like ``jnp.matmul``).
     ``method``: "auto" (default) uses the fused kernel, except on the GPU for more than
-    ``primitives.matmul.FUSED_MAX_M`` (64) rows, or more than 16 when N is not a multiple of
+    ``primitives.matmul.FUSED_MAX_M`` (128) rows, or more than 16 when N is not a multiple of
     16, where dequantize + XLA's dense dot is faster; "fused" and "dequantize" force one path.
     """
     _check_weight(w_q)

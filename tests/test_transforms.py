@@ -141,9 +141,9 @@ def test_jit_under_eval_shape_and_dtypes(layer):
 @pytest.mark.parametrize("m, n, dtype, layout, method, fused", [
     (1, 64, jnp.bfloat16, "fragment", "auto", True),
     (16, 72, jnp.float16, "fragment", "auto", True),      # any N up to 16 rows
-    (64, 64, jnp.bfloat16, "fragment", "auto", True),
+    (128, 64, jnp.bfloat16, "fragment", "auto", True),
     (17, 72, jnp.bfloat16, "fragment", "auto", False),    # N % 16 != 0 above 16 rows
-    (65, 64, jnp.bfloat16, "fragment", "auto", False),    # above FUSED_MAX_M: dequantize + dot
+    (129, 64, jnp.bfloat16, "fragment", "auto", False),   # above FUSED_MAX_M: dequantize + dot
     (128, 72, jnp.bfloat16, "fragment", "fused", True),
     (1, 64, jnp.bfloat16, "fragment", "dequantize", False),
     (1, 64, jnp.bfloat16, "planes", "auto", False),        # the fast kernel reads the fragment layout

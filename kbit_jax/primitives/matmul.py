@@ -23,14 +23,15 @@ matmul_p = Primitive("kbit_matmul")
 METHODS = ("auto", "fused", "dequantize")
 
 #: On CUDA, "auto" uses the fused kernel up to this many rows (M) and dequantize + dense dot
-#: above it. Measured on an H200 (bench_matmul.py, bits 4, ten shapes;
-#: benchmarks/results/kernel_rows_h200.md): the fused kernel, which runs M <= 128 in blocks
-#: of 16 rows, takes 0.35-0.85x the time of dequantize + dot at M = 32 (Llama-3-70B gate/up
-#: 116 against 294 us), 0.67-1.28x at M = 64 (faster on 8 of 10 shapes) and 1.01-1.48x at
-#: M = 128 (slower on all). Above 16 rows that holds for the warp-specialized kernel, which
-#: needs N % 16 == 0; other N keep dequantize + dot there (the other kernel takes about as long
-#: as dequantize + dot at M = 32: Llama-3-8B gate/up 97 against 88 us).
-FUSED_MAX_M = 64
+#: above it. Measured on an H200 (bits 4, ten shapes; benchmarks/results/kernel_rows_h200.md):
+#: above 16 rows the warp-specialized kernel runs (it needs N % 16 == 0), in blocks of 16 rows
+#: or, where its launcher expects that to be faster, in N-split blocks of 32 or 64 rows that
+#: decode each weight once per block. At M = 128 those take 0.65-0.75x the time of dequantize +
+#: dot on the Llama shapes (Llama-3-70B gate/up 222 against 296 us) and about the same on the
+#: small Qwen3/GLM ones; above 128 rows the dense dot's tensor-core GEMM wins. Other N keep
+#: dequantize + dot above 16 rows (the other kernel takes about as long as dequantize + dot
+#: at M = 32: Llama-3-8B gate/up 97 against 88 us).
+FUSED_MAX_M = 128
 #: Rows up to which every N takes the fused kernel under "auto".
 FUSED_ANY_N_MAX_M = 16
 
