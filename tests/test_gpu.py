@@ -39,6 +39,26 @@ def test_matmul_m_sweep(n, bits, dtype, method, rng):
         assert np.all(err <= bound), f"M={m}: max err/bound = {np.max(err / bound)}"
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("bits", BITS)
+def test_matmul_nsplit_tiling(bits, dtype, rng):
+    """K = 256, N = 8192 at M = 17..128: the launcher's plan takes the N-split tiling (blocks of
+    32 or 64 rows, partial at 17, 33 and 100; 2-CTA k-split clusters), which with bf16 rounds
+    each scaled weight to bf16 (the bound counts it); the same result twice (deterministic)."""
+    gpu = jax.devices("gpu")[0]
+    k, n = 256, 8192
+    q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
+    w64 = dense64(q)
+    f = jax.jit(kj.matmul)
+    for m in (17, 33, 64, 100, 128):
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        y = f(jax.device_put(x, gpu), q)
+        y64, bound = matmul_error_bound(x, w64, dtype, dtype)
+        err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
+        assert np.all(err <= bound), f"M={m}: max err/bound = {np.max(err / bound)}"
+        assert np.array_equal(np.asarray(y), np.asarray(f(jax.device_put(x, gpu), q)))
+
+
 def test_matmul_deterministic(rng):
     gpu = jax.devices("gpu")[0]
     q = kj.quantize(jax.device_put(random_weight(rng, (4096, 1024)), gpu), 4)
