@@ -40,12 +40,10 @@ def parse(path: str):
     return cases, dict(resident)
 
 
-def choose(k, n, bits, m, resident, item_end) -> int:
-    """The cluster size the launcher's cost model picks (warp-specialized kernel, M <= 16)."""
-    kb, kch = k // 32, 16
-    mt = 1 if m <= 8 else 2
-    tn = (2 if bits == 5 else 4) if mt == 1 else 2
-    items = math.ceil(n / (16 * tn)) * math.ceil(m / (8 * mt))
+def split_plan(kb, kch, items, resident, item_end):
+    """(cost, cluster size) of the launcher's k-split search: kb k-blocks in chunks of kch,
+    ranks given whole chunks, a size that would leave a rank empty skipped, cost = items per
+    cluster * (chunks per rank + item_end(size)), the first of equal costs."""
     best = None
     for ks in range(1, min(8, kb) + 1):
         kps = math.ceil(math.ceil(kb / ks) / kch) * kch
@@ -55,7 +53,15 @@ def choose(k, n, bits, m, resident, item_end) -> int:
         cost = per_cluster * (kps // kch + item_end(ks))
         if best is None or cost < best[0] - 1e-9:
             best = (cost, ks)
-    return best[1]
+    return best
+
+
+def choose(k, n, bits, m, resident, item_end) -> int:
+    """The cluster size the launcher's cost model picks (warp-specialized kernel, M <= 16)."""
+    mt = 1 if m <= 8 else 2
+    tn = (2 if bits == 5 else 4) if mt == 1 else 2
+    items = math.ceil(n / (16 * tn)) * math.ceil(m / (8 * mt))
+    return split_plan(k // 32, 16, items, resident, item_end)[1]
 
 
 def score(cases, resident, item_end):
