@@ -679,9 +679,23 @@ struct WeightCopies {
   uint8_t* scales(int c) const { return pool + size_t(c % copies) * one + (plane_bytes + 255) / 256 * 256; }
 };
 
-// Median time of product `a` over cold copies (`reps` batches of `per` launches), for tiling
-// variants 0 and 1 (1 only at M <= 128, where the warp-specialized kernel may run; us_v[1] stays
-// 0 otherwise); returns the faster. `launched`, if given, receives the cluster size and CTA
+// Median time of product `a` over cold copies (`reps` batches of `per` launches) with `tune`
+// (which receives the launched cluster size and CTA count); a launch error is printed and counted.
+static double time_tuned(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCopies& w,
+                         kbit::cuda::MatmulTuning& tune, int reps, int per) {
+  std::string err;
+  const double us = tm.median_us([&](int c) {
+    a.planes = w.planes(c);
+    a.scales = w.scales(c);
+    std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
+    if (!e.empty() && err.empty()) err = e;
+  }, reps, per);
+  if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+  return us;
+}
+
+// time_tuned for tiling variants 0 and 1 (1 only at M <= 128, where the warp-specialized kernel
+// may run; us_v[1] stays 0 otherwise); returns the faster. `launched`, if given, receives the cluster size and CTA
 // count of the last variant's launches; `ws_max_rows` >= 0 overrides the launcher's limit for
 // the warp-specialized kernel.
 static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCopies& w, int k_split,
@@ -693,14 +707,7 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
     tune.variant = v;
     tune.k_split = k_split;
     tune.ws_max_rows = ws_max_rows;
-    std::string err;
-    us_v[v] = tm.median_us([&](int c) {
-      a.planes = w.planes(c);
-      a.scales = w.scales(c);
-      std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
-      if (!e.empty() && err.empty()) err = e;
-    }, reps, per);
-    if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+    us_v[v] = time_tuned(tm, a, w, tune, reps, per);
     if (launched) {
       launched->launched_k_split = tune.launched_k_split;
       launched->launched_ctas = tune.launched_ctas;
@@ -774,19 +781,10 @@ static void bench_rows() {
   BenchEnv env(128);
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
-  auto time_tuned = [&](const kbit::cuda::MatmulArgs& a0, const WeightCopies& w, int variant) {
-    kbit::cuda::MatmulArgs a = a0;
+  auto time_variant = [&](const kbit::cuda::MatmulArgs& a, const WeightCopies& w, int variant) {
     kbit::cuda::MatmulTuning tune;
     tune.variant = variant;
-    std::string err;
-    const double us = tm.median_us([&](int c) {
-      a.planes = w.planes(c);
-      a.scales = w.scales(c);
-      std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
-      if (!e.empty() && err.empty()) err = e;
-    }, 5, 10);
-    if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
-    return us;
+    return time_tuned(tm, a, w, tune, 5, 10);
   };
   for (const Shape& s : kShapes)
     for (int bits : {2, 4, 5}) {
@@ -795,7 +793,7 @@ static void bench_rows() {
         const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
         double us_v[2];
         const double ws = time_variants(tm, a, w, 0, us_v, 5, 10, nullptr, 1 << 30);
-        const double nsplit = time_tuned(a, w, 2), dflt = time_tuned(a, w, -1);
+        const double nsplit = time_variant(a, w, 2), dflt = time_variant(a, w, -1);
         const double cp = time_variants(tm, a, w, 0, us_v, 5, 10, nullptr, 0);
         printf("ROWS %-18s %5d %6d %d %3d %8.2f %8.2f %8.2f %8.2f %6.3f\n", s.name, s.K, s.N, bits, M, ws, nsplit,
                dflt, cp, dflt / std::min(std::min(ws, nsplit), cp));
@@ -1019,15 +1017,10 @@ static void bench(const char* csv_path, bool full) {
     for (int v = 0; v < 2; ++v) {
       printf("%-20s V%d", s.name, v);
       for (int ks : {1, 2, 3, 4, 6, 8}) {
-        kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, 1);
         kbit::cuda::MatmulTuning tune;
         tune.k_split = ks;
         tune.variant = v;
-        const double us = tm.median_us([&](int c) {
-          a.planes = w.planes(c);
-          a.scales = w.scales(c);
-          kbit::cuda::launch_matmul(a, 0, &tune);
-        }, 7, 20);
+        const double us = time_tuned(tm, env.matmul_args(s, bits, 1), w, tune, 7, 20);
         printf("  ks=%d %7.2f", ks, us);
         if (csv) fprintf(csv, "ksplit_v%d,%s,%d,%d,%d,1,%d,%.3f,%.1f,0,0,0\n", v, s.name, s.K, s.N, bits, ks, us,
                          (w.plane_bytes + w.scale_bytes) / (us * 1e-6) / 1e9);
