@@ -1101,7 +1101,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // ldmatrix lane l reads row l % 8 of sub-block l / 8; the 64-byte swizzle moves the 16-byte
     // piece s of row r to piece s ^ ((r / 2) % 4) (tma.cuh: swizzle64, 512-byte aligned rows).
     const uint32_t x_lane_off = uint32_t((lane & 7) * kXKbBytes + (((lane >> 3) ^ ((lane >> 1) & 3)) * 16));
-    auto compute_nsplit = [&](const Cursor&, int slot, int par) {
+    auto compute_nsplit = [&](int slot, int par) {
       const uint32_t base = s_ring + slot * slot_bytes;
       const uint32_t wcol = uint32_t(warp) * 16 * TN;  // the warp's first column in the group
 #pragma unroll
@@ -1134,13 +1134,9 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     int item_seq = 0;
     auto epilogue = [&](const Cursor& cur) {
       if (KS > 1 && item_seq == 0) cluster_wait();  // the other ranks' reducer barriers exist
-      if constexpr (V == 2) {  // the warp's own columns
-        Cursor wc = cur;
-        wc.col0 += 16 * TN * warp;
-        reducer.finish(acc, item_seq++, warp, lane, [&](const float (&v)[NACC]) { store_item<MT, T>(p, wc, g, t, v); });
-      } else {
-        reducer.finish(acc, item_seq++, warp, lane, [&](const float (&v)[NACC]) { store_item<MT, T>(p, cur, g, t, v); });
-      }
+      Cursor wc = cur;
+      if constexpr (V == 2) wc.col0 += 16 * TN * warp;  // the warp's own columns
+      reducer.finish(acc, item_seq++, warp, lane, [&](const float (&v)[NACC]) { store_item<MT, T>(p, wc, g, t, v); });
     };
 
     auto build_lut = [&](int b) { build_table<WP, Act>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, NT); };
@@ -1160,7 +1156,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       KBIT_TL_MARK(p, kTlFirstChunk, tid == 0 && q == 0);
       KBIT_TL_MARK(p, kTlLastChunk, tid == 0 && q == Q - 1);
       if constexpr (V == 2)
-        compute_nsplit(cc, slot, q & 1);
+        compute_nsplit(slot, q & 1);
       else
         compute(cc, slot, q & 1);
       __syncwarp();
