@@ -227,8 +227,10 @@ def _profile_summary(path, steps):
         trace = profile_summary.load_trace(path)
         # The Llama layer's kbit products in order: q/k/v, o, gate/up, down (lm_head too when
         # quantized, which breaks the period; the summary then says so).
-        return (profile_summary.summarize(profile_summary.kernel_events(trace), steps, period=4)
-                + "\n" + profile_summary.host_summary(trace, steps))
+        kernels = profile_summary.kernel_events(trace)
+        return "\n".join([profile_summary.summarize(kernels, steps, period=4),
+                          profile_summary.layer_sequence(kernels, period=4),
+                          profile_summary.host_summary(trace, steps)])
     except (SystemExit, OSError, ValueError) as e:   # e.g. a CPU run: no GPU process in the trace
         return f"no summary: {e}"
 

@@ -137,6 +137,24 @@ def _kbit_by_position(kernels, steps, period) -> list[str]:
     return lines
 
 
+def layer_sequence(kernels, period: int = 4) -> str:
+    """The kernels of one decoder layer in the middle of the trace, in order: start (from the
+    layer's first kbit matmul), idle gap before, duration, name. A layer is ``period``
+    consecutive kbit matmul calls, so the listing runs from one q/k/v projection to the next;
+    it shows which kernels the idle gaps precede and what a collective costs in place."""
+    kbit = [i for i, (_, _, name) in enumerate(kernels) if category(name) == "kbit fused matmul"]
+    if len(kbit) < 2 * period:
+        return f"layer sequence: {len(kbit)} kbit matmul calls, fewer than two periods of {period}"
+    first = kbit[(len(kbit) // period // 2) * period]
+    last = kbit[kbit.index(first) + period]
+    t0, end = kernels[first][0], kernels[first][0]
+    lines = [f"one layer's kernels ({last - first}): start us, gap us, duration us, name"]
+    for s, e, name in kernels[first:last]:
+        lines.append(f"  {s - t0:8.1f} {max(0.0, s - end):6.1f} {e - s:8.1f}  {name[:90]}")
+        end = max(end, e)
+    return "\n".join(lines)
+
+
 def summarize(kernels: list[tuple[float, float, str]], steps: int = 1, top: int = 12,
               period: int = 0) -> str:
     if not kernels:
@@ -173,11 +191,16 @@ def main():
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--period", type=int, default=0,
                    help="also give the kbit matmul times by call position modulo this (4 for a Llama layer)")
+    p.add_argument("--layer", action="store_true",
+                   help="also list one layer's kernels in order (a period of kbit matmul calls)")
     args = p.parse_args()
     for path in args.paths:
         print(f"== {path}")
         trace = load_trace(path)
-        print(summarize(kernel_events(trace, args.device), args.steps, args.top, args.period))
+        kernels = kernel_events(trace, args.device)
+        print(summarize(kernels, args.steps, args.top, args.period))
+        if args.layer:
+            print(layer_sequence(kernels, args.period or 4))
         print(host_summary(trace, args.steps))
 
 

@@ -83,3 +83,21 @@ def test_host_summary_groups_instances_and_skips_python_frames():
     rows = [line.split() for line in text.splitlines()[1:]]
     assert rows[0] == ["5.0", "x", "1.0", "5.0", "custom-call"] and rows[1][-1] == "fusion"
     assert "python" not in text
+
+
+def test_layer_sequence_lists_one_period_from_the_middle_with_gaps():
+    kbit = "void kbit::cuda::fused::kbit_matmul_ws_kernel<4, ...>"
+    events, t = [], 0.0
+    for layer in range(4):  # period 2: kbit, psum (3 us after), kbit
+        for name, dur, gap in ((kbit, 10.0, 1.0), (f"psum_{layer}_fusion", 5.0, 3.0), (kbit, 4.0, 0.5)):
+            t += gap
+            events.append((10, t, dur, name))
+            t += dur
+    text = profile_summary.layer_sequence(profile_summary.kernel_events(trace(events)), period=2)
+    lines = text.splitlines()
+    assert lines[0].startswith("one layer's kernels (3)")
+    rows = [line.split(None, 3) for line in lines[1:]]
+    # the middle layer (index 2 of 4) starts at its first kbit call
+    assert [r[3] for r in rows] == [kbit[:90], "psum_2_fusion", kbit[:90]]
+    assert [r[0] for r in rows] == ["0.0", "13.0", "18.5"] and [r[1] for r in rows] == ["0.0", "3.0", "0.5"]
+    assert "fewer than two periods" in profile_summary.layer_sequence(profile_summary.kernel_events(trace(events[:3])), 2)
