@@ -2,10 +2,15 @@
 
 Timing: each measurement jits one function that runs the product over R different weight
 buffers (R chosen so their bytes exceed the 60 MB L2 at least four times, so weights come
-from HBM as in decoding). The function is dispatched 10 times back to back without
-waiting (`kbit_jax.timing.median_call_seconds`: the host overhead hides behind device work),
-then the last result is awaited; time / (10 * R) is one sample, and the median of the samples
-is reported. The dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is
+from HBM as in decoding), in P passes with P copies of x. The function is dispatched 10 times
+back to back without waiting (`kbit_jax.timing.median_call_seconds`: the host overhead hides
+behind device work), then the last result is awaited; time / (10 * P * R) is one sample, and
+the median of the samples is reported. P starts at 1 and doubles while queueing a call takes
+more than 0.7 of its time (`kbit_jax.timing.products_seconds`): the host's cost grows with the
+R weights' argument leaves, and on the small shapes one pass measured the host, not the device
+(qwen3 q, M = 1: 11.6 us per kbit product for a 7.2 us kernel; `host_bound.py`). Rows record P
+("passes", "dense_passes") and whether the host still set the pace at the cap of 8 passes
+("host_bound", "dense_host_bound": that time is an upper bound, marked "<=" in render.py's table). The dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is
 bytes moved / copy bandwidth measured in the same run.
 
     python benchmarks/bench_matmul.py --out benchmarks/results            # full table (GPU)
@@ -26,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
-from kbit_jax.timing import median_call_seconds  # noqa: E402
+from kbit_jax.timing import median_call_seconds, products_seconds  # noqa: E402
 from shapes import BITS, M_VALUES, SHAPES  # noqa: E402
 
 L2_BYTES = 60e6
@@ -43,12 +48,6 @@ def copy_bandwidth(repeats):
 
 def rotation_count(weight_bytes):
     return int(min(64, max(4, np.ceil(4 * L2_BYTES / weight_bytes))))
-
-
-def time_products(product, x, weights, repeats):
-    """Seconds per product: one jitted call applies `product` to every weight in the list."""
-    f = jax.jit(lambda x, ws: [product(x, w) for w in ws])
-    return median_call_seconds(f, (x, weights), repeats) / len(weights)
 
 
 def main(argv=None):
@@ -85,24 +84,28 @@ def main(argv=None):
             for m in args.m:
                 x = (jax.random.normal(jax.random.key(m), (m, k), jnp.float32)).astype(dtype)
                 dot = jnp.dot          # what a user writes: XLA picks the GEMM (cuBLAS)
-                t_dense = time_products(dot, x, dense_ws, args.repeats)
+                t_dense, dense_passes, dense_host_bound = products_seconds(dot, x, dense_ws, args.repeats)
                 # the other 16-bit dense baseline (fp16 for bf16 runs and vice versa)
                 other = jnp.float16 if dtype == jnp.bfloat16 else jnp.bfloat16
-                t_dense_other = time_products(dot, x.astype(other), [d.astype(other) for d in dense_ws[:4]],
-                                              args.repeats) if len(dense_ws) >= 4 else float("nan")
+                t_dense_other = products_seconds(dot, x.astype(other), [d.astype(other) for d in dense_ws[:4]],
+                                                 args.repeats)[0] if len(dense_ws) >= 4 else float("nan")
                 for bits in args.bits:
                     ws = quantized[bits]
-                    t = time_products(lambda x, w: kj.matmul(x, w, method=args.method), x, ws, args.repeats)
+                    t, passes, host_bound = products_seconds(lambda x, w: kj.matmul(x, w, method=args.method),
+                                                             x, ws, args.repeats)
                     moved = ws[0].planes.nbytes + ws[0].scales.nbytes + x.nbytes + m * n * dtype.itemsize
                     row = dict(shape=name, k=k, n=n, m=m, bits=bits, dtype=dtype_name,
                                kbit_us=t * 1e6, dense_us=t_dense * 1e6, speedup=t_dense / t,
+                               passes=passes, dense_passes=dense_passes,
+                               host_bound=host_bound, dense_host_bound=dense_host_bound,
                                dense_other_us=t_dense_other * 1e6,
                                floor_us=moved / bw * 1e6, bw_fraction=moved / bw / t,
                                dense_bw_fraction=(dense.nbytes + x.nbytes + m * n * dtype.itemsize) / bw / t_dense)
                     rows.append(row)
                     print(f"{name:22s} {dtype_name:8s} M={m:<5d} K={bits} kbit {t * 1e6:9.1f} us  "
                           f"dense {t_dense * 1e6:9.1f} us  x{t_dense / t:5.2f}  "
-                          f"{100 * row['bw_fraction']:5.1f}% of copy BW", flush=True)
+                          f"{100 * row['bw_fraction']:5.1f}% of copy BW  passes {passes}/{dense_passes}"
+                          f"{'  (host-bound: upper bound)' if host_bound or dense_host_bound else ''}", flush=True)
     result = dict(device=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                   copy_bandwidth_tbs=bw / 1e12, build=kj.build_info(), method=args.method, rows=rows)
     if args.out:

@@ -1,10 +1,13 @@
-"""kbit_jax.timing: the warm-up runs before the timed samples, and only for the time asked."""
+"""kbit_jax.timing: the warm-up runs before the timed samples, and only for the time asked; host-bound
+product timings get more passes."""
 
 import time
 
 import jax.numpy as jnp
 
-from kbit_jax.timing import median_call_seconds
+import pytest
+
+from kbit_jax.timing import more_passes, products_seconds, median_call_seconds
 
 
 def counted(sleep_s=0.0):
@@ -31,3 +34,29 @@ def test_warmup_runs_whole_batches_for_at_least_the_time_asked():
     warm = len(calls) - 1 - 2 * 4
     assert warm >= 4 and warm % 4 == 0  # whole batches of `calls`
     assert calls[1 + warm - 1] - calls[1] >= 0.05 - 0.01  # the warm-up lasted about that long
+
+
+@pytest.mark.parametrize("passes, queue_s, call_s, cap, expected", [
+    (1, 0.5, 1.0, 16, 0),      # queueing well under the call: the device set the pace
+    (1, 0.9, 1.0, 16, 2),      # host-bound: double
+    (4, 2.0, 1.0, 16, 8),
+    (8, 2.0, 1.0, 12, 12),     # capped
+    (16, 2.0, 1.0, 16, 0),     # at the cap the measurement stands
+])
+def test_more_passes_doubles_only_while_host_bound(passes, queue_s, call_s, cap, expected):
+    assert more_passes(passes, queue_s, call_s, cap) == expected
+
+
+def test_products_seconds_times_every_product_and_respects_the_cap():
+    seen = []
+
+    def product(x, w):
+        seen.append(w.shape)        # runs at trace time: once per product in the jitted call
+        return x @ w
+
+    x = jnp.ones((2, 8))
+    ws = [jnp.full((8, 4), float(i)) for i in range(3)]
+    t, passes, host_bound = products_seconds(product, x, ws, repeats=2, max_passes=2)
+    assert t > 0 and passes in (1, 2) and isinstance(host_bound, bool)
+    assert passes == 2 or not host_bound  # one pass only if the device set the pace
+    assert len(seen) == 3 * (1 + (passes == 2) * 2)  # one trace per pass count tried
