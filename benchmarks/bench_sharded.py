@@ -14,8 +14,10 @@ checked for collectives (recorded; a kbit program with an all-gather is reported
 
 Timing (DESIGN.md §7): one jitted call applies the layer to R different weight buffers (R so
 that the per-GPU weight bytes exceed the 60 MB L2 at least four times: weights come from HBM
-as in decoding); kbit_jax.timing.median_call_seconds queues several calls per sample so host
-dispatch hides behind device work; the median sample is divided by R. Weights are random
+as in decoding), in passes until queueing a call no longer sets its pace
+(kbit_jax.timing.products_seconds, as in bench_matmul.py; rows record "passes" and
+"host_bound"); several calls are queued per sample so host dispatch hides behind device work,
+and the median sample is divided by the products per call. Weights are random
 codes/scales generated on the devices (values do not matter for speed). The floor is the
 per-GPU bytes (weight shard + activations) / the copy bandwidth measured in the same run.
 
@@ -43,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
-from kbit_jax.timing import median_call_seconds  # noqa: E402
+from kbit_jax.timing import median_call_seconds, products_seconds  # noqa: E402
 from kbit_jax import codebooks, sharding as ks  # noqa: E402
 from kbit_jax.sharding import collective_counts as collectives  # noqa: E402
 from shapes import SHAPES  # noqa: E402
@@ -107,8 +109,13 @@ def bench_config(mesh, name, k, n, layout, ms, bits_list, dtype, method, repeats
     dense_bytes = k * n * dtype.itemsize / ndev
     dense_ws = [random_dense(jax.random.fold_in(key, r), k, n, dtype, dense_sharding)
                 for r in range(rotation_count(dense_bytes))]
-    dense_f = jax.jit(lambda x, ws: [jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-                                     for w in ws])
+    def dense_product(x, w):
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def kbit_product(x, w):
+        return kj.matmul(x, w, method=method)
+
+    dense_f = jax.jit(lambda x, ws: [dense_product(x, w) for w in ws])  # for the collective counts
     kbit_sets = {}
     for bits in bits_list:
         template = jax.ShapeDtypeStruct((k // 32, n, bits), jnp.uint32)
@@ -119,18 +126,18 @@ def bench_config(mesh, name, k, n, layout, ms, bits_list, dtype, method, repeats
         wbytes = (k * n * bits / 8 + k * n / 32) / ndev
         kbit_sets[bits] = (wbytes, [random_kbit(jax.random.fold_in(key, 1000 + r), k, n, bits, shardings)
                                     for r in range(rotation_count(wbytes))])
-    kbit_f = jax.jit(lambda x, ws: [kj.matmul(x, w, method=method) for w in ws])
+    kbit_f = jax.jit(lambda x, ws: [kbit_product(x, w) for w in ws])
 
     for m in ms:
         x = jax.device_put((jax.random.normal(jax.random.fold_in(key, m), (m, k)) * 0.5).astype(dtype),
                            x_sharding)
-        t_dense = median_call_seconds(dense_f, (x, dense_ws), repeats) / len(dense_ws)
+        t_dense, _, dense_host_bound = products_seconds(dense_product, x, dense_ws, repeats)
         dense_coll = collectives(dense_f.lower(x, dense_ws[:1]).compile().as_text())
         act_bytes = (m * k / (ndev if layout == "row" else 1) + m * n / (ndev if layout == "column" else 1)) \
             * dtype.itemsize
         for bits in bits_list:
             wbytes, ws = kbit_sets[bits]
-            t = median_call_seconds(kbit_f, (x, ws), repeats) / len(ws)
+            t, passes, host_bound = products_seconds(kbit_product, x, ws, repeats)
             coll = collectives(kbit_f.lower(x, ws[:1]).compile().as_text())
             # Sanity: kbit == dense product of its own dequantized weight (same sharding).
             y = kj.matmul(x, ws[0], method=method)
@@ -141,6 +148,7 @@ def bench_config(mesh, name, k, n, layout, ms, bits_list, dtype, method, repeats
                        speedup=t_dense / t, floor_us=(wbytes + act_bytes) / bw * 1e6,
                        bw_fraction=(wbytes + act_bytes) / bw / t,
                        dense_bw_fraction=(dense_bytes + act_bytes) / bw / t_dense,
+                       passes=passes, host_bound=host_bound or dense_host_bound,
                        kbit_collectives=coll, dense_collectives=dense_coll, rel_err=err,
                        ok=coll["all-gather"] == 0 and err < 3e-2)
             rows.append(row)
