@@ -10,7 +10,8 @@ more than 0.7 of its time (`kbit_jax.timing.products_seconds`): the host's cost 
 R weights' argument leaves, and on the small shapes one pass measured the host, not the device
 (qwen3 q, M = 1: 11.6 us per kbit product for a 7.2 us kernel; `host_bound.py`). Rows record P
 ("passes", "dense_passes") and whether the host still set the pace at the cap of 8 passes
-("host_bound", "dense_host_bound": that time is an upper bound, marked "<=" in render.py's table). The dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is
+("host_bound", "dense_host_bound": that time is an upper bound, marked "<=" in render.py's
+table). The dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is
 bytes moved / copy bandwidth measured in the same run.
 
     python benchmarks/bench_matmul.py --out benchmarks/results            # full table (GPU)
