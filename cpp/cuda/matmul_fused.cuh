@@ -122,6 +122,14 @@
 //  eligible warp 53 % of the time). Harness "rows", bits 4: llama3-70b gate/up 206.7 ->
 //  112.2 us at M = 64 (the dense dot: ~116), 404.7 -> 222.5 at M = 128; the launcher picks it
 //  where its plan is shorter (most Llama shapes and M >= 48; the N = 2048 shapes keep 16 rows).
+//  Session 8 (no kernel change; a profiled Llama-3-70B decode over two H200s, M = 1, bits 4,
+//  benchmarks/results/README.md): gate/up 49.3 us for 54 chunks per SM, i.e. ~0.83 us per chunk
+//  after ~4.5 us of start and end, where the copy rate allows 0.53: the steady state runs at
+//  ~64 % of copy. q/k/v (N = 5120: 80 column groups for 132 SMs at k-split 1, 16 chunks each)
+//  15.5 us and o (K = 4096: 8 chunks per CTA) 11.2 us are set by that imbalance and by the fixed
+//  start/end. For 2x the bf16 decode at TP 2 all four need ~77 % of copy. Next, in that order:
+//  balance the small products (stream-K-like k-ranges, or column groups other than 64 wide),
+//  then the per-chunk consumer time (the steady state).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
