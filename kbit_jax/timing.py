@@ -60,7 +60,8 @@ def more_passes(passes: int, queue_s: float, call_s: float, max_passes: int) -> 
     return min(2 * passes, max_passes)
 
 
-def products_seconds(product, x, weights, repeats: int, max_passes: int = 8) -> tuple[float, int, bool]:
+def products_seconds(product, x, weights, repeats: int, max_passes: int = 8,
+                     passes: int = 1) -> tuple[float, int, bool]:
     """Device seconds per product(x, w) over the distinct buffers in `weights` (enough of them to
     miss the L2: cold weights), the passes it took, and whether the host still set the pace at
     `max_passes` (the time is then an upper bound).
@@ -71,9 +72,11 @@ def products_seconds(product, x, weights, repeats: int, max_passes: int = 8) -> 
     48 kbit weights (192 leaves) took 0.7 ms, 14.6 us per product, for a 7.2 us kernel, so one
     pass measured the host. The passes double until queueing a call takes at most
     HOST_BOUND_FRACTION of its time. (Measured there: qwen3 q at M = 1 read 7.6 us after 8 passes;
-    at M = 4 it reached the cap of 8 at 11.2 us, for a kernel of the same 7.2 us.)
+    at M = 4 it reached the cap of 8 at 11.2 us, for a kernel of the same 7.2 us.) `passes` is
+    where the search starts: a caller timing similar products passes the count the last one
+    needed, which saves the compiles of the smaller counts (more passes never hurt the figure).
     """
-    passes = 1
+    passes = max(1, min(passes, max_passes))
     while True:
         xs = [x] + [jnp.copy(x) for _ in range(passes - 1)]
         f = jax.jit(lambda xs, ws: [product(xi, w) for xi in xs for w in ws])

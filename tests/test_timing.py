@@ -60,3 +60,9 @@ def test_products_seconds_times_every_product_and_respects_the_cap():
     assert t > 0 and passes in (1, 2) and isinstance(host_bound, bool)
     assert passes == 2 or not host_bound  # one pass only if the device set the pace
     assert len(seen) == 3 * (1 + (passes == 2) * 2)  # one trace per pass count tried
+
+
+def test_products_seconds_starts_where_asked_within_the_cap():
+    x, ws = jnp.ones((1, 4)), [jnp.ones((4, 2)), jnp.zeros((4, 2))]
+    _, passes, _ = products_seconds(lambda x, w: x @ w, x, ws, repeats=1, max_passes=2, passes=5)
+    assert passes == 2
