@@ -5,6 +5,9 @@
 #   tools/gpu_check.sh decode   # Llama-3-8B table (bf16, K=2..5) + Llama-3-70B K=4/K=2 on GPU 0
 #   tools/gpu_check.sh tp       # Llama-3-70B tensor-parallel decode over 2 (and 4) GPUs + the
 #                               # sharded matmul microbenchmark (a multi-GPU machine)
+#   tools/gpu_check.sh tp-profile   # one profiled TP-2 decode, K=4 and bf16 (32 tokens, ~3 min
+#                               # after the build): per-step kernel time by category and one
+#                               # layer's kernels in order (benchmarks/profile_summary.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -37,6 +40,14 @@ if [[ $what == decode ]]; then
   $PY benchmarks/bench_decode.py --configs llama3-8b --reps 2 --out "$OUT/decode_8b" 2>&1 | grep "^| "
   $PY benchmarks/bench_decode.py --configs llama3-70b --weights 4,2 --batches 1,8 --new-tokens 64 \
     --reps 2 --out "$OUT/decode_70b" 2>&1 | grep "^| "
+fi
+if [[ $what == tp-profile ]]; then
+  echo "== profiled tensor-parallel decode over 2 GPUs"
+  $PY benchmarks/bench_decode.py --configs llama3-70b --weights 4,bf16 --tp 2 --batches 1 --new-tokens 32 \
+    --reps 1 --profile /tmp/kbit_tp_profile --out "$OUT/decode_tp_profile" > "$OUT/decode_tp_profile.log" 2>&1
+  grep "^| llama" "$OUT/decode_tp_profile.log"
+  grep -E "^  (span|busy|idle) |kbit fused matmul  |one layer|^ +[0-9.]+ +[0-9.]+ +[0-9.]+  " \
+    "$OUT/decode_tp_profile.log" | head -40
 fi
 if [[ $what == tp ]]; then
   gpus=$(nvidia-smi -L | wc -l)
