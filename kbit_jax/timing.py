@@ -51,11 +51,16 @@ def queue_seconds(fn, args, calls: int = 10) -> float:
 HOST_BOUND_FRACTION = 0.7
 
 
+def host_bound(queue_s: float, call_s: float) -> bool:
+    """Whether queueing a call took more than HOST_BOUND_FRACTION of its measured time, i.e. the
+    host, not the device, set the pace."""
+    return queue_s > HOST_BOUND_FRACTION * call_s
+
+
 def more_passes(passes: int, queue_s: float, call_s: float, max_passes: int) -> int:
-    """The next pass count for products_seconds: twice `passes` while queueing a call took more
-    than HOST_BOUND_FRACTION of its measured time (the host, not the device, set the pace) and
+    """The next pass count for products_seconds: twice `passes` while the call was host-bound and
     the cap allows; 0 when the measurement stands."""
-    if queue_s <= HOST_BOUND_FRACTION * call_s or passes >= max_passes:
+    if not host_bound(queue_s, call_s) or passes >= max_passes:
         return 0
     return min(2 * passes, max_passes)
 
@@ -84,5 +89,5 @@ def products_seconds(product, x, weights, repeats: int, max_passes: int = 8,
         queue_s = queue_seconds(f, (xs, weights))
         nxt = more_passes(passes, queue_s, call_s, max_passes)
         if not nxt:
-            return call_s / (passes * len(weights)), passes, queue_s > HOST_BOUND_FRACTION * call_s
+            return call_s / (passes * len(weights)), passes, host_bound(queue_s, call_s)
         passes = nxt
