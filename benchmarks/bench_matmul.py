@@ -47,6 +47,11 @@ def copy_bandwidth(repeats):
     return 2 * x.nbytes / t
 
 
+def weight_copy(w_q):
+    """A copy of a kbit weight in new device buffers (one of the rotation's cold weights)."""
+    return jax.tree.map(lambda a: a + 0 if a.dtype != jnp.uint8 else a | 0, w_q)
+
+
 def rotation_count(weight_bytes):
     return int(min(64, max(4, np.ceil(4 * L2_BYTES / weight_bytes))))
 
@@ -80,8 +85,7 @@ def main(argv=None):
             quantized = {}
             for bits in args.bits:
                 w_q = kj.quantize(w, bits)
-                quantized[bits] = [jax.tree.map(lambda a: a + 0 if a.dtype != jnp.uint8 else a | 0, w_q)
-                                   for _ in range(rotation_count(w_q.nbytes))]
+                quantized[bits] = [weight_copy(w_q) for _ in range(rotation_count(w_q.nbytes))]
             for m in args.m:
                 x = (jax.random.normal(jax.random.key(m), (m, k), jnp.float32)).astype(dtype)
                 dot = jnp.dot          # what a user writes: XLA picks the GEMM (cuBLAS)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
 import profile_summary  # noqa: E402
+from bench_matmul import weight_copy  # noqa: E402
 from kbit_jax.timing import median_call_seconds, queue_seconds  # noqa: E402
 
 
@@ -49,7 +50,7 @@ def main():
                     ws = [w.astype(jnp.bfloat16) + i for i in range(r)]
                     f = jax.jit(lambda x, ws: [jnp.dot(x, q) for q in ws])
                 else:
-                    ws = [jax.tree.map(lambda a: a + 0 if a.dtype != jnp.uint8 else a | 0, w_q) for _ in range(r)]
+                    ws = [weight_copy(w_q) for _ in range(r)]
                     f = jax.jit(lambda x, ws: [kj.matmul(x, q) for q in ws])
                 wall = median_call_seconds(f, (x, ws), 5) / r
                 dispatch = queue_seconds(f, (x, ws)) / r
