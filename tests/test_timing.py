@@ -7,7 +7,9 @@ import jax.numpy as jnp
 
 import pytest
 
-from kbit_jax.timing import more_passes, products_seconds, median_call_seconds
+import jax
+
+from kbit_jax.timing import more_passes, passes_function, products_seconds, median_call_seconds
 
 
 def counted(sleep_s=0.0):
@@ -66,3 +68,20 @@ def test_products_seconds_starts_where_asked_within_the_cap():
     x, ws = jnp.ones((1, 4)), [jnp.ones((4, 2)), jnp.zeros((4, 2))]
     _, passes, _ = products_seconds(lambda x, w: x @ w, x, ws, repeats=1, max_passes=2, passes=5)
     assert passes == 2
+
+
+def test_passes_run_in_order_and_compute_every_product():
+    """Each later pass starts from an optimization barrier on the previous pass's results (XLA
+    turns it into scheduling dependencies), so no weight's products are grouped or merged across
+    passes."""
+    key = jax.random.key(7)
+    x = jax.random.normal(key, (2, 8))
+    xs = [x, x + 1, x + 2]
+    ws = [jax.random.normal(jax.random.fold_in(key, i), (8, 4)) for i in range(2)]
+    f = passes_function(lambda x, w: x @ w)
+    outs = f(xs, ws)
+    assert len(outs) == 6
+    for i, (xi, w) in enumerate((xi, w) for xi in xs for w in ws):
+        assert jnp.allclose(outs[i], xi @ w, rtol=1e-5, atol=1e-5)
+    program = f.lower(xs, ws).as_text()
+    assert program.count("stablehlo.optimization_barrier") == len(xs) - 1
