@@ -24,6 +24,8 @@
 #                                                 here and carry it, e.g.
 #        mkdir -p .git/info .ab_base; echo /.ab_base/ >> .git/info/exclude
 #        git archive <ref> cpp benchmarks | tar -x -C .ab_base      (then carry [".ab_base"])
+#   AB_MODE=layers tools/kernel_profile.sh ab BASE 1   the same with another mode (base and new
+#                                                 result lines side by side)
 #   EXTRA_NVCC="-DKBIT_WS_MAX_MT=2" tools/kernel_profile.sh sel   a compile-time variant
 #   tools/kernel_profile.sh test,sel,sweep       modes without arguments, one after another on
 #                                                 one build
@@ -31,7 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 what=${1:-sel}; shift || true
-work=/tmp/kbit_harness
+work=${HARNESS_WORK:-/tmp/kbit_harness}  # (a separate one per concurrent build)
 bin=$work/harness
 mkdir -p "$work"
 
@@ -76,15 +78,19 @@ case $mode in
       shift 4
     done ;;
   ab)
-    base=${1:?BASE directory}; rounds=${2:-3}
+    base=${1:?BASE directory}; rounds=${2:-3}; ab=${AB_MODE:-sel}
     build "$base" "$work/base" || exit 1
     a=(); b=()
     for ((i = 0; i < rounds; ++i)); do  # alternate, so slow drift of the GPU hits both alike
-      "$work/base" sel > "$work/sel_base_$i.log"; b+=("$work/sel_base_$i.log")
-      "$bin" sel > "$work/sel_new_$i.log"; a+=("$work/sel_new_$i.log")
+      "$work/base" "$ab" > "$work/${ab}_base_$i.log"; b+=("$work/${ab}_base_$i.log")
+      "$bin" "$ab" > "$work/${ab}_new_$i.log"; a+=("$work/${ab}_new_$i.log")
     done
-    cat "${b[@]}" > "$OUT/sel_base.log"; cat "${a[@]}" > "$OUT/sel_new.log"
-    (IFS=,; python3 benchmarks/sel_compare.py "${a[*]}" "${b[*]}" --md "$OUT/sel_ab.md") ;;
+    cat "${b[@]}" > "$OUT/${ab}_base.log"; cat "${a[@]}" > "$OUT/${ab}_new.log"
+    if [[ $ab == sel ]]; then
+      (IFS=,; python3 benchmarks/sel_compare.py "${a[*]}" "${b[*]}" --md "$OUT/sel_ab.md")
+    else
+      paste <(grep -E "^[A-Z]+ " "$OUT/${ab}_base.log") <(grep -E "^[A-Z]+ " "$OUT/${ab}_new.log")
+    fi ;;
   none) ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac

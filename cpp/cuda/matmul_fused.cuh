@@ -130,6 +130,20 @@
 //  start/end. For 2x the bf16 decode at TP 2 all four need ~77 % of copy. Next, in that order:
 //  balance the small products (stream-K-like k-ranges, or column groups other than 64 wide),
 //  then the per-chunk consumer time (the steady state).
+//  Session 9 (harness, benchmarks/results/kernel_{runs,ring}_h200.log): neither lever moved it.
+//  Column runs (each cluster an equal share of 16-column tiles, the short last item copied and
+//  computed tile by tile; branch experiment/column-runs): +-5 % of whole groups, because a chunk
+//  of 2 of 4 tiles still took ~0.9 of a full chunk's time. A ring cap of 48 KiB (3 bits-4 chunks
+//  in flight instead of 4): 0-2 % slower, so the copies' latency is not the limit either. What
+//  is left per chunk and consumer warp at bits 4 is ~110 shared-memory wavefronts for ~290
+//  instructions (SASS): 64 table lookups, 16 code loads, 4 ldmatrix, and ~20 for the scales
+//  (2 LDS.U8 + STS.64 + 2 LDS.128 per k-block), with the TMA writes ~1000 per chunk against
+//  ~1450 cycles, i.e. the MIO pipe ~70 % busy. Next: a scale-byte order that puts a lane's 8
+//  scales of a k-block in one 8-byte word (one LDS.64, decoded in registers; a format change:
+//  DESIGN.md section 1), then fewer lookups per weight for bits 2/3 (register tables).
+//  Also learned: a 64-bit division anywhere in ItemWalk (a called subroutine) cost the hot loop
+//  its uniform registers (the table base moved to a general register, +20 % instructions per
+//  chunk, ~10 % time): keep the walk's arithmetic 32-bit, and check the SASS of the loop.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -926,6 +940,13 @@ constexpr int kWsMaxMT = KBIT_WS_MAX_MT;
 constexpr int kWsMaxRows = KBIT_WS_MAX_ROWS;
 constexpr int kXKbBytes = 64;  // one k-block of one activation row (32 x 16 bit)
 
+// The weight bytes the ring keeps in flight at most, per SM (stages - 1 chunks). Session 9,
+// harness "layers" (H200, bits 2 and 4, M = 1): 48 KiB (bits 4: 3 chunks in flight instead of 4)
+// changed the Llama-3-70B layer's times by 0-2 %, so the steady state is not bound by the copies'
+// latency; a deeper ring is not the next gain. -DKBIT_WS_RING_KIB=n to experiment.
+#ifndef KBIT_WS_RING_KIB
+#define KBIT_WS_RING_KIB 64
+#endif
 template <int BITS, int MT, int V>
 struct WsConfig {
   using C = Config<BITS, MT, V>;
@@ -950,7 +971,7 @@ struct WsConfig {
   static_assert(C::kWChunk % 512 == 0, "activations of a slot start on 512 bytes");
   static constexpr int pick_stages() {
     for (int d = 8; d > 2; --d)
-      if (fixed_bytes() + d * slot_bytes(8 * MT) <= size_t(kMaxSmem) && (d - 1) * C::kWChunk <= 64 * 1024)
+      if (fixed_bytes() + d * slot_bytes(8 * MT) <= size_t(kMaxSmem) && (d - 1) * C::kWChunk <= KBIT_WS_RING_KIB * 1024)
         return d;
     return 2;
   }
