@@ -3,11 +3,10 @@ product timings get more passes."""
 
 import time
 
+import jax
 import jax.numpy as jnp
 
 import pytest
-
-import jax
 
 from kbit_jax.timing import more_passes, passes_function, products_seconds, median_call_seconds
 

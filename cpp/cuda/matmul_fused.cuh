@@ -136,8 +136,8 @@
 //  of 2 of 4 tiles still took ~0.9 of a full chunk's time. A ring cap of 48 KiB (3 bits-4 chunks
 //  in flight instead of 4): 0-2 % slower, so the copies' latency is not the limit either. What
 //  is left per chunk and consumer warp at bits 4 is ~110 shared-memory wavefronts for ~290
-//  instructions (SASS): 64 table lookups, 16 code loads, 4 ldmatrix, and ~20 for the scales
-//  (2 LDS.U8 + STS.64 + 2 LDS.128 per k-block), with the TMA writes ~1000 per chunk against
+//  instructions (SASS): 64 table lookups, 16 code loads, 8 for two ldmatrix.x4, ~24 for the
+//  scales (2 LDS.U8 + STS.64 + 2 LDS.128 per k-block), with the TMA writes ~1000 per chunk against
 //  ~1450 cycles, i.e. the MIO pipe ~70 % busy. Next: a scale-byte order that puts a lane's 8
 //  scales of a k-block in one 8-byte word (one LDS.64, decoded in registers; a format change:
 //  DESIGN.md section 1), then fewer lookups per weight for bits 2/3 (register tables).
