@@ -7,10 +7,10 @@ from HBM as in decoding), in P passes with P copies of x, each pass after the pr
 The function is dispatched 10 times back to back without waiting
 (`kbit_jax.timing.median_call_seconds`: the host overhead hides behind device work), then the
 last result is awaited; time / (10 * P * R) is one sample, and the median of the samples is
-reported. P starts at 1 and doubles while queueing a call takes
-more than 0.7 of its time (`kbit_jax.timing.products_seconds`): the host's cost grows with the
-R weights' argument leaves, and on the small shapes one pass measured the host, not the device
-(qwen3 q, M = 1: 11.6 us per kbit product for a 7.2 us kernel; `host_bound.py`). Rows record P
+reported. P starts at 1 and doubles while queueing a call takes more than 0.7 of its time
+(`kbit_jax.timing.products_seconds`): the host's cost grows with the R weights' argument
+leaves, and on the small shapes one pass measured the host, not the device (qwen3 q, M = 1:
+11.6 us per kbit product for a 7.2 us kernel; `host_bound.py`). Rows record P
 ("passes", "dense_passes") and whether the host still set the pace at the cap of 8 passes
 ("host_bound", "dense_host_bound": that time is an upper bound, marked "<=" in render.py's
 table). The dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is

@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
-from kbit_jax.timing import median_call_seconds, products_seconds  # noqa: E402
+from kbit_jax.timing import median_call_seconds, passes_function, products_seconds  # noqa: E402
 from kbit_jax import codebooks, sharding as ks  # noqa: E402
 from kbit_jax.sharding import collective_counts as collectives  # noqa: E402
 from shapes import SHAPES  # noqa: E402
@@ -115,7 +115,8 @@ def bench_config(mesh, name, k, n, layout, ms, bits_list, dtype, method, repeats
     def kbit_product(x, w):
         return kj.matmul(x, w, method=method)
 
-    dense_f = jax.jit(lambda x, ws: [dense_product(x, w) for w in ws])  # for the collective counts
+    # one pass of the timed programs, lowered for their collective counts
+    dense_f, kbit_f = passes_function(dense_product), passes_function(kbit_product)
     kbit_sets = {}
     for bits in bits_list:
         template = jax.ShapeDtypeStruct((k // 32, n, bits), jnp.uint32)
@@ -126,19 +127,18 @@ def bench_config(mesh, name, k, n, layout, ms, bits_list, dtype, method, repeats
         wbytes = (k * n * bits / 8 + k * n / 32) / ndev
         kbit_sets[bits] = (wbytes, [random_kbit(jax.random.fold_in(key, 1000 + r), k, n, bits, shardings)
                                     for r in range(rotation_count(wbytes))])
-    kbit_f = jax.jit(lambda x, ws: [kbit_product(x, w) for w in ws])
 
     for m in ms:
         x = jax.device_put((jax.random.normal(jax.random.fold_in(key, m), (m, k)) * 0.5).astype(dtype),
                            x_sharding)
         t_dense, _, dense_host_bound = products_seconds(dense_product, x, dense_ws, repeats)
-        dense_coll = collectives(dense_f.lower(x, dense_ws[:1]).compile().as_text())
+        dense_coll = collectives(dense_f.lower([x], dense_ws[:1]).compile().as_text())
         act_bytes = (m * k / (ndev if layout == "row" else 1) + m * n / (ndev if layout == "column" else 1)) \
             * dtype.itemsize
         for bits in bits_list:
             wbytes, ws = kbit_sets[bits]
             t, passes, host_bound = products_seconds(kbit_product, x, ws, repeats)
-            coll = collectives(kbit_f.lower(x, ws[:1]).compile().as_text())
+            coll = collectives(kbit_f.lower([x], ws[:1]).compile().as_text())
             # Sanity: kbit == dense product of its own dequantized weight (same sharding).
             y = kj.matmul(x, ws[0], method=method)
             ref = jnp.dot(x.astype(jnp.float32), kj.dequantize(ws[0], jnp.float32))
