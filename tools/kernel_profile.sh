@@ -26,6 +26,9 @@
 #        git archive <ref> cpp benchmarks | tar -x -C .ab_base      (then carry [".ab_base"])
 #   AB_MODE=layers tools/kernel_profile.sh ab BASE 1   the same with another mode (base and new
 #                                                 result lines side by side)
+#   tools/kernel_profile.sh ab env:KBIT_JAX_PDL=0 2   base = this build run with that variable
+#                                                 set (here: without programmatic dependent launch);
+#                                                 in a chain: AB_BASE=... AB_ROUNDS=2 ... test,ab
 #   EXTRA_NVCC="-DKBIT_WS_MAX_MT=2" tools/kernel_profile.sh sel   a compile-time variant
 #   tools/kernel_profile.sh test,sel,sweep       modes without arguments, one after another on
 #                                                 one build
@@ -78,11 +81,16 @@ case $mode in
       shift 4
     done ;;
   ab)
-    base=${1:?BASE directory}; rounds=${2:-3}; ab=${AB_MODE:-sel}
-    build "$base" "$work/base" || exit 1
+    base=${1:-${AB_BASE:?BASE directory}}; rounds=${2:-${AB_ROUNDS:-3}}; ab=${AB_MODE:-sel}
+    base_cmd=("$work/base")
+    if [[ $base == env:* ]]; then  # this build, with one environment variable set for the base
+      base_cmd=(env "${base#env:}" "$bin")
+    else
+      build "$base" "$work/base" || exit 1
+    fi
     a=(); b=()
     for ((i = 0; i < rounds; ++i)); do  # alternate, so slow drift of the GPU hits both alike
-      "$work/base" "$ab" > "$work/${ab}_base_$i.log"; b+=("$work/${ab}_base_$i.log")
+      "${base_cmd[@]}" "$ab" > "$work/${ab}_base_$i.log"; b+=("$work/${ab}_base_$i.log")
       "$bin" "$ab" > "$work/${ab}_new_$i.log"; a+=("$work/${ab}_new_$i.log")
     done
     cat "${b[@]}" > "$OUT/${ab}_base.log"; cat "${a[@]}" > "$OUT/${ab}_new.log"

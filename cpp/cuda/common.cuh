@@ -187,22 +187,30 @@ inline std::string check_launch(const char* kernel, const std::string& shape) {
 }
 
 // A cudaLaunchKernelEx configuration, in thread-block clusters of `cluster` CTAs along x when
-// cluster > 1. cfg.attrs points into the object, so it is neither copied nor moved.
+// cluster > 1, and as a programmatic dependent launch (dependent_launch.cuh) when `dependent`
+// (only for kernels that keep that header's contract). cfg.attrs points into the object, so it
+// is neither copied nor moved.
 struct ClusterLaunch {
   cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1] = {};
-  ClusterLaunch(unsigned grid, unsigned threads, size_t smem, cudaStream_t stream, int cluster) {
+  cudaLaunchAttribute attr[2] = {};
+  ClusterLaunch(unsigned grid, unsigned threads, size_t smem, cudaStream_t stream, int cluster,
+                bool dependent = false) {
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(threads);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
+    cfg.attrs = attr;
     if (cluster > 1) {
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
+      cudaLaunchAttribute& a = attr[cfg.numAttrs++];
+      a.id = cudaLaunchAttributeClusterDimension;
+      a.val.clusterDim.x = static_cast<unsigned>(cluster);
+      a.val.clusterDim.y = 1;
+      a.val.clusterDim.z = 1;
+    }
+    if (dependent) {
+      cudaLaunchAttribute& a = attr[cfg.numAttrs++];
+      a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      a.val.programmaticStreamSerializationAllowed = 1;
     }
   }
   ClusterLaunch(const ClusterLaunch&) = delete;

@@ -163,6 +163,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/dependent_launch.cuh"
 #include "cuda/item_reduce.cuh"
 #include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
@@ -1037,6 +1038,11 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   KBIT_TL_MARK(p, kTlSetup, tid == 0);
+  // Launched as a programmatic dependent launch (dependent_launch.cuh), this kernel may run
+  // while the previous one on the stream still does: global memory other than the L2 prefetch
+  // below is touched only after pdl_wait(). The next such launch may take this CTA's SM as soon
+  // as it exits.
+  pdl_allow_dependents();
   // Every rank's reducer barriers must exist before another rank arrives on them: arrive on the
   // cluster barrier now, wait just before the first cross-CTA step (the first item's end), so a
   // rank that starts late does not hold the others up at the start.
@@ -1050,6 +1056,19 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // 1-D cp.async.bulk per k-block row issued ~33 copies per chunk and was slower still.)
     if (lane == 0) {
       const uint32_t bytes = uint32_t(Cfg::kWChunk + WC::kSChunk) + uint32_t(KCH) * x_kb_bytes;
+      {  // the first ring's worth of weights and scale bytes into L2 while the previous kernel ends
+        Cursor pc = walk.first();
+        for (int q = 0; q < D && q < Q; ++q) {
+          const int wrow = pc.b * p.KB + kbA + pc.c * KCH;
+          if constexpr (V == 2)
+            tma_prefetch_l2_3d(&wmap, 0, pc.col0 / 16, wrow);
+          else
+            tma_prefetch_l2_2d(&wmap, pc.col0 * BITS, wrow);
+          tma_prefetch_l2_2d(&smap, pc.col0, wrow);
+          walk.advance(pc);
+        }
+      }
+      pdl_wait();
       Cursor ic = walk.first();
       int slot = 0;
       uint32_t round = 0;  // passes over the ring; pass r >= 1 waits for completion r - 1 of empty
@@ -1171,6 +1190,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     auto build_lut = [&](int b) { build_table<WP, Act>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, NT); };
     Cursor cc = walk.first();
     int lut_b = -1;
+    pdl_wait();  // (the codebook, the activations' and the outputs' buffers may be the previous kernel's)
     if (Q > 0) {
       build_lut(cc.b);
       lut_b = cc.b;
@@ -1385,7 +1405,9 @@ struct Launcher {
     prm.timeline = tuning ? tuning->timeline : nullptr;
 #endif
 
-    const ClusterLaunch launch(static_cast<unsigned>(ncl * ks), kThreads, smem, stream, ks);
+    // (the cp.async kernel does not keep dependent_launch.cuh's contract: plain launches)
+    const ClusterLaunch launch(static_cast<unsigned>(ncl * ks), kThreads, smem, stream, ks,
+                               WS && dependent_launch_enabled());
     const std::string where = shape(a) + " k_split=" + std::to_string(ks) + " ctas=" + std::to_string(ncl * ks) +
                               " smem=" + std::to_string(smem);
     cudaError_t err;

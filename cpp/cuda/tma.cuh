@@ -53,6 +53,21 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// Bring the box at (c0, c1[, c2]) of `map` into L2 only (no shared memory, no barrier): the
+// kernel's first chunks, requested before it may read them (dependent_launch.cuh).
+__device__ __forceinline__ void tma_prefetch_l2_2d(const CUtensorMap* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_l2_3d(const CUtensorMap* map, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+
 // The shared-memory address at which CU_TENSOR_MAP_SWIZZLE_64B puts the byte that would be at
 // `addr` unswizzled: the 16-byte chunk index (bits 4-5) is XORed with bits 7-8 of the address
 // (the destination is 512-byte aligned, so absolute and box-relative bits agree).
