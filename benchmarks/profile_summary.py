@@ -155,13 +155,21 @@ def layer_sequence(kernels, period: int = 4) -> str:
     return "\n".join(lines)
 
 
+def busy_us(kernels: list[tuple[float, float, str]]) -> float:
+    """The time at least one kernel ran: the union of the kernels' intervals."""
+    if not kernels:
+        return 0.0
+    gap, _, last_end = _idle_gaps(kernels)
+    return last_end - kernels[0][0] - sum(gap.values())
+
+
 def summarize(kernels: list[tuple[float, float, str]], steps: int = 1, top: int = 12,
               period: int = 0) -> str:
     if not kernels:
         return "no kernels in the trace"
     span = kernels[-1][1] - kernels[0][0]
-    gap, gap_count, last_end = _idle_gaps(kernels)
-    busy = last_end - kernels[0][0] - sum(gap.values())   # the union of the kernels' intervals
+    gap, gap_count, _ = _idle_gaps(kernels)
+    busy = busy_us(kernels)
     by_cat, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
     for s, e, name in kernels:
         by_cat[category(name)] += e - s

@@ -16,18 +16,21 @@ def markdown(result) -> str:
              "",
              f"Copy bandwidth measured in the same run: {result['copy_bandwidth_tbs']:.2f} TB/s. "
              f"Times are device time per product with cold weights (see bench_matmul.py). "
-             f"'% BW' = bytes moved by the kbit product / copy bandwidth / its time; '<=' marks a time the "
-             f"host still set at the benchmark's cap on passes (an upper bound). method={result['method']}.",
+             f"'% BW' = bytes moved by the kbit product / copy bandwidth / its time; where the host still set "
+             f"the pace at the benchmark's cap on passes, '*' marks the device's busy time from a profile "
+             f"(and '<=', in older results without it, the call time: an upper bound). "
+             f"method={result['method']}.",
              "",
              "| shape (K x N) | dtype | M | bits | kbit us | dense us | other 16-bit dense us | speedup | % BW | floor us |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
-    def us(t, host_bound):  # an upper bound where the host, not the device, set the pace
-        return f"<={t:.1f}" if host_bound else f"{t:.1f}"
+    def us(t, host_bound, profiled):  # where the host, not the device, set the call's pace
+        return f"{t:.1f}" if not host_bound else f"{t:.1f}*" if profiled else f"<={t:.1f}"
 
     for r in result["rows"]:
         lines.append(f"| {r['shape']} ({r['k']}x{r['n']}) | {r['dtype']} | {r['m']} | {r['bits']} | "
-                     f"{us(r['kbit_us'], r.get('host_bound'))} | {us(r['dense_us'], r.get('dense_host_bound'))} | {r.get('dense_other_us', float('nan')):.1f} | {r['speedup']:.2f}x | "
+                     f"{us(r['kbit_us'], r.get('host_bound'), 'kbit_call_us' in r)} | "
+                     f"{us(r['dense_us'], r.get('dense_host_bound'), 'dense_call_us' in r)} | {r.get('dense_other_us', float('nan')):.1f} | {r['speedup']:.2f}x | "
                      f"{100 * r['bw_fraction']:.0f}% | {r['floor_us']:.1f} |")
     return "\n".join(lines) + "\n"
 
