@@ -144,6 +144,13 @@
 //  Also learned: a 64-bit division anywhere in ItemWalk (a called subroutine) cost the hot loop
 //  its uniform registers (the table base moved to a general register, +20 % instructions per
 //  chunk, ~10 % time): keep the walk's arithmetic 32-bit, and check the SASS of the loop.
+//  Session 10 (benchmarks/results/kernel_pdl_h200.md, launch_overlap_h200.log): launched as a
+//  programmatic dependent launch (dependent_launch.cuh), back-to-back launches take 0.83x the
+//  time at M <= 8 (0.9-4.3 us less each), but inside JAX's CUDA graphs a kbit kernel already
+//  starts ~0.1 us after its predecessor, so JAX programs see no change. The kernel's own start
+//  and end are what is left: qwen3-sized products take 7-10 us of device time in JAX
+//  (matmul_h200_small_busy.md). Tried and reverted: issuing the first ring's copies before the
+//  CTA's start barrier (median 1.01x the time; kernel_prologue_h200.md).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
