@@ -15,10 +15,11 @@ leaves, and on the small shapes one pass measured the host, not the device (qwen
 ("host_bound", "dense_host_bound"). For those rows the reported time is the device's busy time
 per product from a profile of one pass (`busy_seconds`: the union of the GPU's kernel
 intervals, so the waits for the host drop out; marked "*" in render.py's table), and the call
-time, an upper bound, is kept as "kbit_call_us" / "dense_call_us". (On the small shapes the host's
-cost of a call grows with its products too, so more passes do not always hand the pace to the
-device.) On a CPU backend there is no profile to read, and the call time stays. The dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is
-bytes moved / copy bandwidth measured in the same run.
+time, an upper bound, is kept as "kbit_call_us" / "dense_call_us". (On the small shapes the
+host's cost of a call grows with its products too, so more passes do not always hand the pace
+to the device.) On a CPU backend there is no profile to read, and the call time stays. The
+dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is bytes moved /
+copy bandwidth measured in the same run.
 
     python benchmarks/bench_matmul.py --out benchmarks/results            # full table (GPU)
     python benchmarks/bench_matmul.py --shapes qwen3_q --m 1 16 --bits 4  # a subset
@@ -31,7 +32,6 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
 from kbit_jax.timing import median_call_seconds, passes_function, products_seconds  # noqa: E402
-from profile_summary import busy_us, kernel_events, load_trace  # noqa: E402
+from profile_summary import busy_us, trace_kernels  # noqa: E402
 from shapes import BITS, M_VALUES, SHAPES  # noqa: E402
 
 L2_BYTES = 60e6
@@ -66,13 +66,7 @@ def busy_seconds(product, x, weights, calls: int = 3) -> float:
     the pace of a call, the kernels wait for their launches and the call time is an upper bound;
     the busy time is what the device spent."""
     f = passes_function(product)
-    jax.block_until_ready(f([x], weights))  # compile, warm up
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(calls):
-                out = f([x], weights)
-            jax.block_until_ready(out)
-        kernels = kernel_events(load_trace(d))
+    kernels = trace_kernels(lambda: f([x], weights), calls)
     return busy_us(kernels) * 1e-6 / (calls * len(weights))
 
 

@@ -10,7 +10,7 @@ span per product:
 Run it with KBIT_JAX_PDL=0 / 1 and with XLA command buffers on (default) and off
 (XLA_FLAGS=--xla_gpu_enable_command_buffer=) to see where the kernel launch attribute acts.
 
-    python benchmarks/launch_overlap.py --k 2048 --n 2048 --bits 4
+    python benchmarks/launch_overlap.py --k 2048 --n 2048 --bits 4     # (GPU: reads a profile)
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
-from profile_summary import kernel_events, load_trace  # noqa: E402
+from bench_matmul import weight_copy  # noqa: E402
+from profile_summary import trace_kernels  # noqa: E402
 
 
 def chain(products: str):
@@ -43,13 +43,7 @@ def chain(products: str):
 
 
 def measure(f, x, ws, calls: int) -> dict:
-    jax.block_until_ready(f(x, ws))  # compile and warm up
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(calls):
-                out = f(x, ws)
-            jax.block_until_ready(out)
-        kernels = kernel_events(load_trace(d))
+    kernels = trace_kernels(lambda: f(x, ws), calls)
     durations, gaps = [], []
     for i, (start, end, name) in enumerate(kernels):
         if "kbit_matmul" in name:
@@ -73,7 +67,7 @@ def main():
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((args.k, args.n), np.float32) * 0.02)
     base = kj.quantize(w, bits=args.bits)
-    ws = [jax.tree.map(lambda a, i=i: a + 0 if a.dtype != jnp.uint8 else a | 0, base) for i in range(args.products)]
+    ws = [weight_copy(base) for _ in range(args.products)]
     x = jnp.asarray(rng.standard_normal((args.m, args.k), np.float32)).astype(jnp.bfloat16)
     print(f"K {args.k} N {args.n} M {args.m} bits {args.bits}, {args.products} products; "
           f"KBIT_JAX_PDL={os.environ.get('KBIT_JAX_PDL', '(unset: on)')} "

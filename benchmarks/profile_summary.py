@@ -75,6 +75,21 @@ def kernel_events(trace: dict, device: int = 0) -> list[tuple[float, float, str]
     return out
 
 
+def trace_kernels(run, calls: int = 3, device: int = 0) -> list[tuple[float, float, str]]:
+    """kernel_events of GPU `device` while `calls` calls of run() execute under jax.profiler
+    (after one untraced call: compile, warm-up)."""
+    import tempfile
+
+    import jax
+    jax.block_until_ready(run())
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(calls):
+                out = run()
+            jax.block_until_ready(out)
+        return kernel_events(load_trace(d), device)
+
+
 def host_summary(trace: dict, steps: int = 1, top: int = 8) -> str:
     """The host threads' XLA events (thunk launches; Python frames left out) with the largest
     total time: a launch path slower than the GPU's kernels shows here as host time per step
