@@ -26,14 +26,9 @@ from bench_matmul import weight_copy  # noqa: E402
 from kbit_jax.timing import median_call_seconds, queue_seconds  # noqa: E402
 
 
-def kernel_seconds(f, args, products, trace_dir, calls=3):
+def kernel_seconds(f, args, products, calls=3):
     """(kernel time, kernel span) per product over `calls` traced calls of f(*args)."""
-    jax.block_until_ready(f(*args))
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(calls):
-            out = f(*args)
-        jax.block_until_ready(out)
-    kernels = profile_summary.kernel_events(profile_summary.load_trace(trace_dir))
+    kernels = profile_summary.trace_kernels(lambda: f(*args), calls)
     busy = sum(end - start for start, end, _ in kernels)
     return busy / (calls * products) * 1e-6, (kernels[-1][1] - kernels[0][0]) / (calls * products) * 1e-6
 
@@ -54,7 +49,7 @@ def main():
                     f = jax.jit(lambda x, ws: [kj.matmul(x, q) for q in ws])
                 wall = median_call_seconds(f, (x, ws), 5) / r
                 dispatch = queue_seconds(f, (x, ws)) / r
-                kernel, span = kernel_seconds(f, (x, ws), r, f"/tmp/host_bound_{kind}_{m}_{r}")
+                kernel, span = kernel_seconds(f, (x, ws), r)
                 print(f"K{k} N{n} M={m} R={r:2d} {kind:5s} wall {wall * 1e6:6.1f} us/prod  dispatch "
                       f"{dispatch * 1e6:6.1f}  kernel {kernel * 1e6:6.1f}  span {span * 1e6:6.1f}", flush=True)
 

@@ -1063,10 +1063,13 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // 1-D cp.async.bulk per k-block row issued ~33 copies per chunk and was slower still.)
     if (lane == 0) {
       const uint32_t bytes = uint32_t(Cfg::kWChunk + WC::kSChunk) + uint32_t(KCH) * x_kb_bytes;
+      // the chunk's first k-block (within the batch entry) and its row of weights and scales
+      auto first_kb = [&](const Cursor& c) { return kbA + c.c * KCH; };
+      auto row_of = [&](const Cursor& c) { return c.b * p.KB + first_kb(c); };
       {  // the first ring's worth of weights and scale bytes into L2 while the previous kernel ends
         Cursor pc = walk.first();
         for (int q = 0; q < D && q < Q; ++q) {
-          const int wrow = pc.b * p.KB + kbA + pc.c * KCH;
+          const int wrow = row_of(pc);
           if constexpr (V == 2)
             tma_prefetch_l2_3d(&wmap, 0, pc.col0 / 16, wrow);
           else
@@ -1082,8 +1085,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       for (int q = 0; q < Q; ++q) {
         if (round > 0) mbar_wait(s_empty + 8 * slot, (round - 1) & 1u);
         const uint32_t base = s_ring + slot * slot_bytes, full = s_full + 8 * slot;
-        const int kb0 = kbA + ic.c * KCH;
-        const int wrow = ic.b * p.KB + kb0;  // k-block row of the weights and the scales
+        const int kb0 = first_kb(ic), wrow = row_of(ic);
         mbar_arrive_expect_tx(full, bytes);
         if constexpr (V == 2)  // 16-column pieces (a box dimension holds at most 256 words)
           tma_load_3d(base, &wmap, 0, ic.col0 / 16, wrow, full);
