@@ -27,4 +27,12 @@ for bits in (2, 3, 4, 5):
         for dtype in (jnp.bfloat16, jnp.float16):
             x = jax.random.normal(jax.random.key(m), (m, 256), dtype)
             jax.block_until_ready(kj.matmul(x, q, method="fused"))
+# K = 4096, N = 256 at M = 1 and 12: 4 column groups, so the launcher splits K over clusters of
+# up to 8 CTAs, whose ranks send their sums to rank 0 (item_reduce.cuh: ItemReducer).
+for bits in (2, 3, 4, 5):
+    q = kj.quantize(jax.random.normal(jax.random.key(bits), (4096, 256)), bits)
+    for m in (1, 12):
+        for dtype in (jnp.bfloat16, jnp.float16):
+            x = jax.random.normal(jax.random.key(m), (m, 4096), dtype)
+            jax.block_until_ready(kj.matmul(x, q, method="fused"))
 print("sanitize case done")

@@ -16,11 +16,17 @@
 //  * The leader (warp seq % NW for the CTA's seq-th item, so the extra work rotates) waits on
 //    `full`, adds all warps in warp order 0..NW-1 (a fixed order whoever leads: results are
 //    deterministic) and arrives on `empty`.
-//  * k-split cluster: rank r > 0's leader leaves its sum in its own shared memory (`part`) and
-//    arrives on rank 0's `cl_full` (release, cluster scope). Rank 0's leader waits there
-//    (acquire, cluster scope), adds the ranks' sums in rank order through distributed shared
-//    memory, stores, and arrives on every rank's `cl_empty`, which rank r's next leader waits
-//    on before it rewrites `part`.
+//  * k-split cluster: rank r > 0's leader sends its sum straight from its registers into its
+//    receive slot in rank 0's shared memory (st.async; each store completes its bytes on rank
+//    0's `cl_full`, so no fence is needed). Rank 0's leader announces the bytes it expects,
+//    waits, adds the slots in rank order, stores, and arrives on every rank's `cl_empty`, which
+//    rank r's next leader waits on before it sends again. (The first version let rank 0 read
+//    each rank's sum through distributed shared memory after a release-at-cluster-scope arrival:
+//    ptxas turns that arrival, and the release of the cluster barrier at exit, into MEMBAR.GPU,
+//    which waits for every outstanding memory operation of the warp. Harness, H200: the small
+//    k-split products took 0.3-0.8 us longer per launch, benchmarks/results/kernel_end_h200.md.)
+//    Nothing is left in flight between the CTAs after the last item (its `cl_empty` arrivals are
+//    skipped: no one waits for them), so the kernel's exit barrier needs no release.
 // Phases: a parity wait is only sound if the barrier is within one phase of the waiter. So
 // `full` and `cl_full` exist once per leader warp (phase k of full[L] is the k-th item that L
 // leads; with one shared barrier, a leader could test item seq's parity while item seq - 1's
@@ -34,6 +40,10 @@
 #include "cuda/common.cuh"
 
 namespace kbit::cuda::fused {
+
+// The largest k-split cluster (the portable cluster size); ItemReducer keeps a receive slot per
+// other rank.
+constexpr int kMaxKSplit = 8;
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -68,6 +78,26 @@ __device__ __forceinline__ void mbar_arrive_rank(uint32_t addr, int rank) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(map_rank(addr, rank))
                : "memory");
 }
+// Arrive on the barrier at `addr` in rank `rank`'s shared memory, ordering only this thread's
+// earlier shared-memory accesses (release at CTA scope: no MEMBAR.GPU). For "your buffer here
+// is free again" signals, whose reads have completed (their values are in registers).
+__device__ __forceinline__ void mbar_arrive_rank_cta(uint32_t addr, int rank) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cluster.b64 _, [%0];\n" ::"r"(map_rank(addr, rank)) : "memory");
+}
+// Store 16 bytes into another rank's shared memory (both addresses from map_rank) and complete
+// them on that rank's barrier `bar` as transaction bytes: the barrier's phase cannot complete
+// before the bytes have landed.
+__device__ __forceinline__ void st_async_f32x4(uint32_t cluster_addr, float a, float b, float c, float d,
+                                               uint32_t cluster_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1,%2,%3,%4}, [%5];\n" ::"r"(
+                   cluster_addr),
+               "f"(a), "f"(b), "f"(c), "f"(d), "r"(cluster_bar)
+               : "memory");
+}
+// This thread's arrival on a barrier of its own CTA that also expects `bytes` transaction bytes.
+__device__ __forceinline__ void mbar_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t cluster_addr) {
   float4 v;
   asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
@@ -82,7 +112,9 @@ __device__ __forceinline__ void sts128f(uint32_t addr, float a, float b, float c
 }
 // Cluster barrier, all threads of every rank; each thread alternates arrive and wait. Split at
 // the start (arrive after the barrier init, wait before the first remote arrival) and whole
-// before exit (no rank's shared memory may still be addressed by another).
+// before exit (no rank's shared memory may still be addressed by another): with release when
+// the exit may follow reads of another rank's shared memory (cluster_barrier), relaxed when
+// nothing is left in flight (cluster_barrier_relaxed; see ItemReducer).
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
@@ -92,30 +124,38 @@ __device__ __forceinline__ void cluster_wait() {
 __device__ __forceinline__ void cluster_barrier() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+__device__ __forceinline__ void cluster_barrier_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
 
-// NW consumer warps with NACC fp32 accumulators per lane.
-template <int NW, int NACC>
+// NW consumer warps with NACC fp32 accumulators per lane, in clusters of up to RECV + 1 CTAs
+// (rank 0 has RECV receive slots).
+template <int NW, int NACC, int RECV>
 struct ItemReducer {
   static_assert(NACC % 4 == 0, "accumulators move as float4");
+  static_assert(RECV >= 1 && RECV < kMaxKSplit, "receive slots");
+  static constexpr int kMaxRanks = RECV + 1;
+  static constexpr bool kExitNeedsRelease = false;  // nothing in flight between CTAs at exit
   static constexpr int kSlotBytes = NACC * 32 * 4;
   static constexpr int kRedBytes = (NW - 1) * kSlotBytes;  // one slot per non-leader warp
-  static constexpr int kPartBytes = kSlotBytes;            // this rank's sum, for rank 0
+  static constexpr int kRecvBytes = RECV * kSlotBytes;     // (rank 0) one per other rank
   static constexpr int kBarBytes = (2 * NW + 2) * 8;
-  static constexpr int kBytes = kRedBytes + kPartBytes + kBarBytes;
+  static constexpr int bytes_with(int recv) { return kRedBytes + recv * kSlotBytes + kBarBytes; }
+  static constexpr int kBytes = bytes_with(RECV);
 
-  uint32_t red, part;
+  uint32_t red, recv;
   uint32_t full, empty, cl_full, cl_empty;  // full[NW], empty, cl_full[NW], cl_empty
   int ks, rank;
 
   __device__ ItemReducer(uint32_t base, int k_split, int cluster_rank)
-      : red(base), part(base + kRedBytes), full(base + kRedBytes + kPartBytes), empty(full + 8 * NW),
+      : red(base), recv(base + kRedBytes), full(base + kRedBytes + kRecvBytes), empty(full + 8 * NW),
         cl_full(empty + 8), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank) {}
 
   // One thread, before the CTA-wide (or cluster-wide) barrier that publishes the init.
   __device__ void init() const {
     for (int w = 0; w < NW; ++w) {
-      mbar_init(full + 8 * w, 32 * (NW - 1));                 // every lane of every non-leader warp
-      if (ks > 1) mbar_init(cl_full + 8 * w, 32 * (ks - 1));  // (rank 0) the other ranks' leaders
+      mbar_init(full + 8 * w, 32 * (NW - 1));  // every lane of every non-leader warp
+      if (ks > 1) mbar_init(cl_full + 8 * w, 1);  // (rank 0) its leader's arrival; the sums as bytes
     }
     mbar_init(empty, 32);                   // the leader's lanes
     if (ks > 1) mbar_init(cl_empty, 32);    // (rank > 0) rank 0's leader's lanes
@@ -126,11 +166,15 @@ struct ItemReducer {
   __device__ uint32_t slot_addr(int slot, int e4, int lane) const {
     return red + uint32_t(((slot * (NACC / 4) + e4) * 32 + lane) * 16);
   }
+  __device__ uint32_t recv_addr(int r, int e4, int lane) const {  // rank r's slot in rank 0
+    return recv + uint32_t(((r - 1) * (NACC / 4) + e4) * 32 + lane) * 16;
+  }
 
-  // Called by every consumer warp at the end of its seq-th item (seq = 0, 1, ... per CTA).
-  // On the warp that must store the item's result, calls store(sum) and returns; acc is zeroed.
+  // Called by every consumer warp at the end of its seq-th item (seq = 0, 1, ... per CTA);
+  // `last`: the CTA's last item (the same for every rank of a cluster). On the warp that must
+  // store the item's result, calls store(sum) and returns; acc is zeroed.
   template <class Store>
-  __device__ void finish(float (&acc)[NACC], int seq, int warp, int lane, Store&& store) const {
+  __device__ void finish(float (&acc)[NACC], int seq, bool last, int warp, int lane, Store&& store) const {
     const int leader = seq % NW;
     const uint32_t prev = uint32_t(seq - 1) & 1u;      // item seq - 1's phase of empty / cl_empty
     const uint32_t led = uint32_t(seq / NW) & 1u;      // the leader's phase of full / cl_full
@@ -164,21 +208,22 @@ struct ItemReducer {
         store(v);
       } else if (rank > 0) {
         if (seq > 0) mbar_wait<true>(cl_empty, prev);  // rank 0 has read item seq - 1's sum
+        const uint32_t bar0 = map_rank(cl_full + 8 * leader, 0), dst = map_rank(recv_addr(rank, 0, lane), 0);
 #pragma unroll
         for (int e4 = 0; e4 < NACC / 4; ++e4)
-          sts128f(part + uint32_t((e4 * 32 + lane) * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3]);
-        mbar_arrive_rank(cl_full + 8 * leader, 0);
+          st_async_f32x4(dst + uint32_t(e4 * 32 * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3], bar0);
       } else {
+        if (lane == 0) mbar_arrive_expect_bytes(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
         mbar_wait<true>(cl_full + 8 * leader, led);
         for (int r = 1; r < ks; ++r) {  // rank order
-          const uint32_t rp = map_rank(part, r);
 #pragma unroll
           for (int e4 = 0; e4 < NACC / 4; ++e4) {
-            const float4 q = ld_cluster_f32x4(rp + uint32_t((e4 * 32 + lane) * 16));
+            const float4 q = lds128f(recv_addr(r, e4, lane));
             v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
           }
         }
-        for (int r = 1; r < ks; ++r) mbar_arrive_rank(cl_empty, r);
+        if (!last)
+          for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty, r);
         store(v);
       }
     }
@@ -198,6 +243,8 @@ struct ItemReducer {
 template <int NW, int NACC>
 struct WarpClusterReducer {
   static_assert(NACC % 4 == 0, "accumulators move as float4");
+  static constexpr int kMaxRanks = kMaxKSplit;
+  static constexpr bool kExitNeedsRelease = true;  // rank 0 reads the other ranks' shared memory
   static constexpr int kSlotBytes = NACC * 32 * 4;
   static constexpr int kPartBytes = NW * kSlotBytes;  // this rank's sums, one slot per warp
   static constexpr int kBarBytes = 2 * NW * 8;
@@ -225,7 +272,7 @@ struct WarpClusterReducer {
   // Called by every consumer warp at the end of its seq-th item; on rank 0 (or without a
   // cluster) calls store(sum) with the warp's columns' sums. acc is zeroed.
   template <class Store>
-  __device__ void finish(float (&acc)[NACC], int seq, int warp, int lane, Store&& store) const {
+  __device__ void finish(float (&acc)[NACC], int seq, bool /*last*/, int warp, int lane, Store&& store) const {
     if (ks == 1) {
       store(acc);
     } else if (rank > 0) {

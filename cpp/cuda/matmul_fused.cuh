@@ -955,8 +955,9 @@ constexpr int kXKbBytes = 64;  // one k-block of one activation row (32 x 16 bit
 #ifndef KBIT_WS_RING_KIB
 #define KBIT_WS_RING_KIB 64
 #endif
+// The sizes of the warp-specialized kernel's shared memory that do not depend on its reducer.
 template <int BITS, int MT, int V>
-struct WsConfig {
+struct WsSizes {
   using C = Config<BITS, MT, V>;
   static constexpr int kWarps = C::kWarps;             // consumer warps
   static constexpr int kThreads = C::kThreads + 32;    // + one producer warp
@@ -964,28 +965,54 @@ struct WsConfig {
   static constexpr int kSfBytes = kWarps * C::kKBW * 2 * kSfWarpBytes;  // double-buffered
   static constexpr int kSChunk = C::kKCH * C::kCols;                  // raw scale bytes
   static constexpr int kSSlot = (kSChunk + 511) & ~511;              // ... their room in a slot
-  // End-of-item sums: V0/V1 add the warps' partial sums (and the cluster's); in V2 each warp
-  // owns its columns and only the cluster's ranks add up.
-  using Reducer = std::conditional_t<V == 2, WarpClusterReducer<kWarps, C::kAcc>, ItemReducer<kWarps, C::kAcc>>;
   static constexpr size_t align1024(size_t b) { return (b + 1023) & ~size_t(1023); }
-  // [LUT][reducer][sf][full x 8, empty x 8][ring]; the ring and its slots start on 1024 bytes
-  // (tensor-copy destinations; the swizzled activations need 512). +1 KiB: the dynamic shared
-  // memory itself may start anywhere on 16 bytes.
-  static constexpr size_t kRingOffset = size_t(WeightPath<BITS>::kLutBytes) + Reducer::kBytes + kSfBytes + 2 * 8 * 8;
-  static constexpr size_t fixed_bytes() { return kRingOffset + 1024; }
   static constexpr size_t slot_bytes(int x_rows) {
     return align1024(size_t(C::kWChunk) + kSSlot + size_t(x_rows) * C::kKCH * kXKbBytes);
   }
   static_assert(C::kWChunk % 512 == 0, "activations of a slot start on 512 bytes");
-  static constexpr int pick_stages() {
-    for (int d = 8; d > 2; --d)
-      if (fixed_bytes() + d * slot_bytes(8 * MT) <= size_t(kMaxSmem) && (d - 1) * C::kWChunk <= KBIT_WS_RING_KIB * 1024)
-        return d;
-    return 2;
+  // [LUT][reducer][sf][full x 8, empty x 8][ring]; the ring and its slots start on 1024 bytes
+  // (tensor-copy destinations; the swizzled activations need 512). +1 KiB: the dynamic shared
+  // memory itself may start anywhere on 16 bytes.
+  static constexpr size_t ring_offset(size_t reducer_bytes) {
+    return size_t(WeightPath<BITS>::kLutBytes) + reducer_bytes + kSfBytes + 2 * 8 * 8;
   }
-  static constexpr int kStages = pick_stages();
-  static_assert(fixed_bytes() + 2 * slot_bytes(8 * MT) <= size_t(kMaxSmem), "shared memory budget");
-  static constexpr size_t smem_bytes(int x_rows) { return fixed_bytes() + kStages * slot_bytes(x_rows); }
+  // Ring depth next to a reducer of `reducer_bytes`: as deep as shared memory allows (sized for
+  // the largest row count of this MT), up to KBIT_WS_RING_KIB of weights in flight, at least 2;
+  // 0 if two stages do not fit.
+  static constexpr int stages_with(size_t reducer_bytes) {
+    for (int d = 8; d >= 2; --d)
+      if (ring_offset(reducer_bytes) + 1024 + d * slot_bytes(8 * MT) <= size_t(kMaxSmem) &&
+          (d == 2 || (d - 1) * C::kWChunk <= KBIT_WS_RING_KIB * 1024))
+        return d;
+    return 0;
+  }
+  // Receive slots of ItemReducer (V0/V1): one per other rank of a kMaxKSplit cluster, fewer
+  // where they would cut the ring below 4 stages (or below its depth with one slot, if less);
+  // the launcher then caps the cluster size at slots + 1. (13 of the 16 tilings get all 7; four
+  // lose one stage, e.g. bits 2 at MT = 1 8 -> 7, which the session-9 ring A/B put within 0-2 %;
+  // bits 5 at MT = 1, V0 gets 2 slots, at MT = 2, V0 4, bits 2 and 4 at MT = 2, V1 6.)
+  static constexpr int recv_slots() {
+    using R = ItemReducer<kWarps, C::kAcc, 1>;
+    const int want = std::min(stages_with(R::bytes_with(1)), 4);
+    for (int n = kMaxKSplit - 1; n > 1; --n)
+      if (stages_with(R::bytes_with(n)) >= want) return n;
+    return 1;
+  }
+};
+
+template <int BITS, int MT, int V>
+struct WsConfig : WsSizes<BITS, MT, V> {
+  using S = WsSizes<BITS, MT, V>;
+  using typename S::C;
+  // End-of-item sums: V0/V1 add the warps' partial sums (and the cluster's); in V2 each warp
+  // owns its columns and only the cluster's ranks add up.
+  using Reducer = std::conditional_t<V == 2, WarpClusterReducer<S::kWarps, C::kAcc>,
+                                     ItemReducer<S::kWarps, C::kAcc, S::recv_slots()>>;
+  static constexpr size_t kRingOffset = S::ring_offset(Reducer::kBytes);
+  static constexpr size_t fixed_bytes() { return kRingOffset + 1024; }
+  static constexpr int kStages = S::stages_with(Reducer::kBytes);
+  static_assert(kStages >= 2, "shared memory budget");
+  static constexpr size_t smem_bytes(int x_rows) { return fixed_bytes() + kStages * S::slot_bytes(x_rows); }
 };
 
 __device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
@@ -1189,11 +1216,12 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     };
 
     int item_seq = 0;
-    auto epilogue = [&](const Cursor& cur) {
+    auto epilogue = [&](const Cursor& cur, bool last_item) {
       if (KS > 1 && item_seq == 0) cluster_wait();  // the other ranks' reducer barriers exist
       Cursor wc = cur;
       if constexpr (V == 2) wc.col0 += 16 * TN * warp;  // the warp's own columns
-      reducer.finish(acc, item_seq++, warp, lane, [&](const float (&v)[NACC]) { store_item<MT, T>(p, wc, g, t, v); });
+      reducer.finish(acc, item_seq++, last_item, warp, lane,
+                     [&](const float (&v)[NACC]) { store_item<MT, T>(p, wc, g, t, v); });
     };
 
     auto build_lut = [&](int b) { build_table<WP, Act>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, NT); };
@@ -1222,7 +1250,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       if (++slot == D) { slot = 0; fparity ^= 1u; }
       const bool last = cc.c == nch - 1;
       KBIT_TL_MARK(p, kTlFirstItemEnd, tid == 0 && last && item_seq == 0);
-      if (last) epilogue(cc);
+      if (last) epilogue(cc, q + 1 == Q);
       KBIT_TL_MARK(p, kTlFirstStored, tid == 0 && last && item_seq == 1);
       walk.advance(cc);
       if (last && q + 1 < Q && cc.b != lut_b) {  // next item belongs to another batch entry
@@ -1235,7 +1263,12 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     if (KS > 1 && item_seq == 0) cluster_wait();  // (no item: still pair the start's arrive)
     KBIT_TL_MARK(p, kTlLoopEnd, tid == 0);
   }  // consumer warps
-  if (KS > 1) cluster_barrier();  // rank 0 may still read this CTA's sum, or arrive on it
+  if (KS > 1) {  // no rank's shared memory may still be addressed by another
+    if constexpr (WC::Reducer::kExitNeedsRelease)
+      cluster_barrier();  // rank 0 may still read this CTA's sums
+    else
+      cluster_barrier_relaxed();
+  }
   KBIT_TL_MARK(p, kTlExit, tid == 0);
   KBIT_TL_GLOBAL(p, kTlGlobalExit, tid == 0);
 }
@@ -1360,7 +1393,9 @@ struct Launcher {
     // all faster, e.g. llama3-70b gate/up at TP 2 (K 8192, N 28672) 52.5 -> 50.6 us and q/k/v
     // (K 8192, N 5120) 20.4 -> 16.3 us at M = 1). The cp.async kernel keeps the flat cost.
     double best_cost = 1e30;
-    const int ks_max = std::min(8, std::max(KB, 1));
+    int ks_cap = kMaxKSplit;  // (the warp-specialized kernel: as many ranks as its reducer takes)
+    if constexpr (WS) ks_cap = WsConfig<BITS, MT, V>::Reducer::kMaxRanks;
+    const int ks_max = std::min(ks_cap, std::max(KB, 1));
     for (int ks = 1; ks <= ks_max; ++ks) {
       if (tuning && tuning->k_split > 0 && ks != std::min(tuning->k_split, ks_max)) continue;
       const int kps = split_len(ks);
