@@ -151,6 +151,11 @@
 //  and end are what is left: qwen3-sized products take 7-10 us of device time in JAX
 //  (matmul_h200_small_busy.md). Tried and reverted: issuing the first ring's copies before the
 //  CTA's start barrier (median 1.01x the time; kernel_prologue_h200.md).
+//  Session 11 (benchmarks/results/kernel_end_h200.md): k-split ranks send their item sums into
+//  rank 0's shared memory by st.async (item_reduce.cuh); the cluster-scope release arrivals they
+//  replace compiled to MEMBAR.GPU. K-split small shapes 0.86-0.95x the time, the rest +-2.5 %.
+//  Timed and dropped: the scale bytes of a lane's k-block in one LDS.64 (a format change; 0.98x
+//  on the Llama shapes, so the scale path is not what holds the steady state at ~64 % of copy).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
