@@ -155,7 +155,8 @@
 //  rank 0's shared memory by st.async (item_reduce.cuh); the cluster-scope release arrivals they
 //  replace compiled to MEMBAR.GPU. K-split small shapes 0.86-0.95x the time, the rest +-2.5 %.
 //  Timed and dropped: the scale bytes of a lane's k-block in one LDS.64 (a format change; 0.98x
-//  on the Llama shapes, so the scale path is not what holds the steady state at ~64 % of copy).
+//  on the Llama shapes, so the scale path is not what holds the steady state at ~64 % of copy),
+//  and 12 consumer warps in V1 (median 1.05-1.10x the time; only bits 3 on the 70B shapes gained).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
