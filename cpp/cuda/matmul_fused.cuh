@@ -543,12 +543,12 @@ struct ItemWalk {
   }
 };
 
-// Scale one item's sums by the tensor scale, round to T and store them; v[e] of lane (g, t)
+// Scale one item's sums by the tensor scale ts, round to T and store them; v[e] of lane (g, t)
 // holds row m0 + 8 mt + 2t + (e & 1) of column col0 + 16 j + g + 8 ((e >> 1) & 1), with
 // e = 4 (j MT + mt) + (e & 3), as the mma accumulator layout of the swapped product puts it.
 template <int MT, class T, int NACC>
-__device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, int g, int t, const float (&v)[NACC]) {
-  const float ts = p.tensor_scale[cur.b];
+__device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, int g, int t, const float (&v)[NACC],
+                                           float ts) {
   T* yg = static_cast<T*>(p.y) + int64_t(cur.b) * p.M * p.N;
 #pragma unroll
   for (int e = 0; e < NACC; ++e) {
@@ -844,7 +844,7 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
         for (int e = 0; e < NACC; ++e) acc[e] += lds32f(s_red + ((warp * NACC + e) * 32 + lane) * 4);
       __syncthreads();
     }
-    auto store = [&](const float (&v)[NACC]) { store_item<MT, T>(p, cur, g, t, v); };
+    auto store = [&](const float (&v)[NACC]) { store_item<MT, T>(p, cur, g, t, v, p.tensor_scale[cur.b]); };
     if (KS == 1) {
       if (warp == 0) store(acc);
     } else {
@@ -1221,16 +1221,23 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       }
     };
 
+    // The batch entry's table, and its tensor scale for the epilogues: loaded here, next to the
+    // codebook, instead of at each item's store, where its latency would sit on the item's end.
+    float ts = 0.f;
+    auto build_lut = [&](int b) {
+      build_table<WP, Act>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, NT);
+      ts = p.tensor_scale[b];
+    };
+
     int item_seq = 0;
     auto epilogue = [&](const Cursor& cur, bool last_item) {
       if (KS > 1 && item_seq == 0) cluster_wait();  // the other ranks' reducer barriers exist
       Cursor wc = cur;
       if constexpr (V == 2) wc.col0 += 16 * TN * warp;  // the warp's own columns
       reducer.finish(acc, item_seq++, last_item, warp, lane,
-                     [&](const float (&v)[NACC]) { store_item<MT, T>(p, wc, g, t, v); });
+                     [&](const float (&v)[NACC]) { store_item<MT, T>(p, wc, g, t, v, ts); });
     };
 
-    auto build_lut = [&](int b) { build_table<WP, Act>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, NT); };
     Cursor cc = walk.first();
     int lut_b = -1;
     pdl_wait();  // (the codebook, the activations' and the outputs' buffers may be the previous kernel's)
