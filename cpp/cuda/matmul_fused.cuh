@@ -157,6 +157,8 @@
 //  Timed and dropped: the scale bytes of a lane's k-block in one LDS.64 (a format change; 0.98x
 //  on the Llama shapes, so the scale path is not what holds the steady state at ~64 % of copy),
 //  and 12 consumer warps in V1 (median 1.05-1.10x the time; only bits 3 on the 70B shapes gained).
+//  The tensor scale's global load moved from each item's store to the table build (it stalled
+//  every item's end): M = 16 median 0.91x the time, M <= 4 0.98x (kernel_tensor_scale_h200.md).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
