@@ -38,6 +38,7 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/tma.cuh"  // mbar_arrive_expect_tx
 
 namespace kbit::cuda::fused {
 
@@ -93,10 +94,6 @@ __device__ __forceinline__ void st_async_f32x4(uint32_t cluster_addr, float a, f
                    cluster_addr),
                "f"(a), "f"(b), "f"(c), "f"(d), "r"(cluster_bar)
                : "memory");
-}
-// This thread's arrival on a barrier of its own CTA that also expects `bytes` transaction bytes.
-__device__ __forceinline__ void mbar_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t cluster_addr) {
   float4 v;
@@ -213,7 +210,7 @@ struct ItemReducer {
         for (int e4 = 0; e4 < NACC / 4; ++e4)
           st_async_f32x4(dst + uint32_t(e4 * 32 * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3], bar0);
       } else {
-        if (lane == 0) mbar_arrive_expect_bytes(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
+        if (lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
         mbar_wait<true>(cl_full + 8 * leader, led);
         for (int r = 1; r < ks; ++r) {  // rank order
 #pragma unroll
