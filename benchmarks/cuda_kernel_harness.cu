@@ -14,6 +14,9 @@
 //   build/cuda_kernel_harness sweep              every cluster size (k-split) vs the launcher's choice
 //   build/cuda_kernel_harness rows               M = 17..128: warp-specialized vs cp.async kernel
 //   build/cuda_kernel_harness one BITS K N M [reps] [variant]   one configuration (for ncu)
+//   build/cuda_kernel_harness repeat BITS DTYPE B M K N K_SPLIT VARIANT REPS [LAYOUT]   one test
+//                                                 case launched REPS times, each run checked and
+//                                                 failing runs described (intermittent failures)
 // Environment: KBIT_HARNESS_VERBOSE=1 prints each matmul test case before it runs (a case that
 // hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel".
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
@@ -374,8 +377,12 @@ struct MMCase { int B, M, K, N; int k_split; bool force_generic; int variant = -
 // rounded to the activation dtype twice (the codebook entry; in the N-split tiling with bf16,
 // also the entry times its block scale: 2 u_act sum|x||w|), the output rounded (u_out |y|), x 2.
 // (A bound relative to |y| alone fails for a few outputs that cancel, e.g. K = 32, N = 1.)
+// reps > 1 ("repeat" mode, a hunt for intermittent failures): launches the case reps times on
+// the same inputs, checks each run and describes each failing one (diagnose_matmul_run).
+static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref, const std::vector<double>& bound,
+                                const std::vector<uint8_t>& y, DType dt);
 static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, uint32_t seed,
-                              double* bound_ratio, std::string* path_out) {
+                              double* bound_ratio, std::string* path_out, int reps = 1) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   const int KB = c.K / 32, C = 1 << bits;
@@ -428,7 +435,6 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   DevBuf<float> dcb(cb.size()), dts(ts.size());
   dp.upload(planes.data()); ds.upload(scales.data()); dcb.upload(cb.data()); dts.upload(ts.data());
   DevBuf<uint8_t> dy(size_t(c.B) * c.M * c.N * dsize(dt));
-  CK(cudaMemset(dy.p, 0xFF, dy.n));  // NaN in every dtype: unwritten outputs fail the check
   kbit::cuda::MatmulArgs a;
   a.x = dx.p; a.dtype = dt; a.planes = dp.p; a.scales = ds.p; a.codebook = dcb.p; a.tensor_scale = dts.p;
   a.y = dy.p; a.batch = c.B; a.m = c.M; a.k = c.K; a.n = c.N; a.bits = bits; a.layout = layout;
@@ -437,27 +443,88 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   tune.force_generic = c.force_generic;
   tune.variant = c.variant;
   *path_out = c.force_generic ? "generic (forced)" : kbit::cuda::matmul_path(a);
-  const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
-  CK(cudaDeviceSynchronize());
-  if (!err.empty()) {
-    printf("  launch error: %s\n", err.c_str());
-    return INFINITY;
-  }
-  std::vector<uint8_t> y(dy.n);
-  dy.download(y.data());
   const double u32 = std::ldexp(1.0, -24);
   const double u_act = dt == DType::kBF16 ? std::ldexp(1.0, -8) : dt == DType::kF16 ? std::ldexp(1.0, -11) : u32;
-  double num = 0, den = 0;
+  std::vector<double> bound(ref.size());
+  for (size_t i = 0; i < ref.size(); ++i)
+    bound[i] = 2 * ((c.K * u32 + 2 * u_act) * mag[i] + u_act * std::fabs(ref[i])) + 1e-30;
+  std::vector<uint8_t> y(dy.n);
+  double worst_rel = 0;
   *bound_ratio = 0;
+  int failed_runs = 0;
+  for (int rep = 0; rep < reps; ++rep) {
+    CK(cudaMemset(dy.p, 0xFF, dy.n));  // NaN in every dtype: unwritten outputs fail the check
+    const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
+    CK(cudaDeviceSynchronize());
+    if (!err.empty()) {
+      printf("  launch error: %s\n", err.c_str());
+      return INFINITY;
+    }
+    dy.download(y.data());
+    double num = 0, den = 0, ratio = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double v = read_dtype(y, i, dt);
+      if (!std::isfinite(v)) { ratio = INFINITY; num = INFINITY; break; }
+      num += (v - ref[i]) * (v - ref[i]);
+      den += ref[i] * ref[i];
+      ratio = std::max(ratio, std::fabs(v - ref[i]) / bound[i]);
+    }
+    const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    worst_rel = std::max(worst_rel, rel);
+    *bound_ratio = std::max(*bound_ratio, ratio);
+    if (reps > 1 && ratio > 1.0) {
+      ++failed_runs;
+      printf("REPEAT run %d of %d: max |err| / bound %.3g, relative Frobenius error %.3g (k_split %d, %d CTAs)\n", rep,
+             reps, ratio, rel, tune.launched_k_split, tune.launched_ctas);
+      if (failed_runs <= 8) diagnose_matmul_run(c, ref, bound, y, dt);
+    }
+  }
+  if (reps > 1)
+    printf("REPEAT %d of %d runs failed (%s, k_split %d, %d CTAs)\n", failed_runs, reps, path_out->c_str(),
+           tune.launched_k_split, tune.launched_ctas);
+  return worst_rel;
+}
+
+// Which outputs of a failing run are off: the first few, and every 16-column tile with one (a
+// warp's columns in the N-split tiling: the tiles pointed at the stage-release race, see the ws
+// kernel's consumer loop).
+static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref, const std::vector<double>& bound,
+                                const std::vector<uint8_t>& y, DType dt) {
+  int bad = 0;
+  std::vector<int> tiles;  // b * tiles per row + n / 16
   for (size_t i = 0; i < ref.size(); ++i) {
     const double v = read_dtype(y, i, dt);
-    if (!std::isfinite(v)) return INFINITY;
-    num += (v - ref[i]) * (v - ref[i]);
-    den += ref[i] * ref[i];
-    const double bound = 2 * ((c.K * u32 + 2 * u_act) * mag[i] + u_act * std::fabs(ref[i])) + 1e-30;
-    *bound_ratio = std::max(*bound_ratio, std::fabs(v - ref[i]) / bound);
+    if (std::fabs(v - ref[i]) <= bound[i]) continue;
+    const int n = int(i % c.N), m = int((i / c.N) % c.M), b = int(i / (size_t(c.N) * c.M));
+    if (++bad <= 4)
+      printf("  b=%d m=%d n=%d: ref %.6g got %.6g (%.2f bounds)\n", b, m, n, ref[i], v, std::fabs(v - ref[i]) / bound[i]);
+    const int tile = b * ((c.N + 15) / 16) + n / 16;
+    if (std::find(tiles.begin(), tiles.end(), tile) == tiles.end()) tiles.push_back(tile);
   }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  printf("  %d outputs out of bound in 16-column tiles", bad);
+  for (size_t i = 0; i < tiles.size() && i < 32; ++i) printf(" %d", tiles[i]);
+  printf("%s\n", tiles.size() > 32 ? " ..." : "");
+}
+
+// The warp-specialized kernel released ring stages while its reads of them were still in flight;
+// in the N-split tiling with 5-8 CTA clusters the producer's next copies overwrote them first.
+// Before the fix (H200) the first case failed in 43 of 100 launches, the second in 59 of 200.
+// Each is launched 20 times (3 if quick); the last is the launcher's own choice of tiling (with
+// 8-CTA clusters), which had not failed in 100 launches: a check of what users get.
+static void test_stage_release(bool quick) {
+  const struct { int bits; MMCase c; } cases[] = {
+      {5, {1, 64, 3072, 8192, 6, false, 2}},
+      {2, {1, 64, 3072, 16384, 6, false, 2}},
+      {5, {1, 48, 14336, 1024, 0, false, -1}},
+  };
+  uint32_t seed = 4242;
+  for (const auto& [bits, c] : cases) {
+    double ratio = 0;
+    std::string path;
+    run_matmul_case(c, bits, 1, DType::kBF16, seed++, &ratio, &path, quick ? 3 : 20);
+    EXPECT(ratio <= 1.0, "repeated matmul B=%d M=%d K=%d N=%d bits=%d k_split=%d variant=%d: max |err| / bound %.3g",
+           c.B, c.M, c.K, c.N, bits, c.k_split, c.variant, ratio);
+  }
 }
 
 static void test_matmul(bool quick) {
@@ -1107,6 +1174,18 @@ int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   const std::string mode = argc > 1 ? argv[1] : "all";
   const bool quick = argc > 2 && std::string(argv[2]) == "quick";
+  if (mode == "repeat") {  // repeat BITS DTYPE(bf16|f16|f32) B M K N K_SPLIT VARIANT REPS [LAYOUT]
+    if (argc < 11) { printf("repeat BITS DTYPE B M K N K_SPLIT VARIANT REPS [LAYOUT]\n"); return 2; }
+    const std::string dts = argv[3];
+    const DType dt = dts == "f16" ? DType::kF16 : dts == "f32" ? DType::kF32 : DType::kBF16;
+    MMCase c{atoi(argv[4]), atoi(argv[5]), atoi(argv[6]), atoi(argv[7]), atoi(argv[8]), false, atoi(argv[9])};
+    double ratio = 0;
+    std::string path;
+    const double rel = run_matmul_case(c, atoi(argv[2]), argc > 11 ? atoi(argv[11]) : 1, dt, 9000, &ratio, &path,
+                                       atoi(argv[10]));
+    printf("repeat %s: worst max |err| / bound %.3g, worst relative Frobenius error %.3g\n", path.c_str(), ratio, rel);
+    return ratio <= 1.0 ? 0 : 1;
+  }
   if (mode == "race") {
     test_sanitizer_subset();
     printf("\nTESTS: %d checks, %d failures\n", g_checks, g_failures);
@@ -1134,6 +1213,7 @@ int main(int argc, char** argv) {
     test_quantize(quick);
     test_dequantize(quick);
     test_matmul(quick);
+    test_stage_release(quick);
     printf("\nTESTS: %d checks, %d failures\n", g_checks, g_failures);
   }
   if (mode == "bench" || mode == "all" || mode == "benchfull") {

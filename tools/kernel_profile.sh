@@ -9,6 +9,9 @@
 #                                                 TP 1, 2, 4 (M = 1): the decode step's matmul time
 #   tools/kernel_profile.sh timeline BITS K N M ...   where a launch's time goes: milestone clocks
 #                                                 per CTA (an instrumented build, cuda/timeline.cuh)
+#   tools/kernel_profile.sh repeat BITS DTYPE B M K N KS VARIANT REPS   one test case launched
+#                                                 REPS times, every run checked (the harness's
+#                                                 "repeat": a hunt for intermittent failures)
 #   tools/kernel_profile.sh host                 host time of one launch and of its parts
 #   tools/kernel_profile.sh rows                 M = 17..128: warp-specialized (blocks of 16 rows)
 #                                                 against the cp.async kernel
@@ -66,6 +69,8 @@ case $mode in
         grep -E "^TESTS|^matmul:|FAIL" "$OUT/harness_test.log" | tail -5 ;;
   sel) "$bin" sel | tee "$OUT/sel${TAG:-}.log" | grep -E "^SEL|copy" ;;
   layers) "$bin" layers | tee "$OUT/layers${TAG:-}.log" ;;
+  repeat) timeout 300 "$bin" repeat "$@" > "$OUT/repeat${TAG:-}.log" 2>&1; echo "harness repeat rc=$?"
+          grep -E "^REPEAT [0-9]+ of|^repeat" "$OUT/repeat${TAG:-}.log" ;;
   timeline) "$bin" timeline "$@" | tee "$OUT/timeline${TAG:-}.log" ;;
   host) "$bin" host | tee "$OUT/host${TAG:-}.log" ;;
   rows) "$bin" rows | tee "$OUT/rows${TAG:-}.log" | grep -E "^ROWS|copy" ;;

@@ -159,6 +159,10 @@
 //  and 12 consumer warps in V1 (median 1.05-1.10x the time; only bits 3 on the 70B shapes gained).
 //  The tensor scale's global load moved from each item's store to the table build (it stalled
 //  every item's end): M = 16 median 0.91x the time, M <= 4 0.98x (kernel_tensor_scale_h200.md).
+//  Session 12 (benchmarks/results/kernel_stage_release_h200.md): a consumer warp released its ring
+//  stage while the last k-block's loads of it were still in flight, and the N-split tiling with
+//  5-8 CTA clusters read refilled stages (wrong sums in 2-75 % of the launches at bits 2 and 5).
+//  The release now depends on the accumulators (see `release`): 1.008x the time.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -1252,6 +1256,22 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 
     int slot = 0;
     uint32_t fparity = 0;
+    // Release a stage only once this warp's reads of it have returned their data: the producer's
+    // next tensor copy into it (an async-proxy write) may start as soon as it sees the arrival, and
+    // ptxas leaves the last k-block's loads in flight past an arrival that depends on nothing (their
+    // registers are used after it). Here the arrival's address depends on every accumulator,
+    // i.e. on the last mma of each tile, which consumed all of the stage's loads: two LOP3 and
+    // the mma latency. (Without it the N-split tiling read refilled stages: wrong sums in 2-75 %
+    // of the launches at bits 2 and 5 with 5-8 CTA clusters, in the warps that share a scheduler
+    // with the producer and run behind. A proxy fence before the arrival, which waits for the
+    // loads, fixed it too at 1.02x the time. benchmarks/results/kernel_stage_release_h200.md)
+    auto release = [&](int s) {
+      uint32_t zero = uint32_t(p.M) >> 31;  // 0, but not a constant to the compiler
+#pragma unroll
+      for (int i = 0; i < NACC / 4; ++i) asm volatile("and.b32 %0, %0, %1;\n" : "+r"(zero) : "r"(__float_as_uint(acc[4 * i])));
+      __syncwarp();
+      if (lane == 0) mbar_arrive(s_empty + 8 * s + zero);
+    };
     for (int q = 0; q < Q; ++q) {
       mbar_wait(s_full + 8 * slot, fparity);
       KBIT_TL_MARK(p, kTlFirstChunk, tid == 0 && q == 0);
@@ -1260,8 +1280,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         compute_nsplit(slot, q & 1);
       else
         compute(cc, slot, q & 1);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(s_empty + 8 * slot);
+      release(slot);
       if (++slot == D) { slot = 0; fparity ^= 1u; }
       const bool last = cc.c == nch - 1;
       KBIT_TL_MARK(p, kTlFirstItemEnd, tid == 0 && last && item_seq == 0);
