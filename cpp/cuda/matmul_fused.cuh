@@ -162,7 +162,8 @@
 //  Session 12 (benchmarks/results/kernel_stage_release_h200.md): a consumer warp released its ring
 //  stage while the last k-block's loads of it were still in flight, and the N-split tiling with
 //  5-8 CTA clusters read refilled stages (wrong sums in 2-75 % of the launches at bits 2 and 5).
-//  The release now depends on the accumulators (see `release`): 1.008x the time.
+//  The release now depends on the accumulators (see `release`): 1.008x the time at M <= 16,
+//  1.017x at M = 17..128.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -1268,7 +1269,8 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     auto release = [&](int s) {
       uint32_t zero = uint32_t(p.M) >> 31;  // 0, but not a constant to the compiler
 #pragma unroll
-      for (int i = 0; i < NACC / 4; ++i) asm volatile("and.b32 %0, %0, %1;\n" : "+r"(zero) : "r"(__float_as_uint(acc[4 * i])));
+      for (int i = 0; i < NACC / 4; ++i)
+        asm volatile("and.b32 %0, %0, %1;\n" : "+r"(zero) : "r"(__float_as_uint(acc[4 * i])));
       __syncwarp();
       if (lane == 0) mbar_arrive(s_empty + 8 * s + zero);
     };
