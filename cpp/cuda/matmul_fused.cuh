@@ -1261,8 +1261,8 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // next tensor copy into it (an async-proxy write) may start as soon as it sees the arrival, and
     // ptxas leaves the last k-block's loads in flight past an arrival that depends on nothing (their
     // registers are used after it). Here the arrival's address depends on every accumulator,
-    // i.e. on the last mma of each tile, which consumed all of the stage's loads: two LOP3 and
-    // the mma latency. (Without it the N-split tiling read refilled stages: wrong sums in 2-75 %
+    // i.e. on the last mma of each tile, which consumed all of the stage's loads: a LOP3 per
+    // three accumulator groups and the mma latency. (Without it the N-split tiling read refilled stages: wrong sums in 2-75 %
     // of the launches at bits 2 and 5 with 5-8 CTA clusters, in the warps that share a scheduler
     // with the producer and run behind. A proxy fence before the arrival, which waits for the
     // loads, fixed it too at 1.02x the time. benchmarks/results/kernel_stage_release_h200.md)
