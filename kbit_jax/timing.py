@@ -94,10 +94,11 @@ def products_seconds(product, x, weights, repeats: int, max_passes: int = 8,
     (passes_function). The host's cost of a call grows with its argument leaves, the device's
     with the products: on the H200 machine queueing a call over 48 kbit weights (192 leaves)
     took 0.7 ms, 14.6 us per product, for a 7.2 us kernel, so one pass measured the host. The
-    passes double until queueing a call takes at most HOST_BOUND_FRACTION of its time. (Measured there: qwen3 q at M = 1 read 7.6 us after 8 passes;
-    at M = 4 it reached the cap of 8 at 11.2 us, for a kernel of the same 7.2 us.) `passes` is
-    where the search starts: a caller timing similar products passes the count the last one
-    needed, which saves the compiles of the smaller counts (more passes never hurt the figure).
+    passes double until queueing a call takes at most HOST_BOUND_FRACTION of its time. (Measured
+    there: qwen3 q at M = 1 read 7.6 us after 8 passes; at M = 4 it reached the cap of 8 at
+    11.2 us, for a kernel of the same 7.2 us.) `passes` is where the search starts: a caller
+    timing similar products passes the count the last one needed, which saves the compiles of the
+    smaller counts (more passes never hurt the figure).
     """
     passes = max(1, min(passes, max_passes))
     f = passes_function(product)  # one jit; each pass count traces it once

@@ -18,21 +18,16 @@ for bits, (k, n) in [(b, s) for b in (2, 3, 4, 5) for s in ((256, 136), (320, 25
             for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
                 x = jax.random.normal(jax.random.key(m), (m, k), dtype)
                 jax.block_until_ready(kj.matmul(x, q, method="fused"))
-# N = 8192 at M = 17, 33, 64: the launcher's plan takes the N-split tiling (blocks of 32 or 64
-# rows, the last one partial at 17 and 33), mostly with 2-CTA k-split clusters, whose warps add
-# their sums across the cluster (item_reduce.cuh: WarpClusterReducer).
-for bits in (2, 3, 4, 5):
-    q = kj.quantize(jax.random.normal(jax.random.key(bits), (256, 8192)), bits)
-    for m in (17, 33, 64):
-        for dtype in (jnp.bfloat16, jnp.float16):
-            x = jax.random.normal(jax.random.key(m), (m, 256), dtype)
-            jax.block_until_ready(kj.matmul(x, q, method="fused"))
-# K = 4096, N = 256 at M = 1 and 12: 4 column groups, so the launcher splits K over clusters of
-# up to 8 CTAs, whose ranks send their sums to rank 0 (item_reduce.cuh: ItemReducer).
-for bits in (2, 3, 4, 5):
-    q = kj.quantize(jax.random.normal(jax.random.key(bits), (4096, 256)), bits)
-    for m in (1, 12):
-        for dtype in (jnp.bfloat16, jnp.float16):
-            x = jax.random.normal(jax.random.key(m), (m, 4096), dtype)
-            jax.block_until_ready(kj.matmul(x, q, method="fused"))
+# Larger products on the launcher's own plan (bf16 and f16): N = 8192 at M = 17, 33, 64 takes the
+# N-split tiling (blocks of 32 or 64 rows, the last one partial at 17 and 33), mostly with 2-CTA
+# k-split clusters, whose warps add their sums across the cluster (item_reduce.cuh:
+# WarpClusterReducer); K = 4096, N = 256 at M = 1 and 12 has 4 column groups, so the launcher
+# splits K over clusters of up to 8 CTAs, whose ranks send their sums to rank 0 (ItemReducer).
+for (k, n), ms in (((256, 8192), (17, 33, 64)), ((4096, 256), (1, 12))):
+    for bits in (2, 3, 4, 5):
+        q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
+        for m in ms:
+            for dtype in (jnp.bfloat16, jnp.float16):
+                x = jax.random.normal(jax.random.key(m), (m, k), dtype)
+                jax.block_until_ready(kj.matmul(x, q, method="fused"))
 print("sanitize case done")

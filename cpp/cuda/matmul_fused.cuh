@@ -1259,13 +1259,14 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     uint32_t fparity = 0;
     // Release a stage only once this warp's reads of it have returned their data: the producer's
     // next tensor copy into it (an async-proxy write) may start as soon as it sees the arrival, and
-    // ptxas leaves the last k-block's loads in flight past an arrival that depends on nothing (their
-    // registers are used after it). Here the arrival's address depends on every accumulator,
-    // i.e. on the last mma of each tile, which consumed all of the stage's loads: a LOP3 per
-    // three accumulator groups and the mma latency. (Without it the N-split tiling read refilled stages: wrong sums in 2-75 %
-    // of the launches at bits 2 and 5 with 5-8 CTA clusters, in the warps that share a scheduler
-    // with the producer and run behind. A proxy fence before the arrival, which waits for the
-    // loads, fixed it too at 1.02x the time. benchmarks/results/kernel_stage_release_h200.md)
+    // ptxas leaves the last k-block's loads in flight past an arrival that depends on nothing
+    // (their registers are used after it). Here the arrival's address depends on every accumulator,
+    // i.e. on the last mma of each tile, which consumed all of the stage's loads: a LOP3 per three
+    // accumulator groups and the mma latency. (Without it the N-split tiling read refilled stages:
+    // wrong sums in 2-75 % of the launches at bits 2 and 5 with 5-8 CTA clusters, in the warps that
+    // share a scheduler with the producer and run behind. A proxy fence before the arrival, which
+    // waits for the loads, fixed it too at 1.02x the time.
+    // benchmarks/results/kernel_stage_release_h200.md)
     auto release = [&](int s) {
       uint32_t zero = uint32_t(p.M) >> 31;  // 0, but not a constant to the compiler
 #pragma unroll
