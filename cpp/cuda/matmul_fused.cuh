@@ -538,15 +538,18 @@ struct ItemWalk {
     set_derived(cur);
     return cur;
   }
+  __device__ void next_item(Cursor& cur) const {  // the first chunk of the CTA's next item
+    cur.c = 0;
+    cur.item += n_clusters;
+    set_derived(cur);
+  }
   __device__ void advance(Cursor& cur) const {
     if (++cur.c < nch) {
       cur.cell0 += chunk_cells;
       cur.x0 += KCH * 32;
       return;
     }
-    cur.c = 0;
-    cur.item += n_clusters;
-    set_derived(cur);
+    next_item(cur);
   }
 };
 
@@ -1150,6 +1153,36 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 
+    // The lane's shared-memory addresses for its KPW k-blocks, as offsets within a ring slot (the
+    // scale bytes, codes and activations; slots start on 1024 bytes, so the activations' 64-byte
+    // swizzle is a function of the offset alone) or as addresses of the warp's scale buffer (+ the
+    // parity's SFW). Computed once: derived inside the chunk loop, ptxas re-derived them from the
+    // thread index for every chunk (~45 of the ~300 instructions a V1 chunk issued per warp).
+    uint32_t o_sraw[KPW], o_code0[KPW], o_code1[KPW], o_sf_st[KPW], o_sf_ld[KPW], o_x[KPW][MT];
+#pragma unroll
+    for (int u = 0; u < KPW; ++u) {
+      const int kbl = warp * KPW + u;
+      // scale bytes: lane (g, t) decodes columns 16 j + 8 h + g for the entries i = 2 j + h it
+      // owns, into the warp's buffer at float g * 2TN + i (see load_scales)
+      const int first_col = TN == 4 ? 16 * t + g : TN == 2 ? 16 * (t >> 1) + 8 * (t & 1) + g : 8 * t + g;
+      const int entry = TN == 4 ? 2 * t : t;
+      o_sraw[u] = uint32_t(Cfg::kWChunk + kbl * COLS + first_col);
+      o_sf_st[u] = s_sf + uint32_t(kbl * 2 * SFW + (g * 2 * TN + entry) * 4);
+      o_sf_ld[u] = s_sf + uint32_t(kbl * 2 * SFW) + sf_lane_off;
+      o_code0[u] = uint32_t(kbl * SLAB) + o0;
+      o_code1[u] = uint32_t(kbl * SLAB) + o1;
+    }
+    // ldmatrix lane l reads row l % 8 of n8 tile mt (rows past the block's `rows` repeat its last
+    // row; their results are never stored) in the 8-wide k sub-block l / 8.
+    auto set_x_offsets = [&](int rows) {
+#pragma unroll
+      for (int u = 0; u < KPW; ++u)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          o_x[u][mt] = swizzle64(uint32_t(kXOffset + (warp * KPW + u) * x_kb_bytes +
+                                          min(8 * mt + (lane & 7), rows - 1) * kXKbBytes + (lane >> 3) * 16));
+    };
+
     // One chunk: the warp's KPW k-blocks, software-pipelined. Every shared-memory load of all
     // KPW k-blocks (scale bytes, activations, codes) is issued before the first decode, so the
     // latencies overlap and the scheduler interleaves the k-blocks' lookup -> mma chains. (With
@@ -1158,35 +1191,30 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // computed too, and adds exactly zero because its activations arrive as zeros (its codes and
     // scale bytes -- other weights or zeros -- decode to finite values: every table entry is a
     // codebook value, every E4M4 byte finite).
-    auto compute = [&](const Cursor& cur, int slot, int par) {
-      const uint32_t base = s_ring + slot * slot_bytes;
+    auto compute = [&](int slot, int par) {
+      const uint32_t base = s_ring + slot * slot_bytes, sf_par = uint32_t(par) * SFW;
       uint32_t xb[KPW][MT][4];
       typename WP::Raw raw[KPW][TN];
 #pragma unroll
       for (int u = 0; u < KPW; ++u) {
-        const int kbl = warp * KPW + u;
-        // scales of this k-block: lane (g, t) decodes columns 16 j + 8 h + g for the entries
-        // i = 2 j + h it owns, into the warp's buffer at float g * 2TN + i.
-        const uint32_t sraw = base + Cfg::kWChunk + kbl * COLS;
-        const uint32_t sfa = s_sf + (kbl * 2 + par) * SFW;
+        const uint32_t sraw = base + o_sraw[u], sfa = o_sf_st[u] + sf_par;
         if constexpr (TN == 4) {
-          const uint32_t b0 = lds_u8(sraw + 16 * t + g), b1 = lds_u8(sraw + 16 * t + 8 + g);
-          sts64f(sfa + (g * 8 + 2 * t) * 4, decode_e4m4_fast(b0 << 19), decode_e4m4_fast(b1 << 19));
+          const uint32_t b0 = lds_u8(sraw), b1 = lds_u8(sraw + 8);
+          sts64f(sfa, decode_e4m4_fast(b0 << 19), decode_e4m4_fast(b1 << 19));
         } else if constexpr (TN == 2) {
-          const uint32_t b0 = lds_u8(sraw + 16 * (t >> 1) + 8 * (t & 1) + g);
-          sts32f(sfa + (g * 4 + t) * 4, decode_e4m4_fast(b0 << 19));
+          sts32f(sfa, decode_e4m4_fast(lds_u8(sraw) << 19));
         } else {
-          if (t < 2) sts32f(sfa + (g * 2 + t) * 4, decode_e4m4_fast(lds_u8(sraw + 8 * t + g) << 19));
+          if (t < 2) sts32f(sfa, decode_e4m4_fast(lds_u8(sraw) << 19));
         }
-        const uint32_t x_kb = base + kXOffset + kbl * x_kb_bytes;  // rows 64 bytes apart, swizzled
-        load_x_fragments<MT>(xb[u], cur.rows, lane,
-                             [&](int row, int s) { return swizzle64(x_kb + row * kXKbBytes + s * 16); });
-        load_codes<WP, TN>(raw[u], base + kbl * SLAB, o0, o1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(xb[u][mt], base + o_x[u][mt]);
+#pragma unroll
+        for (int j = 0; j < TN; ++j) WP::load(raw[u][j], base, o_code0[u], o_code1[u], j);
       }
       __syncwarp();
       float sc[KPW][2 * TN];
 #pragma unroll
-      for (int u = 0; u < KPW; ++u) load_scales<TN>(sc[u], s_sf + ((warp * KPW + u) * 2 + par) * SFW + sf_lane_off);
+      for (int u = 0; u < KPW; ++u) load_scales<TN>(sc[u], o_sf_ld[u] + sf_par);
 #pragma unroll
       for (int u = 0; u < KPW; ++u) mma_k_block<WP, Act, MT, TN>(acc, raw[u], s_lut, L, xb[u], sc[u]);
     };
@@ -1246,6 +1274,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     };
 
     Cursor cc = walk.first();
+    if constexpr (V != 2) set_x_offsets(cc.rows);
     int lut_b = -1;
     pdl_wait();  // (the codebook, the activations' and the outputs' buffers may be the previous kernel's)
     if (Q > 0) {
@@ -1275,23 +1304,31 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(s_empty + 8 * s + zero);
     };
-    for (int q = 0; q < Q; ++q) {
-      mbar_wait(s_full + 8 * slot, fparity);
-      KBIT_TL_MARK(p, kTlFirstChunk, tid == 0 && q == 0);
-      KBIT_TL_MARK(p, kTlLastChunk, tid == 0 && q == Q - 1);
-      if constexpr (V == 2)
-        compute_nsplit(slot, q & 1);
-      else
-        compute(cc, slot, q & 1);
-      release(slot);
-      if (++slot == D) { slot = 0; fparity ^= 1u; }
-      const bool last = cc.c == nch - 1;
-      KBIT_TL_MARK(p, kTlFirstItemEnd, tid == 0 && last && item_seq == 0);
-      if (last) epilogue(cc, q + 1 == Q);
-      KBIT_TL_MARK(p, kTlFirstStored, tid == 0 && last && item_seq == 1);
-      walk.advance(cc);
-      if (last && q + 1 < Q && cc.b != lut_b) {  // next item belongs to another batch entry
-        named_bar_sync<NT>(1);                   // (every warp finished reading the old table)
+    // One item per pass; its chunks are the steady state, a loop of its own with one taken branch
+    // per chunk (with the item's end tested inside it, the epilogue's code sat between the chunk's
+    // body and the loop's tail: ncu counted 10 % of the samples there, instruction fetch and
+    // branch resolution).
+    int q = 0;  // chunks consumed
+    while (q < Q) {
+      for (int c = 0; c < nch; ++c, ++q) {
+        mbar_wait(s_full + 8 * slot, fparity);
+        KBIT_TL_MARK(p, kTlFirstChunk, tid == 0 && q == 0);
+        KBIT_TL_MARK(p, kTlLastChunk, tid == 0 && q == Q - 1);
+        if constexpr (V == 2)
+          compute_nsplit(slot, q & 1);
+        else
+          compute(slot, q & 1);
+        release(slot);
+        if (++slot == D) { slot = 0; fparity ^= 1u; }
+      }
+      KBIT_TL_MARK(p, kTlFirstItemEnd, tid == 0 && item_seq == 0);
+      epilogue(cc, q == Q);
+      KBIT_TL_MARK(p, kTlFirstStored, tid == 0 && item_seq == 1);
+      walk.next_item(cc);
+      if (q == Q) break;
+      if constexpr (V != 2) set_x_offsets(cc.rows);  // the next item's block of M may have fewer rows
+      if (cc.b != lut_b) {       // the next item belongs to another batch entry
+        named_bar_sync<NT>(1);   // (every warp finished reading the old table)
         build_lut(cc.b);
         lut_b = cc.b;
         named_bar_sync<NT>(1);
