@@ -164,6 +164,13 @@
 //  5-8 CTA clusters read refilled stages (wrong sums in 2-75 % of the launches at bits 2 and 5).
 //  The release now depends on the accumulators (see `release`): 1.008x the time at M <= 16,
 //  1.017x at M = 17..128.
+//  Session 13 (benchmarks/results/kernel_chunk_loop_h200.md): ncu found a V1 chunk taking each
+//  consumer warp ~318 instructions for 192 of decode (addresses re-derived from the thread index
+//  every chunk, accumulator moves, a loop tail behind the epilogue's code). With one chunk loop per
+//  item and the lane's offsets computed once it takes 256: M <= 8 median 0.92x the time, M = 16
+//  0.96x, M = 17..128 0.93x; a llama3-70b layer's gate/up (N = 57344) and down at bits 4, M = 1
+//  at 78 % of copy.
+//  The consumers now wait on the ring's full barrier in 15 % of the samples (DRAM 54 % busy).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
