@@ -1215,8 +1215,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(xb[u][mt], base + o_x[u][mt]);
-#pragma unroll
-        for (int j = 0; j < TN; ++j) WP::load(raw[u][j], base, o_code0[u], o_code1[u], j);
+        load_codes<WP, TN>(raw[u], base, o_code0[u], o_code1[u]);
       }
       __syncwarp();
       float sc[KPW][2 * TN];
