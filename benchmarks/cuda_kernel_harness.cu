@@ -9,6 +9,8 @@
 //   build/cuda_kernel_harness all [csv_path]
 //   build/cuda_kernel_harness sel                ten shapes x bits 2..5 x M 1, 4, 16 ("SEL" lines)
 //   build/cuda_kernel_harness layers             a Llama-3-70B layer's products at TP 1, 2, 4, M = 1
+//   build/cuda_kernel_harness prefetch           the same products after an idle gap, with and without
+//                                                an L2 prefetch of their weights issued before the gap
 //   build/cuda_kernel_harness timeline BITS K N M ...   milestones of a launch (-DKBIT_TIMELINE builds)
 //   build/cuda_kernel_harness host               host time of a launch and of its parts
 //   build/cuda_kernel_harness sweep              every cluster size (k-split) vs the launcher's choice
@@ -900,6 +902,73 @@ static void bench_layers() {
   }
 }
 
+// ---- L2 prefetch experiment: weights fetched into L2 during the gap before their product ----
+
+// Busy-waits `ns` nanoseconds on one thread without touching memory: the norms, rotary,
+// attention and all-reduce that run between two kbit products of a decode step.
+__global__ void idle_gap(unsigned ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { __nanosleep(256); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+
+// Asks L2 for `bytes` at `p` (16-byte aligned, a multiple of 16) and exits without waiting.
+// kind 0: bulk prefetches of 16 KB (cp.async.bulk.prefetch.L2); kind 1: one prefetch per
+// 128-byte line (prefetch.global.L2::evict_last).
+__global__ void prefetch_l2(const uint8_t* p, size_t bytes, int kind) {
+  const size_t t = blockIdx.x * size_t(blockDim.x) + threadIdx.x, threads = size_t(gridDim.x) * blockDim.x;
+  if (kind == 0) {
+    constexpr size_t kChunk = 16384;
+    for (size_t off = t * kChunk; off < bytes; off += threads * kChunk) {
+      const unsigned n = unsigned(std::min(kChunk, bytes - off));
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
+    }
+  } else {
+    for (size_t off = t * 128; off < bytes; off += threads * 128)
+      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p + off) : "memory");
+  }
+}
+
+// Per product of a Llama-3-70B layer (TP 1, 2, 4; bits 4, 2; M = 1), the time of
+//   cold:  gap, product on a cold copy
+//   pf<k>: prefetch of that copy (kind k), gap, product
+//   warm:  gap, product on the copy the previous call read (an upper bound on what L2 gives)
+// minus the gap alone: what one product costs in a decode step with and without a prefetch.
+static void bench_prefetch() {
+  BenchEnv env(1);
+  printf("device: %s; device-to-device copy: %.0f GB/s; L2 %d MB\n", env.prop.name, env.copy_gbs,
+         env.prop.l2CacheSize >> 20);
+  Timer tm;
+  for (unsigned gap_us : {5u, 15u}) {
+    const double gap = tm.median_us([&](int) { idle_gap<<<1, 32>>>(gap_us * 1000); }, 7, 20);
+    printf("PREFETCH gap %u us alone: %.2f us\n", gap_us, gap);
+    for (int tp : {1, 2, 4})
+      for (int bits : {4, 2})
+        for (const Shape& s : llama70b_layer(tp)) {
+          const WeightCopies w(env, s, bits);
+          kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, 1);
+          auto product = [&](int c) {
+            a.planes = w.planes(c);
+            a.scales = w.scales(c);
+            const std::string e = kbit::cuda::launch_matmul(a, 0);
+            if (!e.empty()) { printf("  ERROR %s\n", e.c_str()); ++g_failures; }
+          };
+          const double cold = tm.median_us([&](int c) { idle_gap<<<1, 32>>>(gap_us * 1000); product(c); }, 7, 20);
+          double pf[2];
+          for (int kind = 0; kind < 2; ++kind)
+            pf[kind] = tm.median_us([&](int c) {
+              prefetch_l2<<<132, 128>>>(reinterpret_cast<const uint8_t*>(w.planes(c)), w.one, kind);
+              idle_gap<<<1, 32>>>(gap_us * 1000);
+              product(c);
+            }, 7, 20);
+          const double warm = tm.median_us([&](int) { idle_gap<<<1, 32>>>(gap_us * 1000); product(0); }, 7, 20);
+          printf("PREFETCH gap %2u tp %d bits %d %-8s K %5d N %5d %6.1f MB  cold %6.2f  pf_bulk %6.2f  "
+                 "pf_line %6.2f  warm %6.2f us\n", gap_us, tp, bits, s.name, s.K, s.N, w.one / 1e6, cold - gap,
+                 pf[0] - gap, pf[1] - gap, warm - gap);
+        }
+  }
+}
+
 #ifdef KBIT_TIMELINE
 // Where one launch's time goes (cuda/timeline.cuh), averaged over `reps` launches on cold
 // weights: each launch follows a one-thread kernel that stamps %globaltimer, so a CTA's entry
@@ -1202,6 +1271,7 @@ int main(int argc, char** argv) {
   }
   const std::pair<const char*, void (*)()> timing_modes[] = {
       {"sweep", bench_sweep}, {"host", bench_host}, {"layers", bench_layers}, {"sel", bench_sel},
+      {"prefetch", bench_prefetch},
       {"rows", bench_rows}};
   for (const auto& [name, run] : timing_modes)
     if (mode == name) {

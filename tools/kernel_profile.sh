@@ -7,6 +7,8 @@
 #   tools/kernel_profile.sh sel                  harness timings (ten shapes x bits x M 1, 4, 16)
 #   tools/kernel_profile.sh layers               a Llama-3-70B layer's products per device at
 #                                                 TP 1, 2, 4 (M = 1): the decode step's matmul time
+#   tools/kernel_profile.sh prefetch             those products after an idle gap, with and without
+#                                                 an L2 prefetch of their weights before the gap
 #   tools/kernel_profile.sh timeline BITS K N M ...   where a launch's time goes: milestone clocks
 #                                                 per CTA (an instrumented build, cuda/timeline.cuh)
 #   tools/kernel_profile.sh repeat BITS DTYPE B M K N KS VARIANT REPS   one test case launched
@@ -69,6 +71,7 @@ case $mode in
         grep -E "^TESTS|^matmul:|FAIL" "$OUT/harness_test.log" | tail -5 ;;
   sel) "$bin" sel | tee "$OUT/sel${TAG:-}.log" | grep -E "^SEL|copy" ;;
   layers) "$bin" layers | tee "$OUT/layers${TAG:-}.log" ;;
+  prefetch) "$bin" prefetch | tee "$OUT/prefetch${TAG:-}.log" ;;
   repeat) timeout 300 "$bin" repeat "$@" > "$OUT/repeat${TAG:-}.log" 2>&1; echo "harness repeat rc=$?"
           grep -E "^REPEAT [0-9]+ of|^repeat" "$OUT/repeat${TAG:-}.log" ;;
   timeline) "$bin" timeline "$@" | tee "$OUT/timeline${TAG:-}.log" ;;
