@@ -246,7 +246,8 @@ def environment() -> dict:
                          env={**os.environ, "PYTHONPATH": ROOT})
     info = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
     info.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                python=platform.python_version(), host=platform.node())
+                python=platform.python_version(), host=platform.node(),
+                xla_flags=os.environ.get("XLA_FLAGS", ""))  # e.g. the all-reduce (docs/sharding.md)
     return info
 
 
@@ -288,7 +289,8 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"the largest over its devices). tp = tensor-parallel devices ({args.axis_type} mesh "
         f"axis); vs bf16 compares with bf16 at the same tp; model GiB is the whole model, "
         f"GiB/dev the first device's share. "
-        f"jax {env.get('jax')}, flax {env.get('flax')}, kbit_jax build {env.get('build_info')}.",
+        f"jax {env.get('jax')}, flax {env.get('flax')}, kbit_jax build {env.get('build_info')}; "
+        f"XLA_FLAGS {env.get('xla_flags') or '(none)'}.",
         "",
         "| config | tp | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",

@@ -8,6 +8,9 @@
 #   tools/gpu_check.sh tp-profile   # one profiled TP-2 decode, K=4 and bf16 (32 tokens, ~3 min
 #                               # after the build): per-step kernel time by category and one
 #                               # layer's kernels in order (benchmarks/profile_summary.py)
+#   tools/gpu_check.sh tp-flags WEIGHTS FLAGS...   the TP-2 Llama-3-70B decode (WEIGHTS, e.g. 4 or
+#                               # bf16,4) once per XLA_FLAGS value given ("" = none): which XLA
+#                               # options shorten the step (command buffers around all-reduces)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -48,6 +51,15 @@ if [[ $what == tp-profile ]]; then
   grep "^| llama" "$OUT/decode_tp_profile.log"
   grep -E "^  (span|busy|idle) |kbit fused matmul  |one layer|^ +[0-9.]+ +[0-9.]+ +[0-9.]+  " \
     "$OUT/decode_tp_profile.log" | head -40
+fi
+if [[ $what == tp-flags ]]; then
+  weights=$1; shift; i=0
+  for flags in "$@"; do
+    echo "== XLA_FLAGS='$flags'"
+    XLA_FLAGS="$flags" timeout 300 $PY benchmarks/bench_decode.py --configs llama3-70b --weights "$weights" \
+      --tp 2 --batches 1 --new-tokens 32 --reps 2 --out "$OUT/decode_flags_$i" > "$OUT/decode_flags_$i.log" 2>&1
+    echo "rc=$?"; grep -E "^\| llama|Error|error:" "$OUT/decode_flags_$i.log" | tail -4; i=$((i + 1))
+  done
 fi
 if [[ $what == tp ]]; then
   gpus=$(nvidia-smi -L | wc -l)
