@@ -171,6 +171,12 @@
 //  0.96x, M = 17..128 0.93x; a llama3-70b layer's gate/up (N = 57344) and down at bits 4, M = 1
 //  at 78 % of copy.
 //  The consumers now wait on the ring's full barrier in 15 % of the samples (DRAM 54 % busy).
+//  Session 14 (benchmarks/results/kernel_ring_rows_h200.md): the ring's depth is a launch
+//  parameter. Slots sized for the launch's rows leave room for more stages at M < 8 (bits 5: 6
+//  instead of 4), taken where a CTA streams >= 16 chunks: bits 5 0.96-0.98x the time on the Llama
+//  shapes, bits 2-4 within noise. Deepening every launch cost the small shapes (a deeper start
+//  delays the first chunk), and a 96 KiB cap on the weights in flight bits 3. Measured and not
+//  pursued: with all weights in L2, TP-2 q/k/v and o save only 1.4-2.1 us (start and end bound).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -460,6 +466,7 @@ struct Params {
   int k_split;       // cluster size along grid x (1 = no cluster)
   int col_groups, m_blocks, items;  // items = col_groups * m_blocks * batch
   int x_rows;                       // rows the shared-memory layout is sized for
+  int stages;                       // ring depth (warp-specialized kernel; WsConfig::stages)
   int vec16;                        // weight rows are 16-byte aligned: 16-byte copies
   int64_t scale_bytes;              // B * KB * N, the end of the scales buffer
 #ifdef KBIT_TIMELINE
@@ -973,11 +980,16 @@ constexpr int kXKbBytes = 64;  // one k-block of one activation row (32 x 16 bit
 
 // The weight bytes the ring keeps in flight at most, per SM (stages - 1 chunks). Session 9,
 // harness "layers" (H200, bits 2 and 4, M = 1): 48 KiB (bits 4: 3 chunks in flight instead of 4)
-// changed the Llama-3-70B layer's times by 0-2 %, so the steady state is not bound by the copies'
-// latency; a deeper ring is not the next gain. -DKBIT_WS_RING_KIB=n to experiment.
+// changed the Llama-3-70B layer's times by 0-2 %. Session 14 (kernel_ring_rows_h200.md): 96 KiB
+// with the rows-sized ring below (bits 3: 8 stages, bits 4 at M = 1: 6) read 0.96-1.08x the time
+// of session 13's ring at M <= 8, median 1.007, bits 3 up to 4 % slower; so the cap stays.
+// -DKBIT_WS_RING_KIB=n to experiment.
 #ifndef KBIT_WS_RING_KIB
 #define KBIT_WS_RING_KIB 64
 #endif
+// Chunks per CTA from which a launch with fewer rows than its tiling's most takes the deeper
+// ring those rows leave room for (Launcher::plan).
+constexpr int kDeepRingMinChunks = 16;
 // The sizes of the warp-specialized kernel's shared memory that do not depend on its reducer.
 template <int BITS, int MT, int V>
 struct WsSizes {
@@ -999,12 +1011,12 @@ struct WsSizes {
   static constexpr size_t ring_offset(size_t reducer_bytes) {
     return size_t(WeightPath<BITS>::kLutBytes) + reducer_bytes + kSfBytes + 2 * 8 * 8;
   }
-  // Ring depth next to a reducer of `reducer_bytes`: as deep as shared memory allows (sized for
-  // the largest row count of this MT), up to KBIT_WS_RING_KIB of weights in flight, at least 2;
-  // 0 if two stages do not fit.
-  static constexpr int stages_with(size_t reducer_bytes) {
+  // Ring depth next to a reducer of `reducer_bytes` with slots for `x_rows` activation rows: as
+  // deep as shared memory allows, up to KBIT_WS_RING_KIB of weights in flight and 8 stages (the
+  // barriers), at least 2; 0 if two stages do not fit.
+  static constexpr int stages_with(size_t reducer_bytes, int x_rows = 8 * MT) {
     for (int d = 8; d >= 2; --d)
-      if (ring_offset(reducer_bytes) + 1024 + d * slot_bytes(8 * MT) <= size_t(kMaxSmem) &&
+      if (ring_offset(reducer_bytes) + 1024 + d * slot_bytes(x_rows) <= size_t(kMaxSmem) &&
           (d == 2 || (d - 1) * C::kWChunk <= KBIT_WS_RING_KIB * 1024))
         return d;
     return 0;
@@ -1033,9 +1045,13 @@ struct WsConfig : WsSizes<BITS, MT, V> {
                                      ItemReducer<S::kWarps, C::kAcc, S::recv_slots()>>;
   static constexpr size_t kRingOffset = S::ring_offset(Reducer::kBytes);
   static constexpr size_t fixed_bytes() { return kRingOffset + 1024; }
-  static constexpr int kStages = S::stages_with(Reducer::kBytes);
-  static_assert(kStages >= 2, "shared memory budget");
-  static constexpr size_t smem_bytes(int x_rows) { return fixed_bytes() + kStages * S::slot_bytes(x_rows); }
+  // The ring's depth for a launch whose blocks of M have at most `x_rows` rows: the slots hold
+  // that many activation rows, so fewer rows leave room for more stages (at M = 1: bits 5 6
+  // stages instead of the 4 that 8 rows allow, bits 2 8 instead of 7; the in-flight cap holds
+  // bits 3 and 4). Launcher::plan picks this depth or that of 8 MT rows.
+  static constexpr int stages(int x_rows) { return S::stages_with(Reducer::kBytes, x_rows); }
+  static_assert(stages(8 * MT) >= 2, "shared memory budget");
+  static constexpr size_t smem_bytes(int x_rows) { return fixed_bytes() + stages(x_rows) * S::slot_bytes(x_rows); }
 };
 
 __device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
@@ -1065,7 +1081,8 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   using WC = WsConfig<BITS, MT, V>;
   using WP = WeightPath<BITS>;
   using T = typename Act::T;
-  constexpr int NW = Cfg::kWarps, NT = Cfg::kThreads, TN = Cfg::kTN, D = WC::kStages;
+  constexpr int NW = Cfg::kWarps, NT = Cfg::kThreads, TN = Cfg::kTN;
+  const int D = p.stages;  // WC::stages of p.x_rows or of 8 MT rows (Launcher::plan), 2..8
   constexpr int KCH = Cfg::kKCH, NACC = Cfg::kAcc, COLS = Cfg::kCols;
   constexpr int SLAB = Cfg::kSlabBytes, KPW = Cfg::kKPW, SFW = WC::kSfWarpBytes;
 
@@ -1426,7 +1443,7 @@ struct Launcher {
   // be reserved.
   struct Plan {
     size_t smem = 0;
-    int x_rows = 0, KB = 0, ks = 1, kps = 1;
+    int x_rows = 0, KB = 0, ks = 1, kps = 1, stages = 0;
     int64_t col_groups = 0, m_blocks = 0, items = 0, ncl = 0;
     double cost = 0;
     std::string error;
@@ -1490,6 +1507,17 @@ struct Launcher {
     pl.cost = best_cost;
     pl.kps = split_len(pl.ks);
     pl.ncl = std::min<int64_t>(pl.items, max_clusters(dev, pl.ks, pl.smem));
+    if constexpr (WS) {
+      // The ring as deep as the launch's rows allow (pl.smem has room for it) where each CTA
+      // streams many chunks; where it streams few, the shallower depth of 8 MT rows, since more
+      // copies in flight at the start delay the first chunk (harness "sel", H200, bits 5: 6
+      // stages instead of 4 at M = 1 took llama3-70b gate/up 59.9 -> 57.7 us but qwen3 down, ~5
+      // chunks per CTA, 7.3 -> 7.6; kernel_ring_rows_h200.md).
+      using WC = WsConfig<BITS, MT, V>;
+      const int64_t chunks_per_cta = (pl.items + pl.ncl - 1) / std::max<int64_t>(pl.ncl, 1) *
+                                     ((pl.kps + Cfg::kKCH - 1) / Cfg::kKCH);
+      pl.stages = chunks_per_cta >= kDeepRingMinChunks ? WC::stages(pl.x_rows) : WC::stages(8 * MT);
+    }
     return pl;
   }
 
@@ -1523,6 +1551,7 @@ struct Launcher {
     prm.m_blocks = static_cast<int>(pl.m_blocks);
     prm.items = static_cast<int>(pl.items);
     prm.x_rows = x_rows;
+    prm.stages = WS ? pl.stages : Cfg::kStages;
     prm.vec16 = ((a.n * BITS) % 4 == 0 && (reinterpret_cast<uintptr_t>(a.planes) & 15) == 0) ? 1 : 0;
     prm.scale_bytes = a.batch * int64_t(KB) * a.n;
 #ifdef KBIT_TIMELINE
