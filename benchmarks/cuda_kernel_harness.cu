@@ -912,7 +912,7 @@ __global__ void idle_gap(unsigned ns) {
   do { __nanosleep(256); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
 }
 
-// Asks L2 for `bytes` at `p` (16-byte aligned, a multiple of 16) and exits without waiting.
+// Asks L2 for `bytes` at `p` (16-byte aligned, a multiple of 16); nothing waits for the data.
 // kind 0: bulk prefetches of 16 KB (cp.async.bulk.prefetch.L2); kind 1: one prefetch per
 // 128-byte line (prefetch.global.L2::evict_last).
 __global__ void prefetch_l2(const uint8_t* p, size_t bytes, int kind) {

@@ -10,7 +10,7 @@
 #                               # layer's kernels in order (benchmarks/profile_summary.py)
 #   tools/gpu_check.sh tp-flags WEIGHTS FLAGS...   the TP-2 Llama-3-70B decode (WEIGHTS, e.g. 4 or
 #                               # bf16,4) once per XLA_FLAGS value given ("" = none): which XLA
-#                               # options shorten the step (command buffers around all-reduces)
+#                               # options shorten the step (e.g. the all-reduce implementation)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
