@@ -1493,20 +1493,24 @@ struct Launcher {
     int ks_cap = kMaxKSplit;  // (the warp-specialized kernel: as many ranks as its reducer takes)
     if constexpr (WS) ks_cap = WsConfig<BITS, MT, V>::Reducer::kMaxRanks;
     const int ks_max = std::min(ks_cap, std::max(KB, 1));
+    // clusters launched at cluster size ks, the items each processes (items > 0: launch_matmul
+    // returns before planning an empty product), and the chunks of an item's k-range
+    auto clusters = [&](int ks) { return std::min<int64_t>(pl.items, max_clusters(dev, ks, pl.smem)); };
+    auto items_per_cluster = [&](int64_t ncl) { return (pl.items + ncl - 1) / ncl; };
+    auto chunks_per_item = [&](int kps) { return (kps + Cfg::kKCH - 1) / Cfg::kKCH; };
     for (int ks = 1; ks <= ks_max; ++ks) {
       if (tuning && tuning->k_split > 0 && ks != std::min(tuning->k_split, ks_max)) continue;
       const int kps = split_len(ks);
       if ((KB + kps - 1) / kps != ks) continue;  // would leave a rank empty
-      const int64_t ncl = std::min<int64_t>(pl.items, max_clusters(dev, ks, pl.smem));
-      const int64_t per_cluster = (pl.items + ncl - 1) / ncl;
-      const double chunks = double((kps + Cfg::kKCH - 1) / Cfg::kKCH);
+      const int64_t per_cluster = items_per_cluster(clusters(ks));
+      const double chunks = double(chunks_per_item(kps));
       const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + 0.5 * ks : 1.0;
       const double cost = per_cluster * (chunks + item_end) * Cfg::chunk_cost(std::is_same_v<Act, ActBF16>);
       if (cost < best_cost - 1e-9) { best_cost = cost; pl.ks = ks; }
     }
     pl.cost = best_cost;
     pl.kps = split_len(pl.ks);
-    pl.ncl = std::min<int64_t>(pl.items, max_clusters(dev, pl.ks, pl.smem));
+    pl.ncl = clusters(pl.ks);
     if constexpr (WS) {
       // The ring as deep as the launch's rows allow (pl.smem has room for it) where each CTA
       // streams many chunks; where it streams few, the shallower depth of 8 MT rows, since more
@@ -1514,8 +1518,7 @@ struct Launcher {
       // stages instead of 4 at M = 1 took llama3-70b gate/up 59.9 -> 57.7 us but qwen3 down, ~5
       // chunks per CTA, 7.3 -> 7.6; kernel_ring_rows_h200.md).
       using WC = WsConfig<BITS, MT, V>;
-      const int64_t chunks_per_cta = (pl.items + pl.ncl - 1) / std::max<int64_t>(pl.ncl, 1) *
-                                     ((pl.kps + Cfg::kKCH - 1) / Cfg::kKCH);
+      const int64_t chunks_per_cta = items_per_cluster(pl.ncl) * chunks_per_item(pl.kps);
       pl.stages = chunks_per_cta >= kDeepRingMinChunks ? WC::stages(pl.x_rows) : WC::stages(8 * MT);
     }
     return pl;
