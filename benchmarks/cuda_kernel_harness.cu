@@ -370,7 +370,7 @@ static void test_dequantize(bool quick) {
   printf("dequantize: %d / %d cases bit-exact\n", n_ok, n_total);
 }
 
-struct MMCase { int B, M, K, N; int k_split; bool force_generic; int variant = -1; };
+struct MMCase { int B, M, K, N; int k_split; bool force_generic; int variant = -1; int balance = -1; };
 
 // One matmul check; returns the relative Frobenius error (or +inf on failure to run).
 // Runs one case; returns the relative Frobenius error against the float64 reference and sets
@@ -383,6 +383,7 @@ struct MMCase { int B, M, K, N; int k_split; bool force_generic; int variant = -
 // the same inputs, checks each run and describes each failing one (diagnose_matmul_run).
 static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref, const std::vector<double>& bound,
                                 const std::vector<uint8_t>& y, DType dt);
+static int g_balanced_launches = 0;  // cases that ran on chunk-balanced clusters (the launcher's choice or forced)
 static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, uint32_t seed,
                               double* bound_ratio, std::string* path_out, int reps = 1) {
   std::mt19937 rng(seed);
@@ -444,6 +445,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   tune.k_split = c.k_split;
   tune.force_generic = c.force_generic;
   tune.variant = c.variant;
+  tune.balance = c.balance;
   *path_out = c.force_generic ? "generic (forced)" : kbit::cuda::matmul_path(a);
   const double u32 = std::ldexp(1.0, -24);
   const double u_act = dt == DType::kBF16 ? std::ldexp(1.0, -8) : dt == DType::kF16 ? std::ldexp(1.0, -11) : u32;
@@ -457,6 +459,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   for (int rep = 0; rep < reps; ++rep) {
     CK(cudaMemset(dy.p, 0xFF, dy.n));  // NaN in every dtype: unwritten outputs fail the check
     const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
+    g_balanced_launches += rep == 0 && tune.launched_balanced;
     CK(cudaDeviceSynchronize());
     if (!err.empty()) {
       printf("  launch error: %s\n", err.c_str());
@@ -553,15 +556,26 @@ static void test_matmul(bool quick) {
       {1, 1, 3584, 12288, 7, false}, {1, 12, 4096, 8192, 8, false},
       // the N-split tiling's per-warp cluster sums (variant 2) through several items per cluster
       {1, 40, 1024, 32768, 2, false}, {2, 64, 768, 16384, 3, false},
+      // chunk-balanced clusters (balance = 1; the warp-specialized kernel, M <= 16): pieces
+      // that split items at every rank boundary, items shared by up to 7 ranks (one chunk
+      // per rank), partial last chunks (K = 33 or 65 k-blocks), several batch entries (the
+      // table is rebuilt between pieces), many whole items per rank, and clusters that hold
+      // one item fewer than others
+      {1, 1, 4096, 1280, 3, false, -1, 1},  {1, 1, 8192, 5120, 8, false, -1, 1},
+      {1, 4, 1056, 2048, 2, false, -1, 1},  {2, 1, 2080, 4096, 5, false, -1, 1},
+      {1, 16, 4096, 8192, 4, false, -1, 1}, {1, 9, 8192, 640, 4, false, -1, 1},
+      {3, 2, 2048, 1024, 3, false, -1, 1},  {1, 1, 2048, 28672, 2, false, -1, 1},
+      {1, 1, 4096, 64, 8, false, -1, 1},    {1, 12, 3072, 7168, 0, false, -1, 1},
   };
   if (quick) cases.resize(8);
   // The other tiling variants of the fused kernel at M <= 128 (where the warp-specialized
-  // kernel may run): 1, and 2 (N-split, 32- or 64-row blocks) where N % 16 == 0.
+  // kernel may run): 1, and 2 (N-split, 32- or 64-row blocks) where N % 16 == 0; for the
+  // chunk-balanced cases 0 too (the default at M <= 8 is 1).
   {
     const size_t n = cases.size();
     for (size_t i = 0; i < n; ++i)
       if (cases[i].M <= 128 && !cases[i].force_generic)
-        for (int v = 1; v <= 2; ++v) {
+        for (int v = cases[i].balance == 1 ? 0 : 1; v <= 2; ++v) {
           if (v == 2 && cases[i].N % 16 != 0) continue;
           MMCase c = cases[i];
           c.variant = v;
@@ -600,6 +614,7 @@ static void test_matmul(bool quick) {
   printf("matmul: %d / %d cases within the derived bound (largest |err| / bound %.3f); worst relative Frobenius "
          "error f32 %.2e, bf16 %.2e, f16 %.2e\n",
          n_ok, n_total, worst_ratio, worst[0], worst[1], worst[2]);
+  printf("matmul: %d cases ran on chunk-balanced clusters\n", g_balanced_launches);
 }
 
 // ---------------------------------------------------------------------------------------------

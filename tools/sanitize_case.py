@@ -22,8 +22,11 @@ for bits, (k, n) in [(b, s) for b in (2, 3, 4, 5) for s in ((256, 136), (320, 25
 # N-split tiling (blocks of 32 or 64 rows, the last one partial at 17 and 33), mostly with 2-CTA
 # k-split clusters, whose warps add their sums across the cluster (item_reduce.cuh:
 # WarpClusterReducer); K = 4096, N = 256 at M = 1 and 12 has 4 column groups, so the launcher
-# splits K over clusters of up to 8 CTAs, whose ranks send their sums to rank 0 (ItemReducer).
-for (k, n), ms in (((256, 8192), (17, 33, 64)), ((4096, 256), (1, 12))):
+# splits K over clusters of up to 8 CTAs, whose ranks send their sums to rank 0 (ItemReducer);
+# K = 2048, N = 256 takes chunk-balanced clusters of 4 CTAs (ItemWalk), each item's owner adding
+# three ranks' pieces (ItemReducer::finish_piece). (Longer walks of pieces, e.g. K = 8192, N =
+# 5120, run in the harness's test; under racecheck they take minutes.)
+for (k, n), ms in (((256, 8192), (17, 33, 64)), ((4096, 256), (1, 12)), ((2048, 256), (1, 12))):
     for bits in (2, 3, 4, 5):
         q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
         for m in ms:

@@ -27,6 +27,9 @@
 //    k-split products took 0.3-0.8 us longer per launch, benchmarks/results/kernel_end_h200.md.)
 //    Nothing is left in flight between the CTAs after the last item (its `cl_empty` arrivals are
 //    skipped: no one waits for them), so the kernel's exit barrier needs no release.
+//  * chunk-balanced clusters (ItemWalk): an item cut at a rank boundary is summed by its owner
+//    (the rank with its first chunk) from the later ranks' pieces, each sent once per launch
+//    into its own receive slot (finish_piece).
 // Phases: a parity wait is only sound if the barrier is within one phase of the waiter. So
 // `full` and `cl_full` exist once per leader warp (phase k of full[L] is the k-th item that L
 // leads; with one shared barrier, a leader could test item seq's parity while item seq - 1's
@@ -45,6 +48,8 @@ namespace kbit::cuda::fused {
 // The largest k-split cluster (the portable cluster size); ItemReducer keeps a receive slot per
 // other rank.
 constexpr int kMaxKSplit = 8;
+// What the end of a piece of a chunk-balanced cluster does with its sum (ItemWalk::piece_role).
+constexpr int kPieceStore = 0, kPieceSend = 1, kPieceOwn = 2;
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -163,8 +168,43 @@ struct ItemReducer {
   __device__ uint32_t slot_addr(int slot, int e4, int lane) const {
     return red + uint32_t(((slot * (NACC / 4) + e4) * 32 + lane) * 16);
   }
-  __device__ uint32_t recv_addr(int r, int e4, int lane) const {  // rank r's slot in rank 0
-    return recv + uint32_t(((r - 1) * (NACC / 4) + e4) * 32 + lane) * 16;
+  __device__ uint32_t recv_slot_addr(int s, int e4, int lane) const {
+    return recv + uint32_t((s * (NACC / 4) + e4) * 32 + lane) * 16;
+  }
+  __device__ uint32_t recv_addr(int r, int e4, int lane) const { return recv_slot_addr(r - 1, e4, lane); }  // rank r's, in rank 0
+
+  // The CTA's sum of its seq-th item (seq = 0, 1, ... per CTA), called by every consumer warp:
+  // the non-leaders leave their sums in their slots and return false; the leader adds every
+  // warp's into v (warp order) and returns true.
+  __device__ bool sum_warps(const float (&acc)[NACC], int seq, int warp, int lane, float (&v)[NACC]) const {
+    const int leader = seq % NW;
+    if (warp != leader) {
+      if (seq > 0) mbar_wait(empty, uint32_t(seq - 1) & 1u);  // the leader has read item seq - 1's slots
+      const int s = slot_of(warp, leader);
+#pragma unroll
+      for (int e4 = 0; e4 < NACC / 4; ++e4)
+        sts128f(slot_addr(s, e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2], acc[4 * e4 + 3]);
+      mbar_arrive(full + 8 * leader);
+      return false;
+    }
+#pragma unroll
+    for (int e = 0; e < NACC; ++e) v[e] = 0.f;
+    if (NW > 1) mbar_wait(full + 8 * leader, uint32_t(seq / NW) & 1u);  // the leader's phase of full
+    for (int w = 0; w < NW; ++w) {  // warp order, whoever leads
+      if (w == leader) {
+#pragma unroll
+        for (int e = 0; e < NACC; ++e) v[e] += acc[e];
+      } else {
+        const int s = slot_of(w, leader);
+#pragma unroll
+        for (int e4 = 0; e4 < NACC / 4; ++e4) {
+          const float4 q = lds128f(slot_addr(s, e4, lane));
+          v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
+        }
+      }
+    }
+    if (NW > 1) mbar_arrive(empty);
+    return true;
   }
 
   // Called by every consumer warp at the end of its seq-th item (seq = 0, 1, ... per CTA);
@@ -173,34 +213,10 @@ struct ItemReducer {
   template <class Store>
   __device__ void finish(float (&acc)[NACC], int seq, bool last, int warp, int lane, Store&& store) const {
     const int leader = seq % NW;
-    const uint32_t prev = uint32_t(seq - 1) & 1u;      // item seq - 1's phase of empty / cl_empty
-    const uint32_t led = uint32_t(seq / NW) & 1u;      // the leader's phase of full / cl_full
-    if (warp != leader) {
-      if (seq > 0) mbar_wait(empty, prev);  // the leader has read item seq - 1's slots
-      const int s = slot_of(warp, leader);
-#pragma unroll
-      for (int e4 = 0; e4 < NACC / 4; ++e4)
-        sts128f(slot_addr(s, e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2], acc[4 * e4 + 3]);
-      mbar_arrive(full + 8 * leader);
-    } else {
-      float v[NACC];
-#pragma unroll
-      for (int e = 0; e < NACC; ++e) v[e] = 0.f;
-      if (NW > 1) mbar_wait(full + 8 * leader, led);
-      for (int w = 0; w < NW; ++w) {  // warp order, whoever leads
-        if (w == leader) {
-#pragma unroll
-          for (int e = 0; e < NACC; ++e) v[e] += acc[e];
-        } else {
-          const int s = slot_of(w, leader);
-#pragma unroll
-          for (int e4 = 0; e4 < NACC / 4; ++e4) {
-            const float4 q = lds128f(slot_addr(s, e4, lane));
-            v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
-          }
-        }
-      }
-      if (NW > 1) mbar_arrive(empty);
+    const uint32_t prev = uint32_t(seq - 1) & 1u;      // item seq - 1's phase of cl_empty
+    const uint32_t led = uint32_t(seq / NW) & 1u;      // the leader's phase of cl_full
+    float v[NACC];
+    if (sum_warps(acc, seq, warp, lane, v)) {
       if (ks == 1) {
         store(v);
       } else if (rank > 0) {
@@ -221,6 +237,41 @@ struct ItemReducer {
         }
         if (!last)
           for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty, r);
+        store(v);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
+  }
+
+  // Chunk-balanced clusters (ItemWalk): the end of the CTA's seq-th piece, called by every
+  // consumer warp. `role` kPieceStore: a whole item, stored here. kPieceSend: the leader sends
+  // the CTA's sum into receive slot rank - peer - 1 of rank `peer` (the item's owner) by
+  // st.async. kPieceOwn: the leader waits for the `peer` later ranks' sums, adds them in rank
+  // order (deterministic), stores. Each rank sends and owns at most once per launch, so every
+  // slot is written once and cl_full[0] completes one phase: no "slot free" signals.
+  template <class Store>
+  __device__ void finish_piece(float (&acc)[NACC], int seq, int role, int peer, int warp, int lane,
+                               Store&& store) const {
+    float v[NACC];
+    if (sum_warps(acc, seq, warp, lane, v)) {
+      if (role == kPieceStore) {
+        store(v);
+      } else if (role == kPieceSend) {
+        const uint32_t bar = map_rank(cl_full, peer), dst = map_rank(recv_slot_addr(rank - peer - 1, 0, lane), peer);
+#pragma unroll
+        for (int e4 = 0; e4 < NACC / 4; ++e4)
+          st_async_f32x4(dst + uint32_t(e4 * 32 * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3], bar);
+      } else {
+        if (lane == 0) mbar_arrive_expect_tx(cl_full, uint32_t(peer * kSlotBytes));
+        mbar_wait<true>(cl_full, 0);
+        for (int s = 0; s < peer; ++s) {  // rank order
+#pragma unroll
+          for (int e4 = 0; e4 < NACC / 4; ++e4) {
+            const float4 q = lds128f(recv_slot_addr(s, e4, lane));
+            v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
+          }
+        }
         store(v);
       }
     }

@@ -58,12 +58,14 @@ struct MatmulTuning {
   int variant = -1;            // fused tiling: 0 or 1 (the 8- and 16-row tilings), 2 (the N-split tiling
                                // of 32 or 64 rows, warp-specialized kernel only); -1 = the launcher picks
   int ws_max_rows = -1;        // M up to which the warp-specialized kernel runs; -1 = default
+  int balance = -1;            // chunk-balanced clusters: 1 = wherever possible (at k_split if set), 0 =
+                               // never (uniform k-split), -1 = the launcher picks (KBIT_JAX_BALANCE=0: never)
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline = nullptr;  // cuda/timeline.cuh: [CTAs, kTlSlots] milestone clocks
 #endif
   // Written by the fused kernel's launcher (for benchmarks): the cluster size and CTA count it
-  // launched with.
-  mutable int launched_k_split = 0, launched_ctas = 0;
+  // launched with, and whether its clusters were chunk-balanced.
+  mutable int launched_k_split = 0, launched_ctas = 0, launched_balanced = 0;
 };
 
 // Which kernel launch_matmul would use, for logs: "fused" or "generic" plus the reason.

@@ -177,6 +177,11 @@
 //  shapes, bits 2-4 within noise. Deepening every launch cost the small shapes (a deeper start
 //  delays the first chunk), and a 96 KiB cap on the weights in flight bits 3. Measured and not
 //  pursued: with all weights in L2, TP-2 q/k/v and o save only 1.4-2.1 us (start and end bound).
+//  Session 15 (benchmarks/results/kernel_balanced_h200.md): chunk-balanced clusters (ItemWalk)
+//  where the items do not divide among the clusters: llama3-70b gate/up (N = 28672) 0.89-0.94x
+//  the time at bits 2-4 (K = 4 M = 1: 40.9 us, 72 % of copy), glm4.7 gate/up 0.88-0.96x; a 70B
+//  layer's products at TP 2, K = 4: 92.5 -> 88.4 us. At 8-CTA clusters (120 CTAs) and where the
+//  path was < 10 % shorter it was slower (1.02-1.09x), hence the launcher's limits.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -462,8 +467,9 @@ struct Params {
   void* y;
   int64_t M;
   int N, KB;
-  int kb_per_split;  // k-blocks per cluster rank
+  int kb_per_split;  // k-blocks per cluster rank (uniform k-split)
   int k_split;       // cluster size along grid x (1 = no cluster)
+  int balanced;      // 1: chunk-balanced clusters (ItemWalk), warp-specialized kernel, V0/V1 only
   int col_groups, m_blocks, items;  // items = col_groups * m_blocks * batch
   int x_rows;                       // rows the shared-memory layout is sized for
   int stages;                       // ring depth (warp-specialized kernel; WsConfig::stages)
@@ -499,7 +505,10 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 // incrementally (the item index grows by the number of clusters) so that the hot loop has no
 // integer division (only an item boundary divides).
 struct Cursor {
-  int c;           // chunk within the item
+  int c;           // chunk within the piece
+  int nch;         // chunks in the piece (the item's k-range on this rank, or part of it)
+  int g;           // (balanced clusters) the piece's first chunk in the cluster's chunk sequence
+  int kb;          // first k-block of the chunk, within the batch entry
   int item;        // item index: block of M fastest, then column group, then batch entry
   int cg, mb, b;   // column group, block of M, batch entry
   int col0, rows;  // first column, rows of M in the block
@@ -512,13 +521,25 @@ struct Cursor {
 // block of ROWS rows of M x batch entry) are dealt round-robin to the clusters, the blocks of M
 // of one column group to neighbouring clusters, which run them at the same time: the second
 // and later reads of those weights hit L2 (with the column group fastest, a weight larger than
-// L2 was read from DRAM once per block of M); rank `rank` of a
-// cluster covers k-blocks [kbA, kbEnd) of each of its items in nch chunks of KCH k-blocks, q
-// chunks in all. Cursors advance incrementally, so the hot loop has no integer division.
+// L2 was read from DRAM once per block of M). Within a cluster, one of two splits:
+//  * uniform k-split: rank `rank` covers k-blocks [kbA, kbEnd) of each of the cluster's items in
+//    nch chunks of KCH k-blocks, q chunks in all.
+//  * chunk-balanced (p.balanced, warp-specialized kernel only): the cluster's items, each of
+//    nch_item chunks, form one sequence of T chunks, and rank r takes chunks [r T / ks, (r + 1)
+//    T / ks). So every rank streams the same number of chunks (+-1) whatever the item count,
+//    where the uniform split can only give a cluster whole items (gate/up of Llama-3-70B at TP 2:
+//    448 items on 132 SMs, 4 on some and 3 on others). A rank's run of chunks of one item is a
+//    "piece": only its first piece can start inside an item (it is then sent to the rank that
+//    holds the item's first chunk, the item's owner) and only its last can end inside one (the
+//    rank then owns that item and adds the later ranks' pieces), so each rank sends at most one
+//    sum and receives at most one set (ItemReducer::finish_piece).
+// Cursors advance incrementally, so the hot loop has no integer division (only a piece's or an
+// item's boundary divides, in 32 bits).
 template <int KCH, int COLS, int ROWS>
 struct ItemWalk {
   const Params& p;
   int ks, rank, cluster_id, n_clusters, kbA, kbEnd, nch, q;
+  int nch_item, T, g0, g1;  // chunk-balanced clusters: chunks per item, per cluster, this rank's range
   int64_t k, chunk_cells;
 
   __device__ explicit ItemWalk(const Params& prm) : p(prm) {
@@ -526,11 +547,23 @@ struct ItemWalk {
     rank = blockIdx.x % ks;
     cluster_id = blockIdx.x / ks;
     n_clusters = gridDim.x / ks;
-    kbA = rank * p.kb_per_split;
-    kbEnd = min(p.KB, kbA + p.kb_per_split);
-    nch = kbEnd > kbA ? (kbEnd - kbA + KCH - 1) / KCH : 0;
     const int my_items = cluster_id < p.items ? (p.items - cluster_id + n_clusters - 1) / n_clusters : 0;
-    q = my_items * nch;
+    nch_item = (p.KB + KCH - 1) / KCH;
+    if (p.balanced) {
+      kbA = 0;
+      kbEnd = p.KB;
+      nch = nch_item;
+      T = my_items * nch_item;  // (the launcher keeps T * ks below 2^31)
+      g0 = rank * T / ks;
+      g1 = (rank + 1) * T / ks;
+      q = g1 - g0;
+    } else {
+      kbA = rank * p.kb_per_split;
+      kbEnd = min(p.KB, kbA + p.kb_per_split);
+      nch = kbEnd > kbA ? (kbEnd - kbA + KCH - 1) / KCH : 0;
+      q = my_items * nch;
+      T = g0 = g1 = 0;
+    }
     k = int64_t(p.KB) * 32;
     chunk_cells = int64_t(KCH) * p.N;
   }
@@ -542,28 +575,66 @@ struct ItemWalk {
     cur.col0 = cur.cg * COLS;
     cur.m0 = int64_t(cur.mb) * ROWS;
     cur.rows = int(min(int64_t(ROWS), p.M - cur.m0));
-    cur.cell0 = (int64_t(cur.b) * p.KB + kbA) * p.N + cur.col0;
-    cur.x0 = (int64_t(cur.b) * p.M + cur.m0) * k + int64_t(kbA) * 32;
+    cur.cell0 = (int64_t(cur.b) * p.KB + cur.kb) * p.N + cur.col0;
+    cur.x0 = (int64_t(cur.b) * p.M + cur.m0) * k + int64_t(cur.kb) * 32;
+  }
+  // (balanced) the piece that starts at chunk g of the cluster's sequence
+  __device__ void set_piece(Cursor& cur, int g) const {
+    const int j = g / nch_item, c0 = g - j * nch_item;
+    cur.c = 0;
+    cur.g = g;
+    cur.nch = min(g1, (j + 1) * nch_item) - g;
+    cur.kb = c0 * KCH;
+    cur.item = cluster_id + j * n_clusters;
+    set_derived(cur);
   }
   __device__ Cursor first() const {
     Cursor cur;
+    if (p.balanced) {
+      set_piece(cur, g0);
+      return cur;
+    }
     cur.c = 0;
+    cur.nch = nch;
+    cur.g = 0;
+    cur.kb = kbA;
     cur.item = cluster_id;
     set_derived(cur);
     return cur;
   }
-  __device__ void next_item(Cursor& cur) const {  // the first chunk of the CTA's next item
+  __device__ void next_item(Cursor& cur) const {  // the first chunk of the CTA's next piece
+    if (p.balanced) {
+      set_piece(cur, cur.g + cur.nch);
+      return;
+    }
     cur.c = 0;
+    cur.kb = kbA;
     cur.item += n_clusters;
     set_derived(cur);
   }
   __device__ void advance(Cursor& cur) const {
-    if (++cur.c < nch) {
+    if (++cur.c < cur.nch) {
       cur.cell0 += chunk_cells;
       cur.x0 += KCH * 32;
+      cur.kb += KCH;
       return;
     }
     next_item(cur);
+  }
+  // (balanced) the cluster rank whose range holds chunk g of the sequence
+  __device__ int rank_of(int g) const { return ((g + 1) * ks + T - 1) / T - 1; }
+  // (balanced) what the end of the piece at `cur` does with its sum: kPieceStore (a whole item),
+  // kPieceSend to rank `peer` (a piece after the item's first chunk), or kPieceOwn (the item's
+  // first piece; `peer` = the later ranks that hold the rest of it).
+  __device__ int piece_role(const Cursor& cur, int& peer) const {
+    const int j = cur.g / nch_item;
+    if (cur.kb != 0) {
+      peer = rank_of(j * nch_item);
+      return kPieceSend;
+    }
+    if (cur.nch == nch_item) return kPieceStore;
+    peer = rank_of((j + 1) * nch_item - 1) - rank;
+    return kPieceOwn;
   }
 };
 
@@ -1089,7 +1160,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const ItemWalk<KCH, COLS, 8 * MT> walk(p);
-  const int KS = walk.ks, rank = walk.rank, kbA = walk.kbA, nch = walk.nch, Q = walk.q;
+  const int KS = walk.ks, rank = walk.rank, Q = walk.q;
 
   // ---- shared memory: [LUT][reducer][sf][full x 8, empty x 8][ring: D x (weights | scales | x)]
   const uint32_t s_lut = smem_u32(smem);
@@ -1131,8 +1202,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     if (lane == 0) {
       const uint32_t bytes = uint32_t(Cfg::kWChunk + WC::kSChunk) + uint32_t(KCH) * x_kb_bytes;
       // the chunk's first k-block (within the batch entry) and its row of weights and scales
-      auto first_kb = [&](const Cursor& c) { return kbA + c.c * KCH; };
-      auto row_of = [&](const Cursor& c) { return c.b * p.KB + first_kb(c); };
+      auto row_of = [&](const Cursor& c) { return c.b * p.KB + c.kb; };
       {  // the first ring's worth of weights and scale bytes into L2 while the previous kernel ends
         Cursor pc = walk.first();
         for (int q = 0; q < D && q < Q; ++q) {
@@ -1152,7 +1222,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       for (int q = 0; q < Q; ++q) {
         if (round > 0) mbar_wait(s_empty + 8 * slot, (round - 1) & 1u);
         const uint32_t base = s_ring + slot * slot_bytes, full = s_full + 8 * slot;
-        const int kb0 = first_kb(ic), wrow = row_of(ic);
+        const int kb0 = ic.kb, wrow = row_of(ic);
         mbar_arrive_expect_tx(full, bytes);
         if constexpr (V == 2)  // 16-column pieces (a box dimension holds at most 256 words)
           tma_load_3d(base, &wmap, 0, ic.col0 / 16, wrow, full);
@@ -1292,8 +1362,16 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       if (KS > 1 && item_seq == 0) cluster_wait();  // the other ranks' reducer barriers exist
       Cursor wc = cur;
       if constexpr (V == 2) wc.col0 += 16 * TN * warp;  // the warp's own columns
-      reducer.finish(acc, item_seq++, last_item, warp, lane,
-                     [&](const float (&v)[NACC]) { store_item<MT, T>(p, wc, g, t, v, ts); });
+      auto store = [&](const float (&v)[NACC]) { store_item<MT, T>(p, wc, g, t, v, ts); };
+      if constexpr (V != 2) {
+        if (p.balanced) {
+          int peer = 0;
+          const int role = walk.piece_role(cur, peer);
+          reducer.finish_piece(acc, item_seq++, role, peer, warp, lane, store);
+          return;
+        }
+      }
+      reducer.finish(acc, item_seq++, last_item, warp, lane, store);
     };
 
     Cursor cc = walk.first();
@@ -1333,7 +1411,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // branch resolution).
     int q = 0;  // chunks consumed
     while (q < Q) {
-      for (int c = 0; c < nch; ++c, ++q) {
+      for (int c = 0; c < cc.nch; ++c, ++q) {
         mbar_wait(s_full + 8 * slot, fparity);
         KBIT_TL_MARK(p, kTlFirstChunk, tid == 0 && q == 0);
         KBIT_TL_MARK(p, kTlLastChunk, tid == 0 && q == Q - 1);
@@ -1395,6 +1473,20 @@ inline int device_sm_count(int dev) {
 // n8 tiles along M for a problem with M rows (blocks of 64 rows above that).
 inline int m_tiles(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
 
+// The launcher's limits on chunk-balanced clusters (Launcher::plan): the largest cluster, and the
+// critical path it must have against the uniform k-split's.
+constexpr int kBalancedMaxRanks = 4;
+constexpr double kBalancedGain = 0.9;
+// Whether the launcher may choose chunk-balanced clusters (ItemWalk): yes unless the environment
+// has KBIT_JAX_BALANCE=0 (read once per process; for comparisons).
+inline bool balanced_clusters_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KBIT_JAX_BALANCE");
+    return v == nullptr || v[0] != '0';
+  }();
+  return enabled;
+}
+
 template <int BITS, class Act, int MT, int V, bool WS>
 struct Launcher {
   using Cfg = Config<BITS, MT, V>;
@@ -1444,6 +1536,7 @@ struct Launcher {
   struct Plan {
     size_t smem = 0;
     int x_rows = 0, KB = 0, ks = 1, kps = 1, stages = 0;
+    bool balanced = false;  // chunk-balanced clusters (ItemWalk) instead of a uniform k-split
     int64_t col_groups = 0, m_blocks = 0, items = 0, ncl = 0;
     double cost = 0;
     std::string error;
@@ -1511,6 +1604,48 @@ struct Launcher {
     pl.cost = best_cost;
     pl.kps = split_len(pl.ks);
     pl.ncl = clusters(pl.ks);
+    int64_t chunks_per_cta = items_per_cluster(pl.ncl) * chunks_per_item(pl.kps);
+    // Chunk-balanced clusters (ItemWalk; the warp-specialized kernel's V0/V1, whose reducer has
+    // receive slots): every rank of a cluster streams the same number of chunks of the cluster's
+    // items, so an item count that the clusters do not divide costs no idle ranks. Its critical
+    // path: a rank's chunks, its pieces' ends (0.5 each, as a whole item's) and the owner's wait
+    // for the ranks that share its item (0.5 each). The launcher takes it at clusters of at most
+    // kBalancedMaxRanks where that path is at most kBalancedGain of the uniform split's: harness
+    // "sel" and "layers" (H200, both splits timed on one build, kernel_balanced_h200.md), with
+    // no limits: 0.85-0.95x the time where the uniform split left the last round of items on
+    // under half the SMs (llama3-70b gate/up: 64 -> 56 chunks per CTA), but 1.02-1.09x where
+    // its path was only 7-9 % shorter (glm4.7 gate/up with 32-column groups: the uniform split's
+    // last round, on 56 of 132 SMs, runs faster per chunk than the path counts) and 1.03-1.09x
+    // at 8-CTA clusters (120 CTAs; Llama-3-70B q/k/v and gate/up at TP 4).
+    if constexpr (WS && V != 2) {
+      const int want = tuning && tuning->balance >= 0 ? tuning->balance : balanced_clusters_enabled() ? -1 : 0;
+      constexpr int kRecv = WsConfig<BITS, MT, V>::Reducer::kMaxRanks - 1;
+      const int nchi = chunks_per_item(KB);
+      double best_bal = want == 1 ? 1e30 : kBalancedGain * best_cost;
+      const int ks_top = want == 1 ? ks_max : std::min(ks_max, kBalancedMaxRanks);
+      for (int ks = 2; want != 0 && ks <= ks_top; ++ks) {
+        if (tuning && tuning->k_split > 0 && ks != std::min(tuning->k_split, ks_max)) continue;
+        const int64_t ncl = clusters(ks), t_hi = items_per_cluster(ncl) * nchi, t_lo = pl.items / ncl * nchi;
+        if (t_lo < ks || t_hi * ks >= (int64_t(1) << 31)) continue;  // a rank without chunks; 32-bit walk
+        const int64_t per_rank = (t_hi + ks - 1) / ks, fewest = t_lo / ks;
+        const int64_t senders = (nchi - 1 + fewest - 1) / fewest;  // most later ranks that share an item
+        if (senders > kRecv) continue;
+        const double pieces = double((per_rank + nchi - 1) / nchi + 1);
+        const double cost = (double(per_rank) + 0.5 * pieces + 0.5 * double(senders)) *
+                            Cfg::chunk_cost(std::is_same_v<Act, ActBF16>);
+        if (cost < best_bal - 1e-9) {
+          best_bal = cost;
+          pl.balanced = true;
+          pl.ks = ks;
+          pl.ncl = ncl;
+          chunks_per_cta = per_rank;
+        }
+      }
+      if (pl.balanced) {
+        pl.cost = best_bal;
+        pl.kps = KB;
+      }
+    }
     if constexpr (WS) {
       // The ring as deep as the launch's rows allow (pl.smem has room for it) where each CTA
       // streams many chunks; where it streams few, the shallower depth of 8 MT rows, since more
@@ -1518,7 +1653,6 @@ struct Launcher {
       // stages instead of 4 at M = 1 took llama3-70b gate/up 59.9 -> 57.7 us but qwen3 down, ~5
       // chunks per CTA, 7.3 -> 7.6; kernel_ring_rows_h200.md).
       using WC = WsConfig<BITS, MT, V>;
-      const int64_t chunks_per_cta = items_per_cluster(pl.ncl) * chunks_per_item(pl.kps);
       pl.stages = chunks_per_cta >= kDeepRingMinChunks ? WC::stages(pl.x_rows) : WC::stages(8 * MT);
     }
     return pl;
@@ -1536,6 +1670,7 @@ struct Launcher {
     if (tuning) {
       tuning->launched_k_split = ks;
       tuning->launched_ctas = static_cast<int>(ncl * ks);
+      tuning->launched_balanced = pl.balanced ? 1 : 0;
     }
 
     Params prm;
@@ -1550,6 +1685,7 @@ struct Launcher {
     prm.KB = KB;
     prm.kb_per_split = std::max(kps, 1);
     prm.k_split = ks;
+    prm.balanced = pl.balanced ? 1 : 0;
     prm.col_groups = static_cast<int>(pl.col_groups);
     prm.m_blocks = static_cast<int>(pl.m_blocks);
     prm.items = static_cast<int>(pl.items);
