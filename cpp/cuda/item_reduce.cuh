@@ -171,7 +171,24 @@ struct ItemReducer {
   __device__ uint32_t recv_slot_addr(int s, int e4, int lane) const {
     return recv + uint32_t((s * (NACC / 4) + e4) * 32 + lane) * 16;
   }
-  __device__ uint32_t recv_addr(int r, int e4, int lane) const { return recv_slot_addr(r - 1, e4, lane); }  // rank r's, in rank 0
+  // The leader's lanes send the CTA's sum v into receive slot s of rank `to` by st.async, each
+  // store completing its bytes on that rank's barrier `bar` (an address of this CTA's window).
+  __device__ void send_sum(const float (&v)[NACC], int to, int s, uint32_t bar, int lane) const {
+    const uint32_t rbar = map_rank(bar, to), dst = map_rank(recv_slot_addr(s, 0, lane), to);
+#pragma unroll
+    for (int e4 = 0; e4 < NACC / 4; ++e4)
+      st_async_f32x4(dst + uint32_t(e4 * 32 * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3], rbar);
+  }
+  // The leader's lanes add receive slots 0..n-1 to v, in slot (= rank) order.
+  __device__ void add_received(float (&v)[NACC], int n, int lane) const {
+    for (int s = 0; s < n; ++s) {
+#pragma unroll
+      for (int e4 = 0; e4 < NACC / 4; ++e4) {
+        const float4 q = lds128f(recv_slot_addr(s, e4, lane));
+        v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
+      }
+    }
+  }
 
   // The CTA's sum of its seq-th item (seq = 0, 1, ... per CTA), called by every consumer warp:
   // the non-leaders leave their sums in their slots and return false; the leader adds every
@@ -221,20 +238,11 @@ struct ItemReducer {
         store(v);
       } else if (rank > 0) {
         if (seq > 0) mbar_wait<true>(cl_empty, prev);  // rank 0 has read item seq - 1's sum
-        const uint32_t bar0 = map_rank(cl_full + 8 * leader, 0), dst = map_rank(recv_addr(rank, 0, lane), 0);
-#pragma unroll
-        for (int e4 = 0; e4 < NACC / 4; ++e4)
-          st_async_f32x4(dst + uint32_t(e4 * 32 * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3], bar0);
+        send_sum(v, 0, rank - 1, cl_full + 8 * leader, lane);
       } else {
         if (lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
         mbar_wait<true>(cl_full + 8 * leader, led);
-        for (int r = 1; r < ks; ++r) {  // rank order
-#pragma unroll
-          for (int e4 = 0; e4 < NACC / 4; ++e4) {
-            const float4 q = lds128f(recv_addr(r, e4, lane));
-            v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
-          }
-        }
+        add_received(v, ks - 1, lane);  // ranks 1..ks-1
         if (!last)
           for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty, r);
         store(v);
@@ -258,20 +266,11 @@ struct ItemReducer {
       if (role == kPieceStore) {
         store(v);
       } else if (role == kPieceSend) {
-        const uint32_t bar = map_rank(cl_full, peer), dst = map_rank(recv_slot_addr(rank - peer - 1, 0, lane), peer);
-#pragma unroll
-        for (int e4 = 0; e4 < NACC / 4; ++e4)
-          st_async_f32x4(dst + uint32_t(e4 * 32 * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3], bar);
+        send_sum(v, peer, rank - peer - 1, cl_full, lane);
       } else {
         if (lane == 0) mbar_arrive_expect_tx(cl_full, uint32_t(peer * kSlotBytes));
         mbar_wait<true>(cl_full, 0);
-        for (int s = 0; s < peer; ++s) {  // rank order
-#pragma unroll
-          for (int e4 = 0; e4 < NACC / 4; ++e4) {
-            const float4 q = lds128f(recv_slot_addr(s, e4, lane));
-            v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
-          }
-        }
+        add_received(v, peer, lane);  // ranks rank+1 .. rank+peer
         store(v);
       }
     }

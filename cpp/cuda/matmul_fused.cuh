@@ -1591,8 +1591,12 @@ struct Launcher {
     auto clusters = [&](int ks) { return std::min<int64_t>(pl.items, max_clusters(dev, ks, pl.smem)); };
     auto items_per_cluster = [&](int64_t ncl) { return (pl.items + ncl - 1) / ncl; };
     auto chunks_per_item = [&](int kps) { return (kps + Cfg::kKCH - 1) / Cfg::kKCH; };
+    // (a cluster size the caller forces, tuning->k_split, excludes the others)
+    auto size_allowed = [&](int ks) {
+      return !(tuning && tuning->k_split > 0) || ks == std::min(tuning->k_split, ks_max);
+    };
     for (int ks = 1; ks <= ks_max; ++ks) {
-      if (tuning && tuning->k_split > 0 && ks != std::min(tuning->k_split, ks_max)) continue;
+      if (!size_allowed(ks)) continue;
       const int kps = split_len(ks);
       if ((KB + kps - 1) / kps != ks) continue;  // would leave a rank empty
       const int64_t per_cluster = items_per_cluster(clusters(ks));
@@ -1624,7 +1628,7 @@ struct Launcher {
       double best_bal = want == 1 ? 1e30 : kBalancedGain * best_cost;
       const int ks_top = want == 1 ? ks_max : std::min(ks_max, kBalancedMaxRanks);
       for (int ks = 2; want != 0 && ks <= ks_top; ++ks) {
-        if (tuning && tuning->k_split > 0 && ks != std::min(tuning->k_split, ks_max)) continue;
+        if (!size_allowed(ks)) continue;
         const int64_t ncl = clusters(ks), t_hi = items_per_cluster(ncl) * nchi, t_lo = pl.items / ncl * nchi;
         if (t_lo < ks || t_hi * ks >= (int64_t(1) << 31)) continue;  // a rank without chunks; 32-bit walk
         const int64_t per_rank = (t_hi + ks - 1) / ks, fewest = t_lo / ks;
