@@ -1003,9 +1003,9 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   CK(cudaMalloc(&buf, buf_bytes));
   CK(cudaMalloc(&stamp, 8));
   std::vector<unsigned long long> h(size_t(kMaxCtas) * kTlSlots);
-  const char* names[kTlMarks] = {"entry", "setup", "first copy issued", "table built", "first chunk arrived",
-                                 "first item computed", "first item stored", "last chunk arrived", "all stored",
-                                 "exit"};
+  const char* names[kTlMarks] = {"entry", "setup", "producer past pdl_wait", "first copy issued", "table built",
+                                 "first chunk arrived", "first item computed", "first item stored",
+                                 "last chunk arrived", "all stored", "exit"};
   // per mark: the per-launch median and maximum over CTAs (ns from the CTA's entry)
   std::vector<std::vector<double>> med(kTlMarks), mx(kTlMarks);
   std::vector<double> entry_min, entry_med, entry_max, exit_max, chunks_min, chunks_max, rate, host_us;

@@ -182,6 +182,13 @@
 //  the time at bits 2-4 (K = 4 M = 1: 40.9 us, 72 % of copy), glm4.7 gate/up 0.88-0.96x; a 70B
 //  layer's products at TP 2, K = 4: 92.5 -> 88.4 us. At 8-CTA clusters (120 CTAs) and where the
 //  path was < 10 % shorter it was slower (1.02-1.09x), hence the launcher's limits.
+//  Session 16 (benchmarks/results/kernel_start_h200.md): the harness's timings launch back to
+//  back under PDL, where a kernel's start overlaps its predecessor; JAX's CUDA graphs do not
+//  overlap them. There (harness timeline, KBIT_JAX_PDL=0) the first chunk arrived 4.4-4.9 us
+//  after entry, ~2 us later than in session 5: the session-10 L2 prefetch of the whole first ring
+//  queued ahead of the first copy. Only the first chunk is prefetched now, at entry: 2.2-2.5 us;
+//  without PDL M <= 8 median 0.95x the time (0.80-1.02), a 70B layer at TP 2, K = 4 102.9 -> 92.6
+//  us; under PDL median 0.98x (0.90-1.06).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -1175,6 +1182,23 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   KBIT_TL_GLOBAL(p, kTlGlobalEntry, tid == 0);
   KBIT_TL_VALUE(p, kTlChunks, Q, tid == 0);
 
+  // the chunk's first k-block (within the batch entry) and its row of weights and scales
+  auto row_of = [&](const Cursor& c) { return c.b * p.KB + c.kb; };
+  // The producer's lane 0 first requests the first chunk's weights and scale bytes into L2, so
+  // DRAM works while the CTA sets up (an L2 prefetch may precede pdl_wait: dependent_launch.cuh).
+  // Only the first chunk: prefetching the whole ring put D chunks of every CTA into DRAM's queue
+  // ahead of the first copy, and on an idle GPU (a kernel after an XLA fusion in a CUDA graph)
+  // the first chunk arrived 4.4-4.9 us after entry instead of 2.2-2.5. Back to back under PDL,
+  // where the prefetch overlaps the previous kernel, one chunk does as well (median 0.98x the
+  // time; a few small shapes up to 1.06x; benchmarks/results/kernel_start_h200.md).
+  if (tid == NT && Q > 0) {
+    const Cursor c0 = walk.first();
+    if constexpr (V == 2)
+      tma_prefetch_l2_3d(&wmap, 0, c0.col0 / 16, row_of(c0));
+    else
+      tma_prefetch_l2_2d(&wmap, c0.col0 * BITS, row_of(c0));
+    tma_prefetch_l2_2d(&smap, c0.col0, row_of(c0));
+  }
   if (tid < D) {
     mbar_init(s_full + 8 * tid, 1);  // the producer's arrival (with the copies' byte count)
     mbar_init(s_empty + 8 * tid, NW);
@@ -1185,7 +1209,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   KBIT_TL_MARK(p, kTlSetup, tid == 0);
   // Launched as a programmatic dependent launch (dependent_launch.cuh), this kernel may run
   // while the previous one on the stream still does: global memory other than the L2 prefetch
-  // below is touched only after pdl_wait(). The next such launch may take this CTA's SM as soon
+  // above is touched only after pdl_wait(). The next such launch may take this CTA's SM as soon
   // as it exits.
   pdl_allow_dependents();
   // Every rank's reducer barriers must exist before another rank arrives on them: arrive on the
@@ -1201,21 +1225,8 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // 1-D cp.async.bulk per k-block row issued ~33 copies per chunk and was slower still.)
     if (lane == 0) {
       const uint32_t bytes = uint32_t(Cfg::kWChunk + WC::kSChunk) + uint32_t(KCH) * x_kb_bytes;
-      // the chunk's first k-block (within the batch entry) and its row of weights and scales
-      auto row_of = [&](const Cursor& c) { return c.b * p.KB + c.kb; };
-      {  // the first ring's worth of weights and scale bytes into L2 while the previous kernel ends
-        Cursor pc = walk.first();
-        for (int q = 0; q < D && q < Q; ++q) {
-          const int wrow = row_of(pc);
-          if constexpr (V == 2)
-            tma_prefetch_l2_3d(&wmap, 0, pc.col0 / 16, wrow);
-          else
-            tma_prefetch_l2_2d(&wmap, pc.col0 * BITS, wrow);
-          tma_prefetch_l2_2d(&smap, pc.col0, wrow);
-          walk.advance(pc);
-        }
-      }
       pdl_wait();
+      KBIT_TL_MARK(p, kTlWaited, true);
       Cursor ic = walk.first();
       int slot = 0;
       uint32_t round = 0;  // passes over the ring; pass r >= 1 waits for completion r - 1 of empty

@@ -16,6 +16,7 @@ namespace kbit::cuda {
 enum TimelineMark : int {
   kTlEntry = 0,       // first instruction (thread 0)
   kTlSetup,           // mbarriers initialised, __syncthreads passed (thread 0)
+  kTlWaited,          // producer: pdl_wait passed (the previous kernel's writes visible)
   kTlFirstCopy,       // producer: first chunk's tensor copies issued
   kTlTable,           // consumers: lookup table built (thread 0, after the consumers' barrier)
   kTlFirstChunk,      // consumer warp 0: first chunk's full barrier passed (its bytes arrived)
