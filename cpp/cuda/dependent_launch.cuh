@@ -12,7 +12,8 @@
 // Measured on the H200 (benchmarks/results/kernel_pdl_h200.md, launch_overlap_h200.log): back to
 // back on a stream, 0.83x the time at M <= 8, 0.88x at M = 16. Inside JAX programs XLA's command
 // buffers (on by default) record a custom call as a nested graph, which starts its kernel ~0.1 us
-// after the previous one anyway; there the attribute has no effect either way.
+// after the previous one anyway; there the attribute had no effect, so it is not set while a
+// stream is being captured (dependent_launch_enabled).
 //
 // The contract, for every kernel launched with the attribute:
 //  * no thread reads global memory that a previous kernel may write, nor writes global memory
@@ -25,6 +26,8 @@
 // kernel's CTAs leave them; it makes nothing visible early (the next kernel's wait is for this
 // whole grid's completion and its writes).
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdlib>
 
@@ -42,14 +45,24 @@ __device__ __forceinline__ void pdl_allow_dependents() {
 #endif
 }
 
-// Whether launchers set the attribute: yes unless the environment has KBIT_JAX_PDL=0 (read once
-// per process; an escape hatch for comparisons and for drivers that mishandle PDL).
-inline bool dependent_launch_enabled() {
+// Whether a launch on `stream` sets the attribute: not while the stream is being captured into a
+// CUDA graph, and not where the environment has KBIT_JAX_PDL=0 (read once per process; an escape
+// hatch for comparisons and for drivers that mishandle PDL). XLA's command buffers capture each
+// custom call into a graph of its own, where the kernel has no kernel predecessor for the
+// attribute to act on (session 10); launched plainly instead, the kernel knows its inputs are
+// visible at entry and starts its first copies there (Params::inputs_ready; session 17).
+inline bool dependent_launch_enabled(cudaStream_t stream) {
   static const bool enabled = [] {
     const char* v = std::getenv("KBIT_JAX_PDL");
     return v == nullptr || v[0] != '0';
   }();
-  return enabled;
+  if (!enabled) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();  // (clear it) unknown: a plain launch is correct either way
+    return false;
+  }
+  return status == cudaStreamCaptureStatusNone;
 }
 
 }  // namespace kbit::cuda

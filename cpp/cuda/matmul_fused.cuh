@@ -189,6 +189,14 @@
 //  queued ahead of the first copy. Only the first chunk is prefetched now, at entry: 2.2-2.5 us;
 //  without PDL M <= 8 median 0.95x the time (0.80-1.02), a 70B layer at TP 2, K = 4 102.9 -> 92.6
 //  us; under PDL median 0.98x (0.90-1.06).
+//  Session 17 (benchmarks/results/kernel_start_ready_h200.md): a plain launch (the launcher no
+//  longer sets the PDL attribute while the stream is captured into a CUDA graph, where it had no
+//  effect) sets Params::inputs_ready, and the first chunk's copies and the table go out before the
+//  setup barrier: first copy 0.5-0.6 us after entry (was 1.55-1.85), first chunk 1.6-1.8 us (was
+//  2.2-2.5), but the exit only 0.1-0.5 us earlier (the ring's ramp, then the consumers' rate).
+//  Without PDL M <= 8 median 0.99x the time. Learned again: the first cursor computed once at
+//  kernel scope, or an if/else around the consumers' table build, grew the chunk loop from 256 to
+//  320 SASS instructions (address arithmetic off the uniform datapath); check the loop's SASS.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -482,6 +490,8 @@ struct Params {
   int stages;                       // ring depth (warp-specialized kernel; WsConfig::stages)
   int vec16;                        // weight rows are 16-byte aligned: 16-byte copies
   int64_t scale_bytes;              // B * KB * N, the end of the scales buffer
+  int inputs_ready;                 // 1: a plain launch (not a programmatic dependent one), so
+                                    // every input is visible at entry (warp-specialized kernel)
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline;     // timeline.cuh: per-CTA milestone clocks, or null
 #endif
@@ -1184,33 +1194,65 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 
   // the chunk's first k-block (within the batch entry) and its row of weights and scales
   auto row_of = [&](const Cursor& c) { return c.b * p.KB + c.kb; };
-  // The producer's lane 0 first requests the first chunk's weights and scale bytes into L2, so
-  // DRAM works while the CTA sets up (an L2 prefetch may precede pdl_wait: dependent_launch.cuh).
-  // Only the first chunk: prefetching the whole ring put D chunks of every CTA into DRAM's queue
-  // ahead of the first copy, and on an idle GPU (a kernel after an XLA fusion in a CUDA graph)
-  // the first chunk arrived 4.4-4.9 us after entry instead of 2.2-2.5. Back to back under PDL,
-  // where the prefetch overlaps the previous kernel, one chunk does as well (median 0.98x the
-  // time; a few small shapes up to 1.06x; benchmarks/results/kernel_start_h200.md).
-  if (tid == NT && Q > 0) {
-    const Cursor c0 = walk.first();
-    if constexpr (V == 2)
-      tma_prefetch_l2_3d(&wmap, 0, c0.col0 / 16, row_of(c0));
+  const bool ready = p.inputs_ready != 0;
+  const uint32_t chunk_bytes = uint32_t(Cfg::kWChunk + WC::kSChunk) + uint32_t(KCH) * x_kb_bytes;
+  // The producer's lane 0: announce chunk `c`'s bytes on ring slot `slot`'s full barrier and
+  // issue its three tensor copies (weights, scale bytes, activations).
+  auto issue = [&](int slot, const Cursor& c) {
+    const uint32_t base = s_ring + slot * slot_bytes, full = s_full + 8 * slot;
+    const int wrow = row_of(c);
+    mbar_arrive_expect_tx(full, chunk_bytes);
+    if constexpr (V == 2)  // 16-column pieces (a box dimension holds at most 256 words)
+      tma_load_3d(base, &wmap, 0, c.col0 / 16, wrow, full);
     else
-      tma_prefetch_l2_2d(&wmap, c0.col0 * BITS, row_of(c0));
-    tma_prefetch_l2_2d(&smap, c0.col0, row_of(c0));
+      tma_load_2d(base, &wmap, c.col0 * BITS, wrow, full);
+    tma_load_2d(base + Cfg::kWChunk, &smap, c.col0, wrow, full);
+    tma_load_3d(base + kXOffset, &xmap, 0, int(int64_t(c.b) * p.M + c.m0), c.kb, full);
+  };
+  // The producer's lane 0 sends its first request before anything else, so DRAM works while the
+  // CTA sets up:
+  //  * inputs ready (a plain launch, as inside JAX's CUDA graphs): the first chunk's copies
+  //    themselves, and with one batch entry the consumers build the table before the setup
+  //    barrier too. The first copy goes out 0.5-0.6 us after entry instead of 1.55-1.85 (setup,
+  //    pdl_wait and the copy one after the other), the first chunk arrives at 1.6-1.8 us instead
+  //    of 2.2-2.5 (benchmarks/results/kernel_start_ready_h200.md).
+  //  * a programmatic dependent launch: only an L2 prefetch of the first chunk's weights and
+  //    scale bytes, which may precede pdl_wait (dependent_launch.cuh). Only the first chunk:
+  //    prefetching the whole ring put D chunks of every CTA into DRAM's queue ahead of the first
+  //    copy (the first chunk arrived 4.4-4.9 us after entry instead of 2.2-2.5).
+  if (tid == NT) {
+    const Cursor c0 = walk.first();
+    if (ready) {
+      mbar_init(s_full, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+      if (Q > 0) {
+        issue(0, c0);
+        KBIT_TL_MARK(p, kTlFirstCopy, true);
+      }
+    } else if (Q > 0) {
+      if constexpr (V == 2)
+        tma_prefetch_l2_3d(&wmap, 0, c0.col0 / 16, row_of(c0));
+      else
+        tma_prefetch_l2_2d(&wmap, c0.col0 * BITS, row_of(c0));
+      tma_prefetch_l2_2d(&smap, c0.col0, row_of(c0));
+    }
   }
   if (tid < D) {
-    mbar_init(s_full + 8 * tid, 1);  // the producer's arrival (with the copies' byte count)
+    if (tid > 0 || !ready) mbar_init(s_full + 8 * tid, 1);  // the producer's arrival (with the byte count)
     mbar_init(s_empty + 8 * tid, NW);
   }
   if (tid == 0) reducer.init();
+  // Inputs ready and one batch entry (so one table): the consumers build the table now, under the
+  // first copies' latency; otherwise after pdl_wait in their branch, for the first item's entry.
+  const bool early_table = ready && p.items == p.col_groups * p.m_blocks;
+  if (early_table && warp < NW) build_table<WP, Act>(s_lut, p.codebook, tid, NT);
   asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   KBIT_TL_MARK(p, kTlSetup, tid == 0);
   // Launched as a programmatic dependent launch (dependent_launch.cuh), this kernel may run
   // while the previous one on the stream still does: global memory other than the L2 prefetch
-  // above is touched only after pdl_wait(). The next such launch may take this CTA's SM as soon
-  // as it exits.
+  // above is touched only after pdl_wait() (p.inputs_ready is 0 then). The next such launch may
+  // take this CTA's SM as soon as it exits.
   pdl_allow_dependents();
   // Every rank's reducer barriers must exist before another rank arrives on them: arrive on the
   // cluster barrier now, wait just before the first cross-CTA step (the first item's end), so a
@@ -1224,23 +1266,18 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // shared the MIO queue with the consumers and fell behind, see tma.cuh; a version with one
     // 1-D cp.async.bulk per k-block row issued ~33 copies per chunk and was slower still.)
     if (lane == 0) {
-      const uint32_t bytes = uint32_t(Cfg::kWChunk + WC::kSChunk) + uint32_t(KCH) * x_kb_bytes;
       pdl_wait();
       KBIT_TL_MARK(p, kTlWaited, true);
       Cursor ic = walk.first();
-      int slot = 0;
+      int q = 0, slot = 0;
       uint32_t round = 0;  // passes over the ring; pass r >= 1 waits for completion r - 1 of empty
-      for (int q = 0; q < Q; ++q) {
+      if (ready && Q > 0) {  // the first chunk went out at entry (D >= 2)
+        walk.advance(ic);
+        q = slot = 1;
+      }
+      for (; q < Q; ++q) {
         if (round > 0) mbar_wait(s_empty + 8 * slot, (round - 1) & 1u);
-        const uint32_t base = s_ring + slot * slot_bytes, full = s_full + 8 * slot;
-        const int kb0 = ic.kb, wrow = row_of(ic);
-        mbar_arrive_expect_tx(full, bytes);
-        if constexpr (V == 2)  // 16-column pieces (a box dimension holds at most 256 words)
-          tma_load_3d(base, &wmap, 0, ic.col0 / 16, wrow, full);
-        else
-          tma_load_2d(base, &wmap, ic.col0 * BITS, wrow, full);
-        tma_load_2d(base + Cfg::kWChunk, &smap, ic.col0, wrow, full);
-        tma_load_3d(base + kXOffset, &xmap, 0, int(int64_t(ic.b) * p.M + ic.m0), kb0, full);
+        issue(slot, ic);
         KBIT_TL_MARK(p, kTlFirstCopy, q == 0);
         walk.advance(ic);
         if (++slot == D) { slot = 0; ++round; }
@@ -1390,7 +1427,10 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     int lut_b = -1;
     pdl_wait();  // (the codebook, the activations' and the outputs' buffers may be the previous kernel's)
     if (Q > 0) {
-      build_lut(cc.b);
+      if (early_table)
+        ts = p.tensor_scale[0];
+      else
+        build_lut(cc.b);
       lut_b = cc.b;
     }
     named_bar_sync<NT>(1);
@@ -1708,13 +1748,14 @@ struct Launcher {
     prm.stages = WS ? pl.stages : Cfg::kStages;
     prm.vec16 = ((a.n * BITS) % 4 == 0 && (reinterpret_cast<uintptr_t>(a.planes) & 15) == 0) ? 1 : 0;
     prm.scale_bytes = a.batch * int64_t(KB) * a.n;
+    // (the cp.async kernel does not keep dependent_launch.cuh's contract: plain launches)
+    const bool dependent = WS && dependent_launch_enabled(stream);
+    prm.inputs_ready = dependent ? 0 : 1;
 #ifdef KBIT_TIMELINE
     prm.timeline = tuning ? tuning->timeline : nullptr;
 #endif
 
-    // (the cp.async kernel does not keep dependent_launch.cuh's contract: plain launches)
-    const ClusterLaunch launch(static_cast<unsigned>(ncl * ks), kThreads, smem, stream, ks,
-                               WS && dependent_launch_enabled());
+    const ClusterLaunch launch(static_cast<unsigned>(ncl * ks), kThreads, smem, stream, ks, dependent);
     const std::string where = shape(a) + " k_split=" + std::to_string(ks) + " ctas=" + std::to_string(ncl * ks) +
                               " smem=" + std::to_string(smem);
     cudaError_t err;
