@@ -196,7 +196,8 @@
 //  2.2-2.5), but the exit only 0.1-0.5 us earlier (the ring's ramp, then the consumers' rate).
 //  Without PDL M <= 8 median 0.99x the time. Learned again: the first cursor computed once at
 //  kernel scope, or an if/else around the consumers' table build, grew the chunk loop from 256 to
-//  320 SASS instructions (address arithmetic off the uniform datapath); check the loop's SASS.
+//  320 SASS instructions (address arithmetic off the uniform datapath); tools/sass_loops.py
+//  compares the loops with a reference revision on any machine with nvcc.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when

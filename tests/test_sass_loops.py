@@ -1,0 +1,68 @@
+"""tools/sass_loops.py's SASS parsing on synthetic cuobjdump text: which loop counts as a
+kernel's hot loop, and the kernels' labels (the compile and cuobjdump steps need the CUDA
+toolkit and are not run here)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import sass_loops  # noqa: E402
+
+WS = "_ZN4kbit4cuda5fused21kbit_matmul_ws_kernelILi4ENS0_7ActBF16ELi1ELi1EEEvNS1_6ParamsE14CUtensorMap_stS5_S5_"
+CP = "_ZN4kbit4cuda5fused24kbit_matmul_fused_kernelILi2ENS0_6ActF16ELi8ELi0EEEvNS1_6ParamsE"
+
+
+def line(addr, ins):
+    return f"        /*{addr:04x}*/                   {ins} ;     /* 0x000000000000 */"
+
+
+def function(name, body):
+    return "\n".join([f"\t\tFunction : {name}", '\t.headerflags\t@"EF_CUDA_SM90"'] +
+                     [line(a, i) for a, i in body])
+
+
+SASS = "\n".join([
+    "\tcode for sm_90",
+    function(WS, [
+        (0x00, "LDC R1, c[0x0][0x28]"),
+        (0x10, "IADD3 R2, R1, 0x1, RZ"),             # outer loop: 0x10 .. 0x70
+        (0x20, "LDS R4, [R2]"),                      # inner (hot) loop: 0x20 .. 0x50
+        (0x30, "HMMA.16816.F32.BF16 R8, R4, R6, R8"),
+        (0x40, "ISETP.NE.AND P0, PT, R2, RZ, PT"),
+        (0x50, "@P0 BRA 0x20"),
+        (0x60, "STG.E [R10], R8"),
+        (0x70, "@P1 BRA 0x10"),
+        (0x80, "BRA 0x90"),                          # forward branch: not a loop
+        (0x90, "EXIT"),
+    ]),
+    function(CP, [
+        (0x00, "MOV R1, RZ"),
+        (0x10, "IADD3 R1, R1, 0x1, RZ"),             # a loop without HMMA does not count
+        (0x20, "@P0 BRA 0x10"),
+        (0x30, "EXIT"),
+    ]),
+])
+
+
+def test_functions_splits_the_dump_by_kernel():
+    fns = sass_loops.functions(SASS)
+    assert list(fns) == [WS, CP]
+    assert fns[WS][2] == (0x20, "LDS R4, [R2]") and len(fns[WS]) == 10 and len(fns[CP]) == 4
+
+
+def test_hot_loop_is_the_shortest_loop_around_an_mma():
+    fns = sass_loops.functions(SASS)
+    assert sass_loops.hot_loop_size(fns[WS]) == 4      # 0x20 .. 0x50, not the outer 0x10 .. 0x70
+    assert sass_loops.hot_loop_size(fns[CP]) is None   # no HMMA at all
+    assert sass_loops.hot_loop_size([]) is None
+
+
+def test_labels_name_the_template_arguments():
+    assert sass_loops.label(WS) == "ws bits 4 ActBF16 MT 1 V1"
+    assert sass_loops.label(CP) == "cp.async bits 2 ActF16  MT 8 V0"
+    assert sass_loops.label("_Z8quantizev") == "_Z8quantizev"
+
+
+def test_missing_cuobjdump_is_a_clear_error(capsys):
+    assert sass_loops.main(["--cuobjdump", "/nonexistent/cuobjdump"]) == 2
+    assert "no cuobjdump" in capsys.readouterr().err

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""The size of each fused-matmul kernel's hot loop, a reference tree against the working tree.
+
+Why: a change outside the chunk loop can still change the loop's machine code. In session 17,
+computing the first work cursor once at kernel scope grew the warp-specialized kernel's loop
+from 256 to 320 instructions: its address arithmetic left the uniform datapath. The harness then
+measured 1.02x the time. That is visible here, on any machine with nvcc, before a GPU run.
+
+For every kernel in the compiled `cpp/cuda/matmul_fused_b*.cu` of both trees, the hot loop is
+taken as the shortest loop that contains an HMMA instruction: the instructions from a backward
+branch's target to the branch. Each kernel gets one line, with the loop's instruction count in
+REF and in the working tree.
+
+    python3 tools/sass_loops.py [REF] [--only b4] [--max-growth N]
+
+REF defaults to HEAD. `--max-growth N` exits with status 1 when a loop grew by more than N
+instructions. Needs nvcc and cuobjdump: the CUDA toolkit's, or the one Triton's wheel carries,
+given by --cuobjdump or $CUOBJDUMP, e.g.
+  $(python3 -c "import triton, os; print(os.path.dirname(triton.__file__))")/backends/nvidia/bin/cuobjdump
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NVCC_FLAGS = ["-arch=sm_90a", "-O3", "-std=c++17", "--expt-relaxed-constexpr"]
+_INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
+# kbit_matmul_{ws,fused}_kernel<BITS, Act, MT, V> (warp-specialized / cp.async kernel)
+_MATMUL_KERNEL = re.compile(r"kbit_matmul_(ws|fused)_kernelILi(\d)ENS0_\d+(\w+?)ELi(\d)ELi(\d)E")
+
+
+def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
+    """cuobjdump -sass text -> {mangled name: [(address, instruction), ...]}."""
+    out, name = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = []
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and name:
+            out[name].append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def hot_loop_size(code: list[tuple[int, str]]) -> int | None:
+    """Instructions in the shortest backward-branch loop that contains an HMMA (None: none)."""
+    mma = [a for a, i in code if "HMMA" in i]
+    best = None
+    for addr, ins in code:
+        m = _BRANCH_TARGET.search(ins)
+        if not m:
+            continue
+        target = int(m.group(1), 16)
+        if target < addr and any(target <= a <= addr for a in mma):
+            size = sum(1 for a, _ in code if target <= a <= addr)
+            best = size if best is None else min(best, size)
+    return best
+
+
+def label(mangled: str) -> str:
+    m = _MATMUL_KERNEL.search(mangled)
+    if m:
+        kind, bits, act, mt, v = m.groups()
+        return f"{'ws' if kind == 'ws' else 'cp.async'} bits {bits} {act:7s} MT {mt} V{v}"
+    return mangled[:60]
+
+
+def compile_cubin(src: str, include: str, out: str) -> None:
+    subprocess.run(["nvcc", *NVCC_FLAGS, f"-I{include}", "-cubin", "-o", out, src], check=True,
+                   capture_output=True, text=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("ref", nargs="?", default="HEAD", help="git revision to compare with (HEAD)")
+    ap.add_argument("--only", default="", help="comma list of translation units, e.g. b4 or b2,b4")
+    ap.add_argument("--max-growth", type=int, default=None,
+                    help="exit 1 when a hot loop grew by more than this many instructions")
+    ap.add_argument("--cuobjdump", default=os.environ.get("CUOBJDUMP", "cuobjdump"))
+    args = ap.parse_args(argv)
+    if shutil.which(args.cuobjdump) is None and not os.path.exists(args.cuobjdump):
+        print(f"sass_loops: no cuobjdump at '{args.cuobjdump}' (see --cuobjdump)", file=sys.stderr)
+        return 2
+    units = sorted(glob.glob(os.path.join(ROOT, "cpp/cuda/matmul_fused_b*.cu")))
+    if args.only:
+        wanted = {f"matmul_fused_{u.strip()}.cu" for u in args.only.split(",")}
+        units = [u for u in units if os.path.basename(u) in wanted]
+    with tempfile.TemporaryDirectory() as work:
+        ref_root = os.path.join(work, "ref")
+        os.makedirs(ref_root)
+        archive = subprocess.run(["git", "-C", ROOT, "archive", args.ref, "cpp"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", ref_root], input=archive, check=True)
+        jobs = {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            for unit in units:
+                name = os.path.basename(unit)[:-3]
+                rel = os.path.relpath(unit, ROOT)
+                for tree, root in (("ref", ref_root), ("new", ROOT)):
+                    out = os.path.join(work, f"{name}.{tree}.cubin")
+                    jobs[(name, tree)] = (pool.submit(compile_cubin, os.path.join(root, rel),
+                                                      os.path.join(root, "cpp"), out), out)
+        status = 0
+        print(f"hot loop (instructions), {args.ref} -> working tree")
+        for unit in units:
+            name = os.path.basename(unit)[:-3]
+            code = {}
+            for tree in ("ref", "new"):
+                future, cubin = jobs[(name, tree)]
+                future.result()  # (raises CalledProcessError with nvcc's message on failure)
+                sass = subprocess.run([args.cuobjdump, "-sass", cubin], check=True,
+                                      capture_output=True, text=True).stdout
+                code[tree] = functions(sass)
+            for fn in sorted(code["ref"]):
+                before = hot_loop_size(code["ref"][fn])
+                if before is None:
+                    continue
+                after = hot_loop_size(code["new"].get(fn, []))
+                grew = None if after is None else after - before
+                mark = ""
+                if grew is None:
+                    mark = "  (gone)"
+                elif grew:
+                    mark = f"  ({grew:+d})"
+                    if args.max_growth is not None and grew > args.max_growth:
+                        status = 1
+                print(f"  {name}: {label(fn):34s} {before:5d} -> {after if after is not None else '-':>5}{mark}")
+        return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
