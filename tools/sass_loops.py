@@ -78,8 +78,10 @@ def label(mangled: str) -> str:
 
 
 def compile_cubin(src: str, include: str, out: str) -> None:
-    subprocess.run(["nvcc", *NVCC_FLAGS, f"-I{include}", "-cubin", "-o", out, src], check=True,
-                   capture_output=True, text=True)
+    done = subprocess.run(["nvcc", *NVCC_FLAGS, f"-I{include}", "-cubin", "-o", out, src],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"nvcc failed on {src}:\n{done.stderr}")
 
 
 def main(argv=None) -> int:
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
             code = {}
             for tree in ("ref", "new"):
                 future, cubin = jobs[(name, tree)]
-                future.result()  # (raises CalledProcessError with nvcc's message on failure)
+                future.result()  # (raises RuntimeError with nvcc's message on failure)
                 sass = subprocess.run([args.cuobjdump, "-sass", cubin], check=True,
                                       capture_output=True, text=True).stdout
                 code[tree] = functions(sass)
