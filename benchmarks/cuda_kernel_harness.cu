@@ -905,7 +905,9 @@ static void bench_layers() {
         total_bytes += bytes;
         printf("LAYER tp %d bits %d %-8s K %5d N %5d %8.2f us %5.1f %% of copy\n", tp, bits, s.name, s.K, s.N, us,
                100 * bytes / (us * 1e-6) / 1e9 / env.copy_gbs);
-        if (bits == 4) {  // the same product at every cluster size (k-split) the launcher accepts
+        // the same product at every cluster size (k-split) the launcher accepts (not with
+        // KBIT_HARNESS_NO_SWEEP set: A/B rounds that need only the launcher's choice)
+        if (bits == 4 && std::getenv("KBIT_HARNESS_NO_SWEEP") == nullptr) {
           printf("      k_split:");
           for (int ks = 1; ks <= 8; ++ks) printf(" %d: %.2f", ks, time_variants(tm, env.matmul_args(s, bits, 1), w, ks, us_v));
           printf("\n");

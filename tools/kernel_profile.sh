@@ -7,6 +7,8 @@
 #   tools/kernel_profile.sh sel                  harness timings (ten shapes x bits x M 1, 4, 16)
 #   tools/kernel_profile.sh layers               a Llama-3-70B layer's products per device at
 #                                                 TP 1, 2, 4 (M = 1): the decode step's matmul time
+#                                                 (KBIT_HARNESS_NO_SWEEP=1: without each product's
+#                                                 cluster-size sweep, ~1 s a run, for A/B rounds)
 #   tools/kernel_profile.sh prefetch             those products after an idle gap, with and without
 #                                                 an L2 prefetch of their weights before the gap
 #   tools/kernel_profile.sh timeline BITS K N M ...   where a launch's time goes: milestone clocks
