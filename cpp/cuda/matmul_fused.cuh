@@ -198,6 +198,13 @@
 //  kernel scope, or an if/else around the consumers' table build, grew the chunk loop from 256 to
 //  320 SASS instructions (address arithmetic off the uniform datapath); tools/sass_loops.py
 //  compares the loops with a reference revision on any machine with nvcc.
+//  Session 18 (benchmarks/results/kernel_lsu_h200.md; no change): the chunk rate is held by the
+//  SM's shared-memory path: 94 LSU instructions per consumer warp and chunk (64 of them table
+//  lookups; ptxas spaces a warp's consecutive LDS 4 cycles apart), LSU pipe 59 % and wavefronts
+//  61 % of peak on the 70B gate/up. Timed and slower: decoding some tiles from a register table
+//  (2.6 ALU instructions per weight against 0.5 PRMT + 0.5 LDS), the next chunk's loads overlapped
+//  with the current chunk's tail, 11 consumer warps. The CTA's 9 warps cap registers at 168 (3 on
+//  scheduler 0), not 224.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
