@@ -203,8 +203,8 @@
 //  lookups; ptxas spaces a warp's consecutive LDS 4 cycles apart), LSU pipe 59 % and wavefronts
 //  61 % of peak on the 70B gate/up. Timed and slower: decoding some tiles from a register table
 //  (2.6 ALU instructions per weight against 0.5 PRMT + 0.5 LDS), the next chunk's loads overlapped
-//  with the current chunk's tail, 11 consumer warps. The CTA's 9 warps cap registers at 168 (3 on
-//  scheduler 0), not 224.
+//  with the current chunk's tail, 11 consumer warps. ptxas stops at 168 registers here, not 224
+//  (3 of the CTA's 9 warps share scheduler 0), so a second register set per warp barely fits.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
