@@ -132,15 +132,17 @@ def test_quantized_tp4_and_shard_model_after_build():
                                atol=1e-5 * np.abs(ref_logits).max())
 
 
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
 @pytest.mark.parametrize("bits", [pytest.param(4, id="k4"), pytest.param(None, id="bf16")])
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
-def test_decode_hlo_collectives(bits, axis_type):
+def test_decode_hlo_collectives(bits, axis_type, attention):
     """decode_step: 2 all-reduces per layer and nothing else (column-parallel q/k/v, gate/up
     and lm_head need none; row-parallel o_proj and down_proj one each; the attention runs on
-    each device's own heads and KV-cache shard). No all-gather: weights never move."""
+    each device's own heads and KV-cache shard, also the Pallas kernel under its shard_map).
+    No all-gather: weights never move."""
     cfg, tp = llama.TINY, 2
     mesh = tp_mesh(tp, axis_type)
-    model, _ = llama.build_model(cfg, bits=bits, mesh=mesh)
+    model, _ = llama.build_model(cfg, bits=bits, mesh=mesh, attention=attention)
     graphdef, state = nnx.split(model)
     with jax.set_mesh(mesh):
         cache = llama.init_cache(cfg, 2, 16, sharding=llama.cache_sharding(mesh))

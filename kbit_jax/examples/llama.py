@@ -39,6 +39,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import nn as knn
 from ..sharding import shard_weight
+from . import decode_attention as _decode
+
+#: ``attention=`` values: "xla" (jnp einsums and softmax), "pallas" (single-token steps through
+#: ``decode_attention``'s kernel; interpreted off the GPU), "auto" (the kernel on a GPU for
+#: single-token steps whose shapes it takes, XLA otherwise).
+ATTENTION_MODES = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +133,36 @@ class Attention(nnx.Module):
     checkpoint's separate q/k/v kernels.
     """
 
-    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto"):
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_MODES}")
         hd = cfg.head_dim
         self.qkv_proj = _linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, param_dtype, rngs)
         self.o_proj = _linear(cfg.n_heads * hd, cfg.dim, param_dtype, rngs)
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
         self.rope_theta = cfg.rope_theta
+        self.attention = attention
+        self.tp_axis = None   # the mesh axis over kv heads, once placed by shard_model
+
+    def _use_kernel(self, t: int, q_shape, cache_shape) -> bool:
+        if self.attention == "xla" or t != 1:
+            return False
+        why = _decode.supported(q_shape, cache_shape)
+        if self.attention == "pallas":
+            if why:
+                raise ValueError(f"attention='pallas': {why}")
+            return True
+        return why is None and jax.default_backend() == "gpu"
+
+    def _attend_one(self, q, cache_k, cache_v, kv_len):
+        """decode_attention on q [B, KVH, G, D]; per device over the kv-head axis when the
+        model is tensor-parallel (a Pallas kernel has no partitioning rule of its own)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if self.tp_axis is None or mesh.empty or self.tp_axis not in mesh.axis_names:
+            return _decode.decode_attention(q, cache_k, cache_v, kv_len)
+        heads, cache = P(None, self.tp_axis, None, None), P(None, None, self.tp_axis, None)
+        return jax.shard_map(_decode.decode_attention, mesh=mesh, in_specs=(heads, cache, cache, P()),
+                             out_specs=heads, check_vma=False)(q, cache_k, cache_v, kv_len)
 
     def __call__(self, x, cache_k, cache_v, pos):
         b, t, _ = x.shape
@@ -146,16 +176,26 @@ class Attention(nnx.Module):
         cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, pos, 0, 0))
         cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, pos, 0, 0))
 
-        # Grouped-query attention over the whole cache, masked to keys at positions <= query's.
         q = q.reshape(b, t, kvh, g, hd)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, cache_k,
-                            preferred_element_type=jnp.float32) * hd ** -0.5
-        mask = jnp.arange(cache_k.shape[1])[None, :] <= positions[:, None]       # [T, S]
-        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(cache_v.dtype), cache_v,
-                         preferred_element_type=jnp.float32)
+        if self._use_kernel(t, (b, kvh, g, hd), cache_k.shape):
+            out = self._attend_one(q[:, 0], cache_k, cache_v, pos + 1)[:, None]
+        else:
+            out = attend(q, cache_k, cache_v, positions)
         out = out.reshape(b, t, h * hd).astype(x.dtype)
         return self.o_proj(out, out_sharding=_row_parallel_out(out)), cache_k, cache_v
+
+
+def attend(q, cache_k, cache_v, positions):
+    """Grouped-query attention in jnp (the XLA path): q ``[B, T, KVH, G, D]`` over the whole
+    cache ``[B, S, KVH, D]``, masked to keys at positions <= the query's (``positions[T]``).
+    f32 scores and softmax; probabilities rounded to the cache dtype for the p.v product.
+    Returns ``[B, T, KVH, G, D]`` in f32."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, cache_k,
+                        preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    mask = jnp.arange(cache_k.shape[1])[None, :] <= positions[:, None]       # [T, S]
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", probs.astype(cache_v.dtype), cache_v,
+                      preferred_element_type=jnp.float32)
 
 
 class MLP(nnx.Module):
@@ -194,9 +234,9 @@ def fuse_gate_up(gate, up):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto"):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype)
-        self.attn = Attention(cfg, param_dtype, rngs)
+        self.attn = Attention(cfg, param_dtype, rngs, attention=attention)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype)
         self.mlp = MLP(cfg, param_dtype, rngs)
 
@@ -208,15 +248,16 @@ class Block(nnx.Module):
 
 class Llama(nnx.Module):
     """Decoder-only transformer. ``block_hook(block)`` (optional) runs on each block as soon
-    as it is built, e.g. to quantize it before the next one is allocated."""
+    as it is built, e.g. to quantize it before the next one is allocated. ``attention`` picks
+    the single-token attention (`ATTENTION_MODES`); prompts always take the XLA path."""
 
     def __init__(self, cfg: LlamaConfig, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
-                 block_hook=None):
+                 block_hook=None, attention: str = "auto"):
         self.config = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, param_dtype=param_dtype, rngs=rngs)
         blocks = []
         for _ in range(cfg.n_layers):
-            blocks.append(Block(cfg, param_dtype, rngs))
+            blocks.append(Block(cfg, param_dtype, rngs, attention=attention))
             if block_hook is not None:
                 block_hook(blocks[-1])
         self.layers = nnx.List(blocks)
@@ -312,6 +353,7 @@ def shard_model(model, mesh, axis: str = "tp"):
             if problems:
                 raise ValueError(f"tensor parallelism over {tp} devices needs n_heads and "
                                  f"n_kv_heads divisible by {tp}; got {', '.join(problems)}")
+            module.tp_axis = axis
     placed = set()
     for path, module in modules:
         if not isinstance(module, (nnx.Linear, knn.KbitLinear)) or not path:
@@ -347,7 +389,7 @@ def shard_model(model, mesh, axis: str = "tp"):
 
 def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
                 param_dtype=jnp.bfloat16, quantize_head: bool = False, progress: bool = False,
-                mesh=None, axis: str = "tp"):
+                mesh=None, axis: str = "tp", attention: str = "auto"):
     """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
 
     With ``bits``, each block goes through ``kbit_jax.nn.quantize_model`` as soon as it is
@@ -364,8 +406,8 @@ def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "n
         check_tp(cfg, _tp_size(mesh, axis))
     if bits is None:
         if mesh is None:
-            return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed)), None
-        model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed),
+            return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), attention=attention), None
+        model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), attention=attention,
                       block_hook=lambda block: shard_model(block, mesh, axis))
         return shard_model(model, mesh, axis), None
     report = knn.QuantizeReport(bits=bits, codebook=codebook)
@@ -382,7 +424,8 @@ def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "n
         report.replaced_bytes_before += r.replaced_bytes_before
         report.replaced_bytes_after += r.replaced_bytes_after
 
-    model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), block_hook=hook)
+    model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), block_hook=hook,
+                  attention=attention)
     report.bytes_before += knn._nbytes(nnx.state(model)) - knn._nbytes(nnx.state(model.layers))
     if quantize_head:
         r = knn.quantize_model(model, bits, codebook, filter=lambda path, _: path == ("lm_head",),

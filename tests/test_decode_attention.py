@@ -1,0 +1,186 @@
+"""The example decoder's single-token attention kernel (``examples/decode_attention.py``).
+
+On the CPU the Pallas kernel runs through Pallas's interpreter (the same kernel body); the
+tests marked ``gpu`` compile it with Triton. Checked: the kernel against a float64 softmax
+attention with a tolerance derived from the dtype, the decoder with the kernel against the
+decoder with XLA's attention (single device and tensor-parallel over 2), and the bad inputs.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+from kbit_jax.examples import llama
+from kbit_jax.examples.decode_attention import decode_attention, supported
+
+# (batch, kv heads, query heads per kv head, head_dim, cache length S, kv_len): S not a
+# multiple of the kernel's 64-position block, kv_len 1 and == S, groups below and above the
+# 16-row tile.
+SHAPES = [(1, 4, 8, 128, 192, 130), (2, 2, 4, 64, 70, 70), (1, 1, 16, 32, 33, 1),
+          (3, 1, 1, 16, 64, 64), (1, 2, 32, 64, 130, 129)]
+
+
+def attention64(q, k, v, kv_len):
+    """float64 softmax attention: q [B, KVH, G, D] over k, v [B, S, KVH, D] positions < kv_len."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    s = np.einsum("bkgd,bskd->bkgs", q, k) / np.sqrt(q.shape[-1])
+    s[..., kv_len:] = -np.inf
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("bkgs,bskd->bkgd", p / p.sum(axis=-1, keepdims=True), v)
+
+
+def tolerance(dtype, v):
+    """The output is a convex combination of value rows. bf16: the probabilities are rounded to
+    bf16 for the p.v product (relative 2^-9 each, so at most 2^-9 * max|v| in total) and the
+    output once more (2^-9 * max|v|); twice that as margin. f32: f32 arithmetic throughout."""
+    vmax = float(np.abs(np.asarray(v, np.float64)).max())
+    return (2.0 ** -7 if dtype == jnp.bfloat16 else 1e-5) * vmax
+
+
+def random_inputs(rng, shape, dtype):
+    b, kvh, g, d, s, _ = shape
+    def draw(*dims):
+        return jnp.asarray(rng.standard_normal(dims), dtype)
+    return draw(b, kvh, g, d), draw(b, s, kvh, d), draw(b, s, kvh, d)
+
+
+def check_against_float64(rng, shape, dtype, **options):
+    q, k, v = random_inputs(rng, shape, dtype)
+    kv_len = shape[-1]
+    out = jax.jit(functools.partial(decode_attention, **options))(q, k, v, jnp.int32(kv_len))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), attention64(q, k, v, kv_len),
+                               rtol=0, atol=tolerance(dtype, v))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_matches_float64(shape, dtype, rng):
+    check_against_float64(rng, shape, dtype)
+
+
+@pytest.mark.parametrize("splits,block_s", [(3, 16), (4, 32), (1, 16)])
+def test_kernel_split_over_positions(splits, block_s, rng):
+    """Programs over parts of the positions, combined afterwards: S = 130 in 3 or 4 splits
+    (the last ones partly or wholly past kv_len = 40) and one split of many 16-blocks."""
+    check_against_float64(rng, (2, 2, 8, 32, 130, 40), jnp.float32, splits=splits, block_s=block_s)
+    check_against_float64(rng, (1, 2, 4, 64, 130, 130), jnp.bfloat16, splits=splits, block_s=block_s)
+
+
+def test_positions_past_kv_len_are_ignored(rng):
+    """Keys and values at positions >= kv_len (here inf and nan) change nothing."""
+    q, k, v = random_inputs(rng, (1, 2, 8, 32, 100, 40), jnp.float32)
+    want = decode_attention(q, k, v, 40)
+    k = k.at[:, 40:].set(jnp.inf)
+    v = v.at[:, 40:].set(jnp.nan)
+    np.testing.assert_array_equal(np.asarray(decode_attention(q, k, v, 40)), np.asarray(want))
+
+
+def test_bad_inputs():
+    q = jnp.zeros((1, 2, 4, 32), jnp.float32)
+    cache = jnp.zeros((1, 16, 2, 32), jnp.float32)
+    with pytest.raises(ValueError, match="must share a shape and q's dtype"):
+        decode_attention(q, cache, cache.astype(jnp.bfloat16), 1)
+    with pytest.raises(ValueError, match=r"does not match q"):
+        decode_attention(q, jnp.zeros((1, 16, 3, 32)), jnp.zeros((1, 16, 3, 32)), 1)
+    with pytest.raises(ValueError, match=r"head_dim 24 is not a power of two"):
+        decode_attention(jnp.zeros((1, 2, 4, 24)), jnp.zeros((1, 16, 2, 24)),
+                         jnp.zeros((1, 16, 2, 24)), 1)
+    with pytest.raises(ValueError, match=r"q must be \[B, KVH, G, D\]"):
+        decode_attention(jnp.zeros((2, 4, 32)), cache, cache, 1)
+    with pytest.raises(ValueError, match=r"block_s=24 is not a power of two"):
+        decode_attention(q, cache, cache, 1, block_s=24)
+    with pytest.raises(ValueError, match=r"splits=0"):
+        decode_attention(q, cache, cache, 1, splits=0)
+    assert supported((1, 2, 4, 32), (1, 16, 2, 32)) is None
+    with pytest.raises(ValueError, match=r"attention='flash'"):
+        llama.build_model(llama.TINY, attention="flash")
+    cfg = llama.LlamaConfig(vocab_size=64, dim=48, n_layers=1, n_heads=2, n_kv_heads=1,
+                            hidden_dim=64)                # head_dim 24
+    model, _ = llama.build_model(cfg, param_dtype=jnp.float32, attention="pallas")
+    with pytest.raises(ValueError, match=r"attention='pallas': head_dim 24"):
+        llama.generate(model, np.zeros((1, 4), np.int32), 2)
+    # "auto" falls back to XLA for that shape instead.
+    auto, _ = llama.build_model(cfg, param_dtype=jnp.float32, attention="auto")
+    assert llama.generate(auto, np.zeros((1, 4), np.int32), 2).shape == (1, 2)
+
+
+def decode_logits(model, prompt, steps, mesh=None):
+    """Greedy decode_step logits [steps, B, V] after prefill (f32)."""
+    graphdef, state = nnx.split(model)
+    cfg = model.config
+    sharding = None if mesh is None else llama.cache_sharding(mesh)
+    ctx = jax.set_mesh(mesh) if mesh is not None else None
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        cache = llama.init_cache(cfg, prompt.shape[0], prompt.shape[1] + steps,
+                                 model.embed.embedding.dtype, sharding=sharding)
+        logits, cache = llama.prefill(graphdef, state, jnp.asarray(prompt), cache)
+        out = []
+        for i in range(steps):
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            logits, cache = llama.decode_step(graphdef, state, token, cache, prompt.shape[1] + i)
+            out.append(np.asarray(logits, np.float32))
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("bits", [pytest.param(4, id="k4"), pytest.param(None, id="dense")])
+def test_decoder_kernel_equals_xla_attention(bits, rng):
+    """f32 model: the decoder's logits with the kernel equal those with XLA's attention to f32
+    rounding, on one device and tensor-parallel over 2 (Explicit and Auto mesh axes). Full f32
+    dots: on a GPU XLA's default f32 dot precision is TF32."""
+    with jax.default_matmul_precision("highest"):
+        check_decoder_kernel_equals_xla(bits, rng)
+
+
+def check_decoder_kernel_equals_xla(bits, rng):
+    cfg = llama.TINY_TP
+    prompt = rng.integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
+    want = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
+                                           attention="xla")[0], prompt, 3)
+    atol = 1e-5 * np.abs(want).max()
+    got = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
+                                          attention="pallas")[0], prompt, 3)
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+    if len(jax.devices()) < 2:
+        return
+    for axis_type in (AxisType.Explicit, AxisType.Auto):
+        mesh = jax.make_mesh((2,), ("tp",), axis_types=(axis_type,), devices=jax.devices()[:2])
+        model, _ = llama.build_model(cfg, bits=bits, param_dtype=jnp.float32, attention="pallas",
+                                     mesh=mesh)
+        np.testing.assert_allclose(decode_logits(model, prompt, 3, mesh), want, rtol=0, atol=atol)
+
+
+# -- on the GPU: the Triton-compiled kernel ----------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES + [(4, 8, 8, 128, 1000, 777), (1, 4, 8, 128, 5000, 4321)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_kernel_matches_float64(shape, dtype, rng):
+    assert jax.default_backend() == "gpu"
+    check_against_float64(rng, shape, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_takes_the_kernel(rng):
+    """On a GPU "auto" compiles single-token steps with the Triton kernel, and the bf16 decoder's
+    logits agree with XLA's attention to bf16 rounding."""
+    cfg = llama.TINY_TP
+    model, _ = llama.build_model(cfg, bits=4, attention="auto")
+    graphdef, state = nnx.split(model)
+    cache = llama.init_cache(cfg, 1, 16)
+    hlo = llama.decode_step.lower(graphdef, state, jnp.zeros((1,), jnp.int32), cache, 3).as_text()
+    assert "triton" in hlo.lower()
+    prompt = rng.integers(0, cfg.vocab_size, (1, 6)).astype(np.int32)
+    want = decode_logits(llama.build_model(cfg, bits=4, attention="xla")[0], prompt, 3)
+    got = decode_logits(model, prompt, 3)
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * np.abs(want).max())
