@@ -97,7 +97,8 @@ def run_worker(args) -> list[dict]:
     bits = None if args.weights == "bf16" else int(args.weights)
     tp = args.tp
     base = {"config": args.config, "weights": args.weights, "bits": bits, "tp": tp,
-            "quantize_head": args.quantize_head, "prompt": args.prompt, "new_tokens": args.new_tokens}
+            "attention": args.attention, "quantize_head": args.quantize_head,
+            "prompt": args.prompt, "new_tokens": args.new_tokens}
     max_len = args.prompt + args.new_tokens
     if tp > len(jax.devices()):
         return [{**base, "status": f"needs {tp} devices, found {len(jax.devices())}"}]
@@ -129,7 +130,7 @@ def run_worker(args) -> list[dict]:
     t0 = time.perf_counter()
     model, report = llama.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
                                       param_dtype=jnp.bfloat16, quantize_head=args.quantize_head,
-                                      progress=args.progress, mesh=mesh)
+                                      progress=args.progress, mesh=mesh, attention=args.attention)
     jax.block_until_ready(nnx.state(model))
     build_s = time.perf_counter() - t0
     graphdef, state = nnx.split(model)
@@ -251,12 +252,12 @@ def environment() -> dict:
     return info
 
 
-def run_subprocess(args, config: str, weights: str, tp: int) -> list[dict]:
+def run_subprocess(args, config: str, weights: str, tp: int, attention: str) -> list[dict]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config,
            "--weights", weights, "--batches", ",".join(map(str, args.batches)),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
            "--reps", str(args.reps), "--codebook", args.codebook, "--tp", str(tp),
-           "--axis-type", args.axis_type]
+           "--axis-type", args.axis_type, "--attention", attention]
     if args.profile:
         cmd += ["--profile", args.profile]
     if args.progress:
@@ -270,15 +271,18 @@ def run_subprocess(args, config: str, weights: str, tp: int) -> list[dict]:
     if proc.returncode != 0 or not lines:
         # Keep the end of the worker's stderr in the results: a crash (an XLA check failure
         # aborts the process) must be diagnosable from the JSON alone.
-        return [{"config": config, "weights": weights, "tp": tp,
+        return [{"config": config, "weights": weights, "tp": tp, "attention": attention,
                  "status": f"failed (exit {proc.returncode}); stderr_tail in the JSON",
                  "stderr_tail": proc.stderr[-4000:]}]
     return json.loads(lines[-1])
 
 
 def to_markdown(env: dict, args, rows: list[dict]) -> str:
-    dense = {(r["config"], r["batch"], r.get("tp", 1)): r["decode_tokens_per_s"]
-             for r in rows if r["status"] == "ok" and r["weights"] == "bf16"}
+    def key(r):
+        return r["config"], r["batch"], r.get("tp", 1), r.get("attention", "xla")
+
+    dense = {key(r): r["decode_tokens_per_s"] for r in rows
+             if r["status"] == "ok" and r["weights"] == "bf16"}
     lines = [
         f"# Greedy decode throughput ({env.get('device', '?')}, {env.get('date', '')})",
         "",
@@ -287,25 +291,27 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"{args.codebook!r}; lm_head {'quantized' if args.quantize_head else 'bf16'}; median of {args.reps}. "
         f"Peak GiB is the worker process's device peak, model building included (with tp > 1: "
         f"the largest over its devices). tp = tensor-parallel devices ({args.axis_type} mesh "
-        f"axis); vs bf16 compares with bf16 at the same tp; model GiB is the whole model, "
+        f"axis); attention: the single-token attention (`llama.ATTENTION_MODES`; auto = the "
+        f"Pallas kernel on a GPU); vs bf16 compares with bf16 at the same tp and attention; "
+        f"model GiB is the whole model, "
         f"GiB/dev the first device's share. "
         f"jax {env.get('jax')}, flax {env.get('flax')}, kbit_jax build {env.get('build_info')}; "
         f"XLA_FLAGS {env.get('xla_flags') or '(none)'}.",
         "",
-        "| config | tp | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | tp | attention | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        tp = r.get("tp", 1)
+        tp, attention = r.get("tp", 1), r.get("attention", "xla")
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | {tp} | | {r['weights']} | {r['status']} | | | | | | |")
+            lines.append(f"| {r['config']} | {tp} | {attention} | | {r['weights']} | {r['status']} | | | | | | |")
             continue
-        base = dense.get((r["config"], r["batch"], tp))
+        base = dense.get(key(r))
         speedup = f"{r['decode_tokens_per_s'] / base:.2f}x" if base else "-"
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         weights = "bf16" if r["bits"] is None else f"K={r['bits']}"
         per_device = r.get("device_model_gib", r["model_gib"])
-        lines.append(f"| {r['config']} | {tp} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
+        lines.append(f"| {r['config']} | {tp} | {attention} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
                      f"{speedup} | {r['decode_ms_per_step']:.2f} | {r['prefill_ms']:.1f} | "
                      f"{r['model_gib']:.2f} | {per_device:.2f} | {peak} |")
     return "\n".join(lines) + "\n"
@@ -328,6 +334,9 @@ def parse_args(argv=None):
     p.add_argument("--axis-type", default="explicit", choices=("explicit", "auto"),
                    help="the type of the 'tp' mesh axis when tp > 1 (default explicit, jax.make_mesh's)")
     p.add_argument("--codebook", default="nf")
+    p.add_argument("--attention", default="auto",
+                   help="comma list of single-token attention modes, each a row: auto (the Pallas "
+                        "kernel on a GPU), xla, pallas (default auto)")
     p.add_argument("--out", default=None, help="directory for decode.json and decode.md")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")
     p.add_argument("--progress", action="store_true", help="progress bar while building models")
@@ -344,6 +353,9 @@ def parse_args(argv=None):
         if len(args.tp) != 1:
             p.error("a worker runs one --tp size")
         args.tp = args.tp[0]
+    modes = args.attention.split(",")
+    if any(m not in ("auto", "xla", "pallas") for m in modes) or (args.worker and len(modes) != 1):
+        p.error(f"--attention: {args.attention!r} (a worker takes one of auto, xla, pallas)")
     if any(t < 1 for t in ([args.tp] if args.worker else args.tp)):
         p.error("--tp sizes must be >= 1")
     return args
@@ -359,12 +371,14 @@ def main(argv=None):
     rows = []
     for config in args.configs.split(","):
         for tp in args.tp:
-            for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
-                if args.in_process:
-                    sub = argparse.Namespace(**{**vars(args), "config": config, "weights": weights, "tp": tp})
-                    rows += run_worker(sub)
-                else:
-                    rows += run_subprocess(args, config, weights, tp)
+            for attention in args.attention.split(","):
+                for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
+                    if args.in_process:
+                        sub = argparse.Namespace(**{**vars(args), "config": config, "weights": weights,
+                                                    "tp": tp, "attention": attention})
+                        rows += run_worker(sub)
+                    else:
+                        rows += run_subprocess(args, config, weights, tp, attention)
     md = to_markdown(env, args, rows)
     print(md)
     if args.out:
