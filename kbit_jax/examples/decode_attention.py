@@ -14,6 +14,9 @@ max and sum) in f32; where there are several splits, a small XLA fusion combines
 Keys at positions ``< kv_len`` are attended (the decoder passes ``pos + 1``). The query
 group (``G`` query heads per kv head) is padded to 16 rows in registers, the smallest
 tensor-core tile (masked loads and stores; nothing padded in memory).
+
+JAX 0.11 warns that Pallas's Triton backend is deprecated in favour of Mosaic GPU; this kernel
+needs a port before that backend goes.
 """
 
 from __future__ import annotations

@@ -178,7 +178,8 @@ class Attention(nnx.Module):
 
         q = q.reshape(b, t, kvh, g, hd)
         if self._use_kernel(t, (b, kvh, g, hd), cache_k.shape):
-            out = self._attend_one(q[:, 0], cache_k, cache_v, pos + 1)[:, None]
+            kv_len = jnp.asarray(pos + 1, jnp.int32)
+            out = self._attend_one(q[:, 0], cache_k, cache_v, kv_len)[:, None]
         else:
             out = attend(q, cache_k, cache_v, positions)
         out = out.reshape(b, t, h * hd).astype(x.dtype)
@@ -401,6 +402,9 @@ def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "n
     each block is placed as soon as it is built (and quantized), so no device ever holds more
     than its share plus one block, embedding and lm_head (70B in bf16 builds over 2 GPUs).
     The weights are the same as without a mesh (same seed, same values).
+
+    ``attention`` picks the single-token attention: `ATTENTION_MODES` ("auto": the Pallas
+    kernel of ``decode_attention`` on a GPU).
     """
     if mesh is not None:
         check_tp(cfg, _tp_size(mesh, axis))
