@@ -110,8 +110,10 @@ def test_bad_inputs():
     assert llama.generate(auto, np.zeros((1, 4), np.int32), 2).shape == (1, 2)
 
 
-def decode_logits(model, prompt, steps, mesh=None):
-    """Greedy decode_step logits [steps, B, V] after prefill (f32)."""
+def decode_logits(model, prompt, steps, mesh=None, tokens=None):
+    """decode_step logits [steps, B, V] (f32) after prefill, and the tokens fed [steps, B]:
+    ``tokens`` if given (so two models see the same inputs even where a near-tie would flip
+    one's greedy choice), else each step's argmax."""
     graphdef, state = nnx.split(model)
     cfg = model.config
     sharding = None if mesh is None else llama.cache_sharding(mesh)
@@ -122,15 +124,17 @@ def decode_logits(model, prompt, steps, mesh=None):
         cache = llama.init_cache(cfg, prompt.shape[0], prompt.shape[1] + steps,
                                  model.embed.embedding.dtype, sharding=sharding)
         logits, cache = llama.prefill(graphdef, state, jnp.asarray(prompt), cache)
-        out = []
+        out, fed = [], []
         for i in range(steps):
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            token = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if tokens is None
+                     else jnp.asarray(tokens[i]))
             logits, cache = llama.decode_step(graphdef, state, token, cache, prompt.shape[1] + i)
             out.append(np.asarray(logits, np.float32))
+            fed.append(np.asarray(token))
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
-    return np.stack(out)
+    return np.stack(out), np.stack(fed)
 
 
 @pytest.mark.parametrize("bits", [pytest.param(4, id="k4"), pytest.param(None, id="dense")])
@@ -145,11 +149,11 @@ def test_decoder_kernel_equals_xla_attention(bits, rng):
 def check_decoder_kernel_equals_xla(bits, rng):
     cfg = llama.TINY_TP
     prompt = rng.integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
-    want = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
-                                           attention="xla")[0], prompt, 3)
+    want, tokens = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
+                                                   attention="xla")[0], prompt, 3)
     atol = 1e-5 * np.abs(want).max()
-    got = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
-                                          attention="pallas")[0], prompt, 3)
+    got, _ = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
+                                             attention="pallas")[0], prompt, 3, tokens=tokens)
     np.testing.assert_allclose(got, want, rtol=0, atol=atol)
     if len(jax.devices()) < 2:
         return
@@ -157,7 +161,8 @@ def check_decoder_kernel_equals_xla(bits, rng):
         mesh = jax.make_mesh((2,), ("tp",), axis_types=(axis_type,), devices=jax.devices()[:2])
         model, _ = llama.build_model(cfg, bits=bits, param_dtype=jnp.float32, attention="pallas",
                                      mesh=mesh)
-        np.testing.assert_allclose(decode_logits(model, prompt, 3, mesh), want, rtol=0, atol=atol)
+        got, _ = decode_logits(model, prompt, 3, mesh, tokens=tokens)
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol)
 
 
 # -- on the GPU: the Triton-compiled kernel ----------------------------------------------------
@@ -173,7 +178,7 @@ def test_gpu_kernel_matches_float64(shape, dtype, rng):
 @pytest.mark.gpu
 def test_gpu_auto_takes_the_kernel(rng):
     """On a GPU "auto" compiles single-token steps with the Triton kernel, and the bf16 decoder's
-    logits agree with XLA's attention to bf16 rounding."""
+    logits agree with XLA's attention to bf16 rounding (both fed the same tokens)."""
     cfg = llama.TINY_TP
     model, _ = llama.build_model(cfg, bits=4, attention="auto")
     graphdef, state = nnx.split(model)
@@ -181,6 +186,6 @@ def test_gpu_auto_takes_the_kernel(rng):
     hlo = llama.decode_step.lower(graphdef, state, jnp.zeros((1,), jnp.int32), cache, 3).as_text()
     assert "triton" in hlo.lower()
     prompt = rng.integers(0, cfg.vocab_size, (1, 6)).astype(np.int32)
-    want = decode_logits(llama.build_model(cfg, bits=4, attention="xla")[0], prompt, 3)
-    got = decode_logits(model, prompt, 3)
+    want, tokens = decode_logits(llama.build_model(cfg, bits=4, attention="xla")[0], prompt, 3)
+    got, _ = decode_logits(model, prompt, 3, tokens=tokens)
     np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * np.abs(want).max())
