@@ -70,13 +70,14 @@ def main(argv=None):
     sys.path.insert(0, ROOT)
     import jax
 
+    variants = [v for v in args.variants.split(",") if v]
+    kinds = ["xla", "pallas"] + [f"pallas:{v}" for v in variants]
     rows = []
     for heads in args.heads.split(","):
         kv_heads, group = map(int, heads.split("x"))
         for batch in map(int, args.batches.split(",")):
             for seq_len in map(int, args.lens.split(",")):
                 row = {"kv_heads": kv_heads, "group": group, "batch": batch, "seq_len": seq_len}
-                kinds = ["xla", "pallas"] + [f"pallas:{v}" for v in args.variants.split(",") if v]
                 for kind in kinds:
                     row[f"{kind}_us"] = 1e6 * layer_seconds(kind, batch, kv_heads, group, args.head_dim,
                                                             seq_len, args.layers, args.repeats)
@@ -86,11 +87,11 @@ def main(argv=None):
              "", f"head_dim {args.head_dim}, bf16 cache full to S, {args.layers} chained layers per call.",
              "", "Pallas: the kernel's default settings; BLOCKxWARPS columns: other block_s and num_warps.",
              "", "| kv heads x group | batch | S | XLA us | Pallas us | XLA / Pallas | "
-             + " | ".join(k.split(":")[1][:-3] + " us" for k in rows[0] if k.startswith("pallas:")) + " |",
-             "|---|---:|---:|---:|---:|---:|" + "---:|" * sum(k.startswith("pallas:") for k in rows[0])]
+             + " | ".join(f"{v} us" for v in variants) + " |",
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(variants)]
     lines += [f"| {r['kv_heads']}x{r['group']} | {r['batch']} | {r['seq_len']} | {r['xla_us']:.1f} | "
               f"{r['pallas_us']:.1f} | {r['xla_us'] / r['pallas_us']:.2f}x | "
-              + " | ".join(f"{v:.1f}" for k, v in r.items() if k.startswith("pallas:")) + " |"
+              + " | ".join(f"{r[f'pallas:{v}_us']:.1f}" for v in variants) + " |"
               for r in rows]
     md = "\n".join(lines) + "\n"
     print(md)

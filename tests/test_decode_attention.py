@@ -6,6 +6,7 @@ attention with a tolerance derived from the dtype, the decoder with the kernel a
 decoder with XLA's attention (single device and tensor-parallel over 2), and the bad inputs.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -117,10 +118,7 @@ def decode_logits(model, prompt, steps, mesh=None, tokens=None):
     graphdef, state = nnx.split(model)
     cfg = model.config
     sharding = None if mesh is None else llama.cache_sharding(mesh)
-    ctx = jax.set_mesh(mesh) if mesh is not None else None
-    if ctx is not None:
-        ctx.__enter__()
-    try:
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         cache = llama.init_cache(cfg, prompt.shape[0], prompt.shape[1] + steps,
                                  model.embed.embedding.dtype, sharding=sharding)
         logits, cache = llama.prefill(graphdef, state, jnp.asarray(prompt), cache)
@@ -131,9 +129,6 @@ def decode_logits(model, prompt, steps, mesh=None, tokens=None):
             logits, cache = llama.decode_step(graphdef, state, token, cache, prompt.shape[1] + i)
             out.append(np.asarray(logits, np.float32))
             fed.append(np.asarray(token))
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
     return np.stack(out), np.stack(fed)
 
 

@@ -39,6 +39,11 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    """The smallest power of two >= n and >= floor (Triton tile dimensions)."""
+    return max(floor, 1 << (n - 1).bit_length())
+
+
 def supported(q_shape, cache_shape) -> str | None:
     """None if the kernel takes these shapes, else why not (for errors and "auto")."""
     b, kvh, g, d = q_shape
@@ -140,7 +145,7 @@ def decode_attention(q, cache_k, cache_v, kv_len, *, block_s: int | None = None,
     if block_s is None:
         # A [block_s, D] tile of k and one of v: ~64 KiB each at most.
         tile = 65536 // (d * q.dtype.itemsize)
-        block_s = min(MAX_BLOCK_S, tile, max(16, 1 << (s - 1).bit_length()))
+        block_s = min(MAX_BLOCK_S, tile, _pow2_at_least(s))
     if not _pow2(block_s) or block_s < 16:
         raise ValueError(f"decode_attention: block_s={block_s} is not a power of two >= 16")
     if splits is None:
@@ -149,7 +154,7 @@ def decode_attention(q, cache_k, cache_v, kv_len, *, block_s: int | None = None,
         raise ValueError(f"decode_attention: splits={splits} (must be >= 1)")
     split_len = pl.cdiv(pl.cdiv(s, splits), block_s) * block_s
     splits = pl.cdiv(s, split_len)
-    rows = max(16, 1 << (g - 1).bit_length())
+    rows = _pow2_at_least(g)
     kernel = functools.partial(_kernel, seq_len=s, group=g, rows=rows, block_s=block_s,
                                split_len=split_len, scale=d ** -0.5, exact=q.dtype == jnp.float32)
     cache_block = pl.BlockSpec((None, s, None, d), lambda i, j, h: (i, 0, j, 0))
