@@ -1,4 +1,6 @@
-"""The example decoder's single-token attention kernel (``examples/decode_attention.py``).
+"""The example decoder's single-token attention kernels (``examples/decode_attention.py``):
+``decode_attention`` (attention alone) and ``decode_attention_step`` (rotary embedding, cache
+write and attention).
 
 On the CPU the Pallas kernel runs through Pallas's interpreter (the same kernel body); the
 tests marked ``gpu`` compile it with Triton. Checked: the kernel against a float64 softmax
@@ -17,7 +19,8 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from kbit_jax.examples import llama
-from kbit_jax.examples.decode_attention import decode_attention, supported
+from kbit_jax.examples.decode_attention import (decode_attention, decode_attention_step, supported,
+                                                 supported_step)
 
 # (batch, kv heads, query heads per kv head, head_dim, cache length S, kv_len): S not a
 # multiple of the kernel's 64-position block, kv_len 1 and == S, groups below and above the
@@ -111,6 +114,103 @@ def test_bad_inputs():
     assert llama.generate(auto, np.zeros((1, 4), np.int32), 2).shape == (1, 2)
 
 
+# -- decode_attention_step: rotary embedding + cache write + attention ---------------------------
+# (batch, kv heads, G, head_dim, S, pos): pos 0 (the new token alone), pos S - 1, groups of 1.
+STEP_SHAPES = [(1, 4, 8, 128, 192, 130), (2, 2, 4, 64, 70, 69), (1, 1, 1, 32, 64, 0),
+               (3, 2, 16, 32, 40, 39)]
+
+
+def step_inputs(rng, shape, dtype, theta=10_000.0):
+    b, kvh, g, d, s, pos = shape
+    def draw(*dims):
+        return jnp.asarray(rng.standard_normal(dims), dtype)
+    angles = pos * theta ** (-np.arange(0, d, 2) / d)
+    return (draw(b, kvh, g + 2, d), draw(b, s, kvh, d), draw(b, s, kvh, d), pos,
+            jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32))
+
+
+def step_reference(qkv, cache_k, cache_v, pos, cos, sin):
+    """float64 rotation of the new queries and key (rounded to the dtype, as the kernel and the
+    XLA path round them), the caches with the key and value at pos, and attention64 over them."""
+    dtype = qkv.dtype
+    x = np.asarray(qkv, np.float64)
+    c, s_ = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
+    x1, x2 = np.split(x, 2, axis=-1)
+    rot = np.asarray(jnp.asarray(np.concatenate([x1 * c - x2 * s_, x2 * c + x1 * s_], -1), dtype))
+    g = qkv.shape[2] - 2
+    k = np.asarray(cache_k).copy()
+    v = np.asarray(cache_v).copy()
+    k[:, pos] = rot[:, :, g]
+    v[:, pos] = np.asarray(qkv)[:, :, g + 1]
+    return attention64(rot[:, :, :g], k, v, pos + 1), k, v
+
+
+def check_step(rng, shape, dtype, **options):
+    qkv, cache_k, cache_v, pos, cos, sin = step_inputs(rng, shape, dtype)
+    want, want_k, want_v = step_reference(qkv, cache_k, cache_v, pos, cos, sin)
+    out, new_k, new_v = jax.jit(functools.partial(decode_attention_step, **options))(
+        qkv, cache_k, cache_v, jnp.int32(pos), cos, sin)
+    assert out.shape == qkv[:, :, 2:].shape and out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=0,
+                               atol=tolerance(dtype, want_v))
+    # The cache changes at pos only: there the rotated key and the value itself. The key is
+    # rotated in f32 (x1 cos - x2 sin: two products and a sum, each within half an f32 ulp of
+    # |x| <= max|qkv|) and rounded to the dtype (the f32 and the float64 rotation may round to
+    # neighbours: one ulp of the dtype).
+    keep = np.arange(shape[4]) != pos
+    np.testing.assert_array_equal(np.asarray(new_k)[:, keep], np.asarray(cache_k)[:, keep])
+    np.testing.assert_array_equal(np.asarray(new_v), want_v)
+    np.testing.assert_allclose(np.asarray(new_k, np.float64)[:, pos], np.asarray(want_k, np.float64)[:, pos],
+                               rtol=float(jnp.finfo(dtype).eps),
+                               atol=4 * float(jnp.finfo(jnp.float32).eps) * float(jnp.abs(qkv).max()))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", STEP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_step_kernel_matches_float64(shape, dtype, rng):
+    check_step(rng, shape, dtype)
+
+
+@pytest.mark.parametrize("splits,block_s", [(3, 16), (4, 32)])
+@pytest.mark.parametrize("pos", [0, 40, 129])
+def test_step_kernel_split_over_positions(splits, block_s, pos, rng):
+    """Only split 0 writes the cache and starts from the new token; the others see positions
+    below pos only (some none at all)."""
+    check_step(rng, (2, 2, 8, 32, 130, pos), jnp.float32, splits=splits, block_s=block_s)
+
+
+def test_step_kernel_reads_nothing_at_or_past_pos(rng):
+    """Cache entries at pos (overwritten) and past it (inf, nan) change nothing."""
+    qkv, k, v, pos, cos, sin = step_inputs(rng, (1, 2, 8, 32, 100, 40), jnp.float32)
+    want = decode_attention_step(qkv, k, v, pos, cos, sin)
+    k = k.at[:, pos:].set(jnp.inf)
+    v = v.at[:, pos:].set(jnp.nan)
+    got = decode_attention_step(qkv, k, v, pos, cos, sin)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1][:, :pos + 1]), np.asarray(want[1][:, :pos + 1]))
+    np.testing.assert_array_equal(np.asarray(got[2][:, :pos + 1]), np.asarray(want[2][:, :pos + 1]))
+
+
+def test_step_bad_inputs():
+    cache = jnp.zeros((1, 16, 2, 32), jnp.float32)
+    qkv = jnp.zeros((1, 2, 6, 32), jnp.float32)
+    half = jnp.zeros((16,), jnp.float32)
+    with pytest.raises(ValueError, match=r"qkv must be \[B, KVH, G \+ 2, D\] with G >= 1"):
+        decode_attention_step(jnp.zeros((1, 2, 2, 32)), cache, cache, 0, half, half)
+    with pytest.raises(ValueError, match=r"head_dim 16 is below 32"):
+        decode_attention_step(jnp.zeros((1, 2, 6, 16)), jnp.zeros((1, 16, 2, 16)),
+                              jnp.zeros((1, 16, 2, 16)), 0, half[:8], half[:8])
+    with pytest.raises(ValueError, match=r"qkv dtype bfloat16 differs from the cache's float32"):
+        decode_attention_step(qkv.astype(jnp.bfloat16), cache, cache, 0, half, half)
+    with pytest.raises(ValueError, match=r"cache_v .* differs from cache_k"):
+        decode_attention_step(qkv, cache, cache[:, :8], 0, half, half)
+    with pytest.raises(ValueError, match=r"cos \(32,\) and sin \(16,\) must be \[16\]"):
+        decode_attention_step(qkv, cache, cache, 0, jnp.zeros((32,)), half)
+    with pytest.raises(ValueError, match=r"does not match q"):
+        decode_attention_step(qkv, jnp.zeros((1, 16, 3, 32)), jnp.zeros((1, 16, 3, 32)), 0, half, half)
+    assert supported_step((1, 2, 6, 32), (1, 16, 2, 32), jnp.float32, jnp.float32) is None
+
+
 def decode_logits(model, prompt, steps, mesh=None, tokens=None):
     """decode_step logits [steps, B, V] (f32) after prefill, and the tokens fed [steps, B]:
     ``tokens`` if given (so two models see the same inputs even where a near-tie would flip
@@ -184,3 +284,30 @@ def test_gpu_auto_takes_the_kernel(rng):
     want, tokens = decode_logits(llama.build_model(cfg, bits=4, attention="xla")[0], prompt, 3)
     got, _ = decode_logits(model, prompt, 3, tokens=tokens)
     np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", STEP_SHAPES + [(4, 8, 8, 128, 1000, 777), (1, 4, 8, 128, 5000, 4321)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_step_kernel_matches_float64(shape, dtype, rng):
+    assert jax.default_backend() == "gpu"
+    check_step(rng, shape, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["auto", "xla"])
+def test_gpu_cache_updated_in_place(attention):
+    """The compiled greedy loop writes the KV cache in place, through the kernel's aliased
+    outputs as through XLA's dynamic-update-slice: no copy of a cache-shaped buffer."""
+    cfg = llama.TINY_TP
+    model, _ = llama.build_model(cfg, bits=4, attention=attention)
+    graphdef, state = nnx.split(model)
+    cache = llama.init_cache(cfg, 1, 24)
+    lowered = llama.decode.lower(graphdef, state, jnp.zeros((1,), jnp.int32), cache, 8, 4)
+    assert ("decode_attention_step" in lowered.as_text()) == (attention == "auto")
+    text = lowered.compile().as_text()
+    shape = f"bf16[1,24,{cfg.n_kv_heads},{cfg.head_dim}]"
+    copies = [line for line in text.splitlines()
+              if shape in line.split("=", 1)[-1].split("(", 1)[0] and " copy" in line]
+    assert not copies, copies[:4]

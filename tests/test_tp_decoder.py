@@ -139,8 +139,8 @@ def test_decode_hlo_collectives(bits, axis_type, attention):
     """decode_step: 2 all-reduces per layer and nothing else (column-parallel q/k/v, gate/up
     and lm_head need none; row-parallel o_proj and down_proj one each; the attention runs on
     each device's own heads and KV-cache shard, also the Pallas kernel under its shard_map).
-    No all-gather: weights never move."""
-    cfg, tp = llama.TINY, 2
+    No all-gather: weights never move. (TINY_TP: the kernel takes head_dim >= 32.)"""
+    cfg, tp = llama.TINY_TP, 2
     mesh = tp_mesh(tp, axis_type)
     model, _ = llama.build_model(cfg, bits=bits, mesh=mesh, attention=attention)
     graphdef, state = nnx.split(model)

@@ -11,9 +11,16 @@ max and sum) in f32; where there are several splits, a small XLA fusion combines
 
     out = decode_attention(q, cache_k, cache_v, kv_len)   # q [B, KVH, G, D], cache [B, S, KVH, D]
 
-Keys at positions ``< kv_len`` are attended (the decoder passes ``pos + 1``). The query
-group (``G`` query heads per kv head) is padded to 16 rows in registers, the smallest
-tensor-core tile (masked loads and stores; nothing padded in memory).
+Keys at positions ``< kv_len`` are attended. The query group (``G`` query heads per kv head)
+is padded to 16 rows in registers, the smallest tensor-core tile (masked loads and stores;
+nothing padded in memory).
+
+The decoder takes the whole step through ``decode_attention_step``: the same kernel also
+rotates the new queries and key (RoPE) and writes the key and value into the cache in place
+(outputs aliased to the caches), which XLA did in three more kernels (~3.7 us per layer at
+Llama-3-70B TP 2 sizes):
+
+    out, cache_k, cache_v = decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin)
 
 JAX 0.11 warns that Pallas's Triton backend is deprecated in favour of Mosaic GPU; this kernel
 needs a port before that backend goes.
@@ -56,45 +63,106 @@ def supported(q_shape, cache_shape) -> str | None:
     return None
 
 
-def _kernel(kv_len_ref, q_ref, k_ref, v_ref, *out_refs, seq_len, group, rows, block_s, split_len,
-            scale, exact):
-    """One program: query group (b, j) over positions [split * split_len, +split_len) of the
-    first kv_len. One output ref: the normalized result (a single split). Three: this split's
-    unnormalized f32 sum, running max and running sum, for `_combine`."""
-    row = jnp.arange(rows)
-    group_rows = (row < group)[:, None]
-    q = plt.load(q_ref.at[pl.ds(0, rows), :], mask=group_rows, other=0.0)
-    first = pl.program_id(2) * split_len
-    end = jnp.minimum(jnp.minimum(kv_len_ref[0], seq_len), first + split_len)
-    precision = jax.lax.Precision.HIGHEST if exact else None
-
+def _attend(q_parts, k_ref, v_ref, first, end, init, *, block_s, scale, precision):
+    """The online softmax over cache positions [first, end), block_s at a time, from the state
+    ``init`` = (running max [rows], running sum [rows], unnormalized sum [rows, D]). The scores
+    are the sum over ``q_parts`` ((queries [rows, d'], the d' key columns they meet)) of q k^T."""
     def step(i, carry):
         m, l, acc = carry
         start = first + i * block_s
         live = start + jnp.arange(block_s) < end
-        k = plt.load(k_ref.at[pl.ds(start, block_s), :], mask=live[:, None], other=0.0)
+        s = None
+        for q, cols in q_parts:
+            k = plt.load(k_ref.at[pl.ds(start, block_s), cols], mask=live[:, None], other=0.0)
+            part = plt.dot(q, k, trans_b=True, precision=precision)          # [rows, block_s]
+            s = part if s is None else s + part
         v = plt.load(v_ref.at[pl.ds(start, block_s), :], mask=live[:, None], other=0.0)
-        s = plt.dot(q, k, trans_b=True, precision=precision) * scale          # [rows, block_s]
-        s = jnp.where(live[None, :], s, -jnp.inf)
+        s = jnp.where(live[None, :], s * scale, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
         acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v, precision=precision)
         return m_new, l * alpha + p.sum(axis=1), acc
 
-    d = q.shape[1]
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, d), jnp.float32))
     steps = jnp.maximum(pl.cdiv(end - first, block_s), 0)
-    m, l, acc = jax.lax.fori_loop(0, steps, step, init)
+    return jax.lax.fori_loop(0, steps, step, init)
+
+
+def _store_result(out_refs, m, l, acc, group):
+    """One output ref: the normalized result (a single split). Three: this split's unnormalized
+    f32 sum, running max and running sum, for `_combine`."""
+    rows = m.shape[0]
+    row = jnp.arange(rows)
     if len(out_refs) == 1:
         plt.store(out_refs[0].at[pl.ds(0, rows), :], (acc / l[:, None]).astype(out_refs[0].dtype),
-                  mask=group_rows)
+                  mask=(row < group)[:, None])
     else:
         acc_ref, m_ref, l_ref = out_refs
-        plt.store(acc_ref.at[pl.ds(0, rows), :], acc, mask=group_rows)
+        plt.store(acc_ref.at[pl.ds(0, rows), :], acc, mask=(row < group)[:, None])
         plt.store(m_ref.at[pl.ds(0, rows)], m, mask=row < group)
         plt.store(l_ref.at[pl.ds(0, rows)], l, mask=row < group)
+
+
+def _empty_state(rows: int, d: int):
+    return (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, d), jnp.float32))
+
+
+def _kernel(kv_len_ref, q_ref, k_ref, v_ref, *out_refs, seq_len, group, rows, block_s, split_len,
+            scale, exact):
+    """One program: query group (b, j) over positions [split * split_len, +split_len) of the
+    first kv_len."""
+    q = plt.load(q_ref.at[pl.ds(0, rows), :], mask=(jnp.arange(rows) < group)[:, None], other=0.0)
+    first = pl.program_id(2) * split_len
+    end = jnp.minimum(jnp.minimum(kv_len_ref[0], seq_len), first + split_len)
+    precision = jax.lax.Precision.HIGHEST if exact else None
+    m, l, acc = _attend([(q, slice(None))], k_ref, v_ref, first, end, _empty_state(rows, q.shape[1]),
+                        block_s=block_s, scale=scale, precision=precision)
+    _store_result(out_refs, m, l, acc, group)
+
+
+def _step_kernel(pos_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, *out_refs, seq_len, group, rows,
+                 block_s, split_len, scale, exact):
+    """One program of `decode_attention_step`: query group (b, j) at position pos, over cache
+    positions [split * split_len, +split_len) below pos and the new token itself. The program of
+    split 0 writes the rotated key and the value at pos (``k_out_ref``/``v_out_ref`` alias the
+    caches) and starts its softmax from the new token; no program reads position pos from memory,
+    so the write races with nothing. The rotary halves of a head are separate tiles (the scores
+    are q1 k1^T + q2 k2^T), so nothing is concatenated in registers."""
+    *result_refs, k_out_ref, v_out_ref = out_refs
+    dtype = k_out_ref.dtype
+    half = qkv_ref.shape[-1] // 2
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]                   # [1, half] f32
+
+    def rotate(rows_slice, mask=None):   # rotate-half RoPE in f32, rounded to the dtype
+        x1 = plt.load(qkv_ref.at[rows_slice, lo], mask=mask, other=0.0).astype(jnp.float32)
+        x2 = plt.load(qkv_ref.at[rows_slice, hi], mask=mask, other=0.0).astype(jnp.float32)
+        return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
+
+    q1, q2 = rotate(pl.ds(0, rows), (jnp.arange(rows) < group)[:, None])     # [rows, half]
+    k1, k2 = rotate(pl.ds(group, 1))                                          # [1, half]
+    v = plt.load(qkv_ref.at[pl.ds(group + 1, 1), :]).astype(dtype)           # [1, D]
+    pos = pos_ref[0]
+    is_writer = pl.program_id(2) == 0
+    writes = jnp.logical_and(is_writer, pos < seq_len)
+    plt.store(k_out_ref.at[pl.ds(pos, 1), lo], k1, mask=jnp.full(k1.shape, writes))
+    plt.store(k_out_ref.at[pl.ds(pos, 1), hi], k2, mask=jnp.full(k2.shape, writes))
+    plt.store(v_out_ref.at[pl.ds(pos, 1), :], v, mask=jnp.full(v.shape, writes))
+
+    # The new token's score, in f32 from the rounded operands as a dot would take them.
+    f32 = jnp.float32
+    s_new = ((q1.astype(f32) * k1.astype(f32)).sum(axis=1)
+             + (q2.astype(f32) * k2.astype(f32)).sum(axis=1)) * scale          # [rows]
+    m0, l0, acc0 = _empty_state(rows, v.shape[1])
+    init = (jnp.where(is_writer, s_new, m0), jnp.where(is_writer, 1.0, l0),
+            jnp.where(is_writer, jnp.broadcast_to(v.astype(f32), acc0.shape), acc0))
+    first = pl.program_id(2) * split_len
+    end = jnp.minimum(jnp.minimum(pos, seq_len), first + split_len)
+    precision = jax.lax.Precision.HIGHEST if exact else None
+    m, l, acc = _attend([(q1, lo), (q2, hi)], k_ref, v_ref, first, end, init,
+                        block_s=block_s, scale=scale, precision=precision)
+    _store_result(result_refs, m, l, acc, group)
 
 
 def _combine(acc, m, l, dtype):
@@ -111,6 +179,44 @@ def default_splits(batch: int, kv_heads: int, seq_len: int, block_s: int) -> int
     serially, which is only fast while the cache is short; past one block, split it until
     there are ~TARGET_PROGRAMS programs (no split shorter than one block)."""
     return max(1, min(pl.cdiv(seq_len, block_s), pl.cdiv(TARGET_PROGRAMS, batch * kv_heads)))
+
+
+def _plan(s: int, d: int, itemsize: int, batch: int, kv_heads: int, block_s, splits, who: str):
+    """(block_s, splits, split_len) for a cache of S positions: the defaults, checked."""
+    if block_s is None:
+        # A [block_s, D] tile of k and one of v: ~64 KiB each at most.
+        block_s = min(MAX_BLOCK_S, 65536 // (d * itemsize), _pow2_at_least(s))
+    if not _pow2(block_s) or block_s < 16:
+        raise ValueError(f"{who}: block_s={block_s} is not a power of two >= 16")
+    if splits is None:
+        splits = default_splits(batch, kv_heads, s, block_s)
+    if splits < 1:
+        raise ValueError(f"{who}: splits={splits} (must be >= 1)")
+    split_len = pl.cdiv(pl.cdiv(s, splits), block_s) * block_s
+    return block_s, pl.cdiv(s, split_len), split_len
+
+
+def _result_specs(b: int, kvh: int, g: int, d: int, splits: int, dtype):
+    """Block specs and shapes of the kernels' results over grid (b, kvh, split): the output
+    [B, KVH, G, D] itself for one split, else each split's (f32 sum, max, sum) for `_combine`."""
+    if splits == 1:
+        return ([pl.BlockSpec((None, None, g, d), lambda i, j, h: (i, j, 0, 0))],
+                [jax.ShapeDtypeStruct((b, kvh, g, d), dtype)])
+    return ([pl.BlockSpec((None, None, None, g, d), lambda i, j, h: (i, j, h, 0, 0)),
+             pl.BlockSpec((None, None, None, g), lambda i, j, h: (i, j, h, 0)),
+             pl.BlockSpec((None, None, None, g), lambda i, j, h: (i, j, h, 0))],
+            [jax.ShapeDtypeStruct((b, kvh, splits, g, d), jnp.float32),
+             jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32),
+             jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32)])
+
+
+def _finish(results, dtype):
+    return results[0] if len(results) == 1 else _combine(*results, dtype)
+
+
+def _cache_block(s: int, d: int):
+    """A program's view of a cache [B, S, KVH, D]: all positions of its (b, kv head)."""
+    return pl.BlockSpec((None, s, None, d), lambda i, j, h: (i, 0, j, 0))
 
 
 def decode_attention(q, cache_k, cache_v, kv_len, *, block_s: int | None = None,
@@ -142,41 +248,94 @@ def decode_attention(q, cache_k, cache_v, kv_len, *, block_s: int | None = None,
         interpret = jax.default_backend() != "gpu"
     b, kvh, g, d = q.shape
     s = cache_k.shape[1]
-    if block_s is None:
-        # A [block_s, D] tile of k and one of v: ~64 KiB each at most.
-        tile = 65536 // (d * q.dtype.itemsize)
-        block_s = min(MAX_BLOCK_S, tile, _pow2_at_least(s))
-    if not _pow2(block_s) or block_s < 16:
-        raise ValueError(f"decode_attention: block_s={block_s} is not a power of two >= 16")
-    if splits is None:
-        splits = default_splits(b, kvh, s, block_s)
-    if splits < 1:
-        raise ValueError(f"decode_attention: splits={splits} (must be >= 1)")
-    split_len = pl.cdiv(pl.cdiv(s, splits), block_s) * block_s
-    splits = pl.cdiv(s, split_len)
-    rows = _pow2_at_least(g)
-    kernel = functools.partial(_kernel, seq_len=s, group=g, rows=rows, block_s=block_s,
+    block_s, splits, split_len = _plan(s, d, q.dtype.itemsize, b, kvh, block_s, splits,
+                                       "decode_attention")
+    kernel = functools.partial(_kernel, seq_len=s, group=g, rows=_pow2_at_least(g), block_s=block_s,
                                split_len=split_len, scale=d ** -0.5, exact=q.dtype == jnp.float32)
-    cache_block = pl.BlockSpec((None, s, None, d), lambda i, j, h: (i, 0, j, 0))
-    q_block = pl.BlockSpec((None, None, g, d), lambda i, j, h: (i, j, 0, 0))
-    if splits == 1:
-        out_specs = q_block
-        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    else:
-        out_specs = [pl.BlockSpec((None, None, None, g, d), lambda i, j, h: (i, j, h, 0, 0)),
-                     pl.BlockSpec((None, None, None, g), lambda i, j, h: (i, j, h, 0)),
-                     pl.BlockSpec((None, None, None, g), lambda i, j, h: (i, j, h, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, kvh, splits, g, d), jnp.float32),
-                     jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32),
-                     jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32)]
-    out = pl.pallas_call(
+    out_specs, out_shape = _result_specs(b, kvh, g, d, splits, q.dtype)
+    results = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
-        in_specs=[pl.BlockSpec((1,), lambda i, j, h: (0,)), q_block, cache_block, cache_block],
+        in_specs=[pl.BlockSpec((1,), lambda i, j, h: (0,)),
+                  pl.BlockSpec((None, None, g, d), lambda i, j, h: (i, j, 0, 0)),
+                  _cache_block(s, d), _cache_block(s, d)],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="decode_attention",
     )(jnp.reshape(kv_len, (1,)).astype(jnp.int32), q, cache_k, cache_v)
-    return out if splits == 1 else _combine(*out, q.dtype)
+    return _finish(results, q.dtype)
+
+
+def supported_step(qkv_shape, cache_shape, qkv_dtype=None, cache_dtype=None) -> str | None:
+    """None if `decode_attention_step` takes these shapes (and dtypes, if given), else why not."""
+    if len(qkv_shape) != 4 or qkv_shape[2] < 3:
+        return f"qkv must be [B, KVH, G + 2, D] with G >= 1, got {tuple(qkv_shape)}"
+    b, kvh, g2, d = qkv_shape
+    why = supported((b, kvh, g2 - 2, d), cache_shape)
+    if why:
+        return why
+    if d < 32:
+        return f"head_dim {d} is below 32 (each rotary half is a tile dimension >= 16)"
+    if qkv_dtype is not None and cache_dtype is not None and jnp.dtype(qkv_dtype) != jnp.dtype(cache_dtype):
+        return f"qkv dtype {jnp.dtype(qkv_dtype).name} differs from the cache's {jnp.dtype(cache_dtype).name}"
+    return None
+
+
+def decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin, *, block_s: int | None = None,
+                          splits: int | None = None, num_warps: int = 4,
+                          interpret: bool | None = None):
+    """A decoder's whole single-token attention step in one kernel: rotary embedding of the new
+    queries and key, the key and value written into the cache, attention over positions
+    ``0 .. pos``.
+
+    Args:
+      qkv: ``[B, KVH, G + 2, D]``, the fused projection of the token at position ``pos`` grouped
+        by kv head: its ``G`` query heads, then its key, then its value (unrotated).
+      cache_k, cache_v: ``[B, S, KVH, D]`` in qkv's dtype; positions ``< pos`` are attended.
+        Donate them: the kernel writes position ``pos`` in place (outputs aliased to them).
+      pos: int32 scalar or ``[1]``, ``0 <= pos < S``.
+      cos, sin: ``[D / 2]`` f32, the rotary angles' cosines and sines at ``pos`` (rotate-half
+        convention: ``x1 * cos - x2 * sin, x2 * cos + x1 * sin`` on the halves of a head).
+      block_s, splits, num_warps, interpret: as in `decode_attention`.
+
+    Returns ``(out [B, KVH, G, D], cache_k, cache_v)``: the attention output in qkv's dtype and
+    the caches with the rotated key and the value at ``pos``. The rotated operands are rounded
+    to qkv's dtype, as the decoder's XLA path rounds them.
+    """
+    why = supported_step(qkv.shape, cache_k.shape, qkv.dtype, cache_k.dtype)
+    if not why and (cache_v.shape != cache_k.shape or cache_v.dtype != cache_k.dtype):
+        why = f"cache_v {cache_v.shape} {cache_v.dtype} differs from cache_k {cache_k.shape} {cache_k.dtype}"
+    d = qkv.shape[-1]
+    if not why and (cos.shape != (d // 2,) or sin.shape != (d // 2,)):
+        why = f"cos {cos.shape} and sin {sin.shape} must be [{d // 2}] (half the head_dim)"
+    if why:
+        raise ValueError(f"decode_attention_step: {why}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    b, kvh, g2, _ = qkv.shape
+    g, s = g2 - 2, cache_k.shape[1]
+    block_s, splits, split_len = _plan(s, d, qkv.dtype.itemsize, b, kvh, block_s, splits,
+                                       "decode_attention_step")
+    kernel = functools.partial(_step_kernel, seq_len=s, group=g, rows=_pow2_at_least(g),
+                               block_s=block_s, split_len=split_len, scale=d ** -0.5,
+                               exact=qkv.dtype == jnp.float32)
+    out_specs, out_shape = _result_specs(b, kvh, g, d, splits, qkv.dtype)
+    n = len(out_shape)
+    half = pl.BlockSpec((d // 2,), lambda i, j, h: (0,))
+    *results, cache_k, cache_v = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, splits),
+        in_specs=[pl.BlockSpec((1,), lambda i, j, h: (0,)),
+                  pl.BlockSpec((None, None, g2, d), lambda i, j, h: (i, j, 0, 0)),
+                  half, half, _cache_block(s, d), _cache_block(s, d)],
+        out_specs=out_specs + [_cache_block(s, d), _cache_block(s, d)],
+        out_shape=out_shape + [jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype)] * 2,
+        input_output_aliases={4: n, 5: n + 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="decode_attention_step",
+    )(jnp.reshape(pos, (1,)).astype(jnp.int32), qkv, cos.astype(jnp.float32),
+      sin.astype(jnp.float32), cache_k, cache_v)
+    return _finish(results, qkv.dtype), cache_k, cache_v

@@ -41,9 +41,10 @@ from .. import nn as knn
 from ..sharding import shard_weight
 from . import decode_attention as _decode
 
-#: ``attention=`` values: "xla" (jnp einsums and softmax), "pallas" (single-token steps through
-#: ``decode_attention``'s kernel; interpreted off the GPU), "auto" (the kernel on a GPU for
-#: single-token steps whose shapes it takes, XLA otherwise).
+#: ``attention=`` values: "xla" (jnp rotary embedding, cache update, einsums and softmax),
+#: "pallas" (single-token steps through ``decode_attention.decode_attention_step``, one kernel
+#: for all of it; interpreted off the GPU), "auto" (that kernel on a GPU for single-token steps
+#: whose shapes and dtypes it takes, XLA otherwise).
 ATTENTION_MODES = ("auto", "xla", "pallas")
 
 
@@ -94,12 +95,17 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def rope_tables(positions, head_dim: int, theta: float):
+    """cos and sin [T, head_dim / 2] (f32) of the rotary angles at positions[T]."""
+    freqs = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)   # [D/2]
+    angles = positions.astype(jnp.float32)[:, None] * freqs                       # [T, D/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def rope(x, positions, theta: float):
     """Rotary embedding (rotate-half convention) of x[B, T, H, D] at positions[T]."""
-    d = x.shape[-1]
-    freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)            # [D/2]
-    angles = positions.astype(jnp.float32)[:, None] * freqs                    # [T, D/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]       # [T, 1, D/2]
+    cos, sin = rope_tables(positions, x.shape[-1], theta)
+    cos, sin = cos[:, None, :], sin[:, None, :]                                # [T, 1, D/2]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -144,25 +150,28 @@ class Attention(nnx.Module):
         self.attention = attention
         self.tp_axis = None   # the mesh axis over kv heads, once placed by shard_model
 
-    def _use_kernel(self, t: int, q_shape, cache_shape) -> bool:
-        if self.attention == "xla" or t != 1:
+    def _use_kernel(self, qkv, cache) -> bool:
+        """Whether the single-token kernel takes this step (qkv [B, KVH, G + 2, D] of one token)."""
+        if self.attention == "xla":
             return False
-        why = _decode.supported(q_shape, cache_shape)
+        why = _decode.supported_step(qkv.shape, cache.shape, qkv.dtype, cache.dtype)
         if self.attention == "pallas":
             if why:
                 raise ValueError(f"attention='pallas': {why}")
             return True
         return why is None and jax.default_backend() == "gpu"
 
-    def _attend_one(self, q, cache_k, cache_v, kv_len):
-        """decode_attention on q [B, KVH, G, D]; per device over the kv-head axis when the
-        model is tensor-parallel (a Pallas kernel has no partitioning rule of its own)."""
+    def _attend_one(self, qkv, cache_k, cache_v, pos, cos, sin):
+        """decode_attention_step on qkv [B, KVH, G + 2, D]; per device over the kv-head axis
+        when the model is tensor-parallel (a Pallas kernel has no partitioning rule of its own)."""
         mesh = jax.sharding.get_abstract_mesh()
         if self.tp_axis is None or mesh.empty or self.tp_axis not in mesh.axis_names:
-            return _decode.decode_attention(q, cache_k, cache_v, kv_len)
+            return _decode.decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin)
         heads, cache = P(None, self.tp_axis, None, None), P(None, None, self.tp_axis, None)
-        return jax.shard_map(_decode.decode_attention, mesh=mesh, in_specs=(heads, cache, cache, P()),
-                             out_specs=heads, check_vma=False)(q, cache_k, cache_v, kv_len)
+        return jax.shard_map(_decode.decode_attention_step, mesh=mesh,
+                             in_specs=(heads, cache, cache, P(), P(), P()),
+                             out_specs=(heads, cache, cache), check_vma=False)(
+                                 qkv, cache_k, cache_v, pos, cos, sin)
 
     def __call__(self, x, cache_k, cache_v, pos):
         b, t, _ = x.shape
@@ -170,18 +179,19 @@ class Attention(nnx.Module):
         g = h // kvh
         positions = pos + jnp.arange(t)
         qkv = self.qkv_proj(x).reshape(b, t, kvh, g + 2, hd)
-        q = rope(qkv[:, :, :, :g].reshape(b, t, h, hd), positions, self.rope_theta)
-        k = rope(qkv[:, :, :, g], positions, self.rope_theta)
-        v = qkv[:, :, :, g + 1]
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, pos, 0, 0))
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, pos, 0, 0))
-
-        q = q.reshape(b, t, kvh, g, hd)
-        if self._use_kernel(t, (b, kvh, g, hd), cache_k.shape):
-            kv_len = jnp.asarray(pos + 1, jnp.int32)
-            out = self._attend_one(q[:, 0], cache_k, cache_v, kv_len)[:, None]
+        if t == 1 and self._use_kernel(qkv[:, 0], cache_k):
+            # One kernel: rotary embedding, the cache writes at pos and the attention.
+            cos, sin = rope_tables(positions, hd, self.rope_theta)
+            out, cache_k, cache_v = self._attend_one(qkv[:, 0], cache_k, cache_v,
+                                                     jnp.asarray(pos, jnp.int32), cos[0], sin[0])
+            out = out[:, None]
         else:
-            out = attend(q, cache_k, cache_v, positions)
+            q = rope(qkv[:, :, :, :g].reshape(b, t, h, hd), positions, self.rope_theta)
+            k = rope(qkv[:, :, :, g], positions, self.rope_theta)
+            v = qkv[:, :, :, g + 1]
+            cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, pos, 0, 0))
+            cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, pos, 0, 0))
+            out = attend(q.reshape(b, t, kvh, g, hd), cache_k, cache_v, positions)
         out = out.reshape(b, t, h * hd).astype(x.dtype)
         return self.o_proj(out, out_sharding=_row_parallel_out(out)), cache_k, cache_v
 
@@ -404,7 +414,8 @@ def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "n
     The weights are the same as without a mesh (same seed, same values).
 
     ``attention`` picks the single-token attention: `ATTENTION_MODES` ("auto": the Pallas
-    kernel of ``decode_attention`` on a GPU).
+    kernel of ``decode_attention.decode_attention_step`` on a GPU, rotary embedding and cache
+    write included).
     """
     if mesh is not None:
         check_tp(cfg, _tp_size(mesh, axis))
