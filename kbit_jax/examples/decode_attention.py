@@ -136,8 +136,9 @@ def _step_kernel(pos_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, *out_refs, se
     cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]                   # [1, half] f32
 
     def rotate(rows_slice, mask=None):   # rotate-half RoPE in f32, rounded to the dtype
-        x1 = plt.load(qkv_ref.at[rows_slice, lo], mask=mask, other=0.0).astype(jnp.float32)
-        x2 = plt.load(qkv_ref.at[rows_slice, hi], mask=mask, other=0.0).astype(jnp.float32)
+        fill = {} if mask is None else {"mask": mask, "other": 0.0}   # (Triton: no other without mask)
+        x1 = plt.load(qkv_ref.at[rows_slice, lo], **fill).astype(jnp.float32)
+        x2 = plt.load(qkv_ref.at[rows_slice, hi], **fill).astype(jnp.float32)
         return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
 
     q1, q2 = rotate(pl.ds(0, rows), (jnp.arange(rows) < group)[:, None])     # [rows, half]
