@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import itertools
 import json
 import os
 import platform
@@ -97,7 +98,7 @@ def run_worker(args) -> list[dict]:
     bits = None if args.weights == "bf16" else int(args.weights)
     tp = args.tp
     base = {"config": args.config, "weights": args.weights, "bits": bits, "tp": tp,
-            "attention": args.attention, "quantize_head": args.quantize_head,
+            "attention": args.attention, "norm": args.norm, "quantize_head": args.quantize_head,
             "prompt": args.prompt, "new_tokens": args.new_tokens}
     max_len = args.prompt + args.new_tokens
     if tp > len(jax.devices()):
@@ -130,7 +131,8 @@ def run_worker(args) -> list[dict]:
     t0 = time.perf_counter()
     model, report = llama.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
                                       param_dtype=jnp.bfloat16, quantize_head=args.quantize_head,
-                                      progress=args.progress, mesh=mesh, attention=args.attention)
+                                      progress=args.progress, mesh=mesh, attention=args.attention,
+                                      norm=args.norm)
     jax.block_until_ready(nnx.state(model))
     build_s = time.perf_counter() - t0
     graphdef, state = nnx.split(model)
@@ -252,12 +254,12 @@ def environment() -> dict:
     return info
 
 
-def run_subprocess(args, config: str, weights: str, tp: int, attention: str) -> list[dict]:
+def run_subprocess(args, config: str, weights: str, tp: int, attention: str, norm: str) -> list[dict]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config,
            "--weights", weights, "--batches", ",".join(map(str, args.batches)),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
            "--reps", str(args.reps), "--codebook", args.codebook, "--tp", str(tp),
-           "--axis-type", args.axis_type, "--attention", attention]
+           "--axis-type", args.axis_type, "--attention", attention, "--norm", norm]
     if args.profile:
         cmd += ["--profile", args.profile]
     if args.progress:
@@ -271,7 +273,7 @@ def run_subprocess(args, config: str, weights: str, tp: int, attention: str) -> 
     if proc.returncode != 0 or not lines:
         # Keep the end of the worker's stderr in the results: a crash (an XLA check failure
         # aborts the process) must be diagnosable from the JSON alone.
-        return [{"config": config, "weights": weights, "tp": tp, "attention": attention,
+        return [{"config": config, "weights": weights, "tp": tp, "attention": attention, "norm": norm,
                  "status": f"failed (exit {proc.returncode}); stderr_tail in the JSON",
                  "stderr_tail": proc.stderr[-4000:]}]
     return json.loads(lines[-1])
@@ -279,7 +281,7 @@ def run_subprocess(args, config: str, weights: str, tp: int, attention: str) -> 
 
 def to_markdown(env: dict, args, rows: list[dict]) -> str:
     def key(r):
-        return r["config"], r["batch"], r.get("tp", 1), r.get("attention", "xla")
+        return r["config"], r["batch"], r.get("tp", 1), r.get("attention", "xla"), r.get("norm", "xla")
 
     dense = {key(r): r["decode_tokens_per_s"] for r in rows
              if r["status"] == "ok" and r["weights"] == "bf16"}
@@ -292,26 +294,27 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"Peak GiB is the worker process's device peak, model building included (with tp > 1: "
         f"the largest over its devices). tp = tensor-parallel devices ({args.axis_type} mesh "
         f"axis); attention: the single-token attention (`llama.ATTENTION_MODES`; auto = the "
-        f"Pallas kernel on a GPU); vs bf16 compares with bf16 at the same tp and attention; "
+        f"Pallas kernel on a GPU); norm: the residual add + RMSNorm (auto = its Pallas kernel on "
+        f"a GPU); vs bf16 compares with bf16 at the same tp, attention and norm; "
         f"model GiB is the whole model, "
         f"GiB/dev the first device's share. "
         f"jax {env.get('jax')}, flax {env.get('flax')}, kbit_jax build {env.get('build_info')}; "
         f"XLA_FLAGS {env.get('xla_flags') or '(none)'}.",
         "",
-        "| config | tp | attention | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
-        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | tp | attention | norm | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
+        "|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        tp, attention = r.get("tp", 1), r.get("attention", "xla")
+        tp, attention, norm = r.get("tp", 1), r.get("attention", "xla"), r.get("norm", "xla")
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | {tp} | {attention} | | {r['weights']} | {r['status']} | | | | | | |")
+            lines.append(f"| {r['config']} | {tp} | {attention} | {norm} | | {r['weights']} | {r['status']} | | | | | | |")
             continue
         base = dense.get(key(r))
         speedup = f"{r['decode_tokens_per_s'] / base:.2f}x" if base else "-"
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         weights = "bf16" if r["bits"] is None else f"K={r['bits']}"
         per_device = r.get("device_model_gib", r["model_gib"])
-        lines.append(f"| {r['config']} | {tp} | {attention} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
+        lines.append(f"| {r['config']} | {tp} | {attention} | {norm} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
                      f"{speedup} | {r['decode_ms_per_step']:.2f} | {r['prefill_ms']:.1f} | "
                      f"{r['model_gib']:.2f} | {per_device:.2f} | {peak} |")
     return "\n".join(lines) + "\n"
@@ -337,6 +340,10 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="auto",
                    help="comma list of single-token attention modes, each a row: auto (the Pallas "
                         "kernel on a GPU), xla, pallas (default auto)")
+    p.add_argument("--norm", default="auto",
+                   help="comma list of residual add + RMSNorm modes, each a row (with every "
+                        "--attention mode): auto (the Pallas kernel on a GPU), xla, pallas "
+                        "(default auto)")
     p.add_argument("--out", default=None, help="directory for decode.json and decode.md")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")
     p.add_argument("--progress", action="store_true", help="progress bar while building models")
@@ -353,9 +360,10 @@ def parse_args(argv=None):
         if len(args.tp) != 1:
             p.error("a worker runs one --tp size")
         args.tp = args.tp[0]
-    modes = args.attention.split(",")
-    if any(m not in ("auto", "xla", "pallas") for m in modes) or (args.worker and len(modes) != 1):
-        p.error(f"--attention: {args.attention!r} (a worker takes one of auto, xla, pallas)")
+    for flag, value in (("--attention", args.attention), ("--norm", args.norm)):
+        modes = value.split(",")
+        if any(m not in ("auto", "xla", "pallas") for m in modes) or (args.worker and len(modes) != 1):
+            p.error(f"{flag}: {value!r} (a worker takes one of auto, xla, pallas)")
     if any(t < 1 for t in ([args.tp] if args.worker else args.tp)):
         p.error("--tp sizes must be >= 1")
     return args
@@ -371,14 +379,14 @@ def main(argv=None):
     rows = []
     for config in args.configs.split(","):
         for tp in args.tp:
-            for attention in args.attention.split(","):
+            for attention, norm in itertools.product(args.attention.split(","), args.norm.split(",")):
                 for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
                     if args.in_process:
                         sub = argparse.Namespace(**{**vars(args), "config": config, "weights": weights,
-                                                    "tp": tp, "attention": attention})
+                                                    "tp": tp, "attention": attention, "norm": norm})
                         rows += run_worker(sub)
                     else:
-                        rows += run_subprocess(args, config, weights, tp, attention)
+                        rows += run_subprocess(args, config, weights, tp, attention, norm)
     md = to_markdown(env, args, rows)
     print(md)
     if args.out:

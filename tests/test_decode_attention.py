@@ -234,8 +234,8 @@ def decode_logits(model, prompt, steps, mesh=None, tokens=None):
 
 @pytest.mark.parametrize("bits", [pytest.param(4, id="k4"), pytest.param(None, id="dense")])
 def test_decoder_kernel_equals_xla_attention(bits, rng):
-    """f32 model: the decoder's logits with the kernel equal those with XLA's attention to f32
-    rounding, on one device and tensor-parallel over 2 (Explicit and Auto mesh axes). Full f32
+    """f32 model: the decoder's logits with the kernels (attention and norm="pallas") equal
+    those with XLA's attention and norms to f32 rounding, on one device and tensor-parallel over 2 (Explicit and Auto mesh axes). Full f32
     dots: on a GPU XLA's default f32 dot precision is TF32."""
     with jax.default_matmul_precision("highest"):
         check_decoder_kernel_equals_xla(bits, rng)
@@ -245,17 +245,18 @@ def check_decoder_kernel_equals_xla(bits, rng):
     cfg = llama.TINY_TP
     prompt = rng.integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
     want, tokens = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
-                                                   attention="xla")[0], prompt, 3)
+                                                   attention="xla", norm="xla")[0], prompt, 3)
     atol = 1e-5 * np.abs(want).max()
     got, _ = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
-                                             attention="pallas")[0], prompt, 3, tokens=tokens)
+                                             attention="pallas", norm="pallas")[0], prompt, 3,
+                           tokens=tokens)
     np.testing.assert_allclose(got, want, rtol=0, atol=atol)
     if len(jax.devices()) < 2:
         return
     for axis_type in (AxisType.Explicit, AxisType.Auto):
         mesh = jax.make_mesh((2,), ("tp",), axis_types=(axis_type,), devices=jax.devices()[:2])
         model, _ = llama.build_model(cfg, bits=bits, param_dtype=jnp.float32, attention="pallas",
-                                     mesh=mesh)
+                                     norm="pallas", mesh=mesh)
         got, _ = decode_logits(model, prompt, 3, mesh, tokens=tokens)
         np.testing.assert_allclose(got, want, rtol=0, atol=atol)
 
@@ -272,8 +273,8 @@ def test_gpu_kernel_matches_float64(shape, dtype, rng):
 
 @pytest.mark.gpu
 def test_gpu_auto_takes_the_kernel(rng):
-    """On a GPU "auto" compiles single-token steps with the Triton kernel, and the bf16 decoder's
-    logits agree with XLA's attention to bf16 rounding (both fed the same tokens)."""
+    """On a GPU "auto" compiles single-token steps with the Triton kernels, and the bf16 decoder's
+    logits agree with XLA's attention and norms to bf16 rounding (both fed the same tokens)."""
     cfg = llama.TINY_TP
     model, _ = llama.build_model(cfg, bits=4, attention="auto")
     graphdef, state = nnx.split(model)
@@ -281,7 +282,8 @@ def test_gpu_auto_takes_the_kernel(rng):
     hlo = llama.decode_step.lower(graphdef, state, jnp.zeros((1,), jnp.int32), cache, 3).as_text()
     assert "triton" in hlo.lower()
     prompt = rng.integers(0, cfg.vocab_size, (1, 6)).astype(np.int32)
-    want, tokens = decode_logits(llama.build_model(cfg, bits=4, attention="xla")[0], prompt, 3)
+    want, tokens = decode_logits(llama.build_model(cfg, bits=4, attention="xla", norm="xla")[0],
+                                 prompt, 3)
     got, _ = decode_logits(model, prompt, 3, tokens=tokens)
     np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * np.abs(want).max())
 

@@ -138,11 +138,12 @@ def test_quantized_tp4_and_shard_model_after_build():
 def test_decode_hlo_collectives(bits, axis_type, attention):
     """decode_step: 2 all-reduces per layer and nothing else (column-parallel q/k/v, gate/up
     and lm_head need none; row-parallel o_proj and down_proj one each; the attention runs on
-    each device's own heads and KV-cache shard, also the Pallas kernel under its shard_map).
+    each device's own heads and KV-cache shard, also the Pallas kernels under their shard_maps:
+    attention="pallas" runs the norms' kernel too).
     No all-gather: weights never move. (TINY_TP: the kernel takes head_dim >= 32.)"""
     cfg, tp = llama.TINY_TP, 2
     mesh = tp_mesh(tp, axis_type)
-    model, _ = llama.build_model(cfg, bits=bits, mesh=mesh, attention=attention)
+    model, _ = llama.build_model(cfg, bits=bits, mesh=mesh, attention=attention, norm=attention)
     graphdef, state = nnx.split(model)
     with jax.set_mesh(mesh):
         cache = llama.init_cache(cfg, 2, 16, sharding=llama.cache_sharding(mesh))

@@ -40,12 +40,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .. import nn as knn
 from ..sharding import shard_weight
 from . import decode_attention as _decode
+from . import fused_norm as _norm
 
 #: ``attention=`` values: "xla" (jnp rotary embedding, cache update, einsums and softmax),
 #: "pallas" (single-token steps through ``decode_attention.decode_attention_step``, one kernel
 #: for all of it; interpreted off the GPU), "auto" (that kernel on a GPU for single-token steps
 #: whose shapes and dtypes it takes, XLA otherwise).
 ATTENTION_MODES = ("auto", "xla", "pallas")
+#: ``norm=`` values, the same three: the residual add and RMSNorm through XLA (two kernels per
+#: norm), or through ``fused_norm.add_rms_norm`` (one; "auto": on a GPU).
+KERNEL_MODES = ATTENTION_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +89,46 @@ Cache = list  # [(k, v)] per layer, each [B, max_len, n_kv_heads, head_dim]
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype):
+    """RMSNorm over the last axis. ``kernel`` (`KERNEL_MODES`): `add_and_norm` through
+    ``fused_norm.add_rms_norm``'s Pallas kernel ("pallas"; "auto": on a GPU where it takes the
+    shape) or through XLA ("xla")."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, *, kernel: str = "xla"):
+        if kernel not in KERNEL_MODES:
+            raise ValueError(f"norm={kernel!r}: expected one of {KERNEL_MODES}")
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
         self.eps = eps
+        self.kernel = kernel
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+    def _use_kernel(self, x) -> bool:
+        if self.kernel == "xla":
+            return False
+        why = _norm.supported(x.shape, x.dtype)
+        if self.kernel == "pallas":
+            if why:
+                raise ValueError(f"norm='pallas': {why}")
+            return True
+        return why is None and jax.default_backend() == "gpu"
+
+    def add_and_norm(self, x, delta):
+        """``(x + delta, self(x + delta))``, or ``(x, self(x))`` when delta is None: the residual
+        stream with a sublayer's output added, and its norm (one kernel with "pallas")."""
+        if not self._use_kernel(x):
+            if delta is not None:
+                x = x + delta
+            return x, self(x)
+        norm = functools.partial(_norm.add_rms_norm, eps=self.eps)
+        scale = self.scale[...]
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty:   # replicated over the mesh (after an all-reduce): every device the same rows
+            norm = jax.shard_map(norm, mesh=mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
+                                 check_vma=False)
+        return norm(x, delta, scale)
 
 
 def rope_tables(positions, head_dim: int, theta: float):
@@ -245,45 +281,58 @@ def fuse_gate_up(gate, up):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto"):
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype)
+    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto",
+                 norm: str = "auto"):
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         self.attn = Attention(cfg, param_dtype, rngs, attention=attention)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         self.mlp = MLP(cfg, param_dtype, rngs)
 
     def __call__(self, x, cache_k, cache_v, pos):
-        a, cache_k, cache_v = self.attn(self.attn_norm(x), cache_k, cache_v, pos)
-        x = x + a
-        return x + self.mlp(self.mlp_norm(x)), cache_k, cache_v
+        x, mlp_out, cache_k, cache_v = self.step(x, None, cache_k, cache_v, pos)
+        return x + mlp_out, cache_k, cache_v
+
+    def step(self, x, pending, cache_k, cache_v, pos):
+        """The block on the residual stream ``x`` + ``pending`` (the previous block's MLP output,
+        not yet added; None for none). Returns ``(x, mlp_out, cache_k, cache_v)`` with this
+        block's MLP output pending in turn: each residual add is done by the norm that follows
+        it (`RMSNorm.add_and_norm`, one kernel for both with norm="pallas")."""
+        x, h = self.attn_norm.add_and_norm(x, pending)
+        a, cache_k, cache_v = self.attn(h, cache_k, cache_v, pos)
+        x, h = self.mlp_norm.add_and_norm(x, a)
+        return x, self.mlp(h), cache_k, cache_v
 
 
 class Llama(nnx.Module):
     """Decoder-only transformer. ``block_hook(block)`` (optional) runs on each block as soon
     as it is built, e.g. to quantize it before the next one is allocated. ``attention`` picks
-    the single-token attention (`ATTENTION_MODES`); prompts always take the XLA path."""
+    the single-token attention (`ATTENTION_MODES`; prompts always take the XLA path), ``norm``
+    the residual add + RMSNorm (`KERNEL_MODES`)."""
 
     def __init__(self, cfg: LlamaConfig, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
-                 block_hook=None, attention: str = "auto"):
+                 block_hook=None, attention: str = "auto", norm: str = "auto"):
         self.config = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, param_dtype=param_dtype, rngs=rngs)
         blocks = []
         for _ in range(cfg.n_layers):
-            blocks.append(Block(cfg, param_dtype, rngs, attention=attention))
+            blocks.append(Block(cfg, param_dtype, rngs, attention=attention, norm=norm))
             if block_hook is not None:
                 block_hook(blocks[-1])
         self.layers = nnx.List(blocks)
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         self.lm_head = _linear(cfg.dim, cfg.vocab_size, param_dtype, rngs)
         self.tp = None   # (mesh, axis) once placed tensor-parallel by shard_model
 
     def __call__(self, tokens, cache: Cache, pos, *, last_only: bool = False):
-        x = self.embed(tokens)
+        x, pending = self.embed(tokens), None
         new_cache = []
         for layer, (k, v) in zip(self.layers, cache):
-            x, k, v = layer(x, k, v, pos)
+            x, pending, k, v = layer.step(x, pending, k, v, pos)
             new_cache.append((k, v))
-        x = self.norm(x[:, -1:] if last_only else x)
-        return self.lm_head(x), new_cache
+        if last_only:
+            x, pending = x[:, -1:], None if pending is None else pending[:, -1:]
+        _, h = self.norm.add_and_norm(x, pending)
+        return self.lm_head(h), new_cache
 
 
 def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *,
@@ -400,7 +449,7 @@ def shard_model(model, mesh, axis: str = "tp"):
 
 def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
                 param_dtype=jnp.bfloat16, quantize_head: bool = False, progress: bool = False,
-                mesh=None, axis: str = "tp", attention: str = "auto"):
+                mesh=None, axis: str = "tp", attention: str = "auto", norm: str = "auto"):
     """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
 
     With ``bits``, each block goes through ``kbit_jax.nn.quantize_model`` as soon as it is
@@ -415,14 +464,16 @@ def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "n
 
     ``attention`` picks the single-token attention: `ATTENTION_MODES` ("auto": the Pallas
     kernel of ``decode_attention.decode_attention_step`` on a GPU, rotary embedding and cache
-    write included).
+    write included). ``norm`` picks the residual add + RMSNorm: `KERNEL_MODES` ("auto": the
+    Pallas kernel of ``fused_norm.add_rms_norm`` on a GPU).
     """
     if mesh is not None:
         check_tp(cfg, _tp_size(mesh, axis))
     if bits is None:
         if mesh is None:
-            return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), attention=attention), None
-        model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), attention=attention,
+            return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), attention=attention,
+                         norm=norm), None
+        model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), attention=attention, norm=norm,
                       block_hook=lambda block: shard_model(block, mesh, axis))
         return shard_model(model, mesh, axis), None
     report = knn.QuantizeReport(bits=bits, codebook=codebook)
@@ -440,7 +491,7 @@ def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "n
         report.replaced_bytes_after += r.replaced_bytes_after
 
     model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), block_hook=hook,
-                  attention=attention)
+                  attention=attention, norm=norm)
     report.bytes_before += knn._nbytes(nnx.state(model)) - knn._nbytes(nnx.state(model.layers))
     if quantize_head:
         r = knn.quantize_model(model, bits, codebook, filter=lambda path, _: path == ("lm_head",),
