@@ -208,6 +208,9 @@ def run_worker(args) -> list[dict]:
             "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
             "build_s": build_s, "compile_s": compile_s,
             "repeatable": all(np.array_equal(t[2], times[0][2]) for t in times),
+            # The first row's first greedy tokens: rows of the same weights should agree
+            # whichever kernels ran (up to bf16 near-ties).
+            "tokens": times[0][2][0, :16].tolist(),
             "report": None if report is None else str(report),
             # With --profile: GPU time per decode step by kernel category, and idle gaps.
             "profile": profile,

@@ -10,6 +10,9 @@ decoder with XLA's attention (single device and tensor-parallel over 2), and the
 
 import contextlib
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -313,3 +316,32 @@ def test_gpu_cache_updated_in_place(attention):
     copies = [line for line in text.splitlines()
               if shape in line.split("=", 1)[-1].split("(", 1)[0] and " copy" in line]
     assert not copies, copies[:4]
+
+
+_NO_COMMAND_BUFFER_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp
+sys.path.insert(0, sys.argv[2])
+import test_decode_attention as t
+from kbit_jax.examples import llama
+cfg = llama.LlamaConfig(vocab_size=1024, dim=4096, n_layers=2, n_heads=32, n_kv_heads=8,
+                        hidden_dim=8192)
+prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 6)).astype(np.int32)
+want, tokens = t.decode_logits(llama.build_model(cfg, bits=4, attention="xla", norm="xla")[0],
+                               prompt, 4)
+got, _ = t.decode_logits(llama.build_model(cfg, bits=4)[0], prompt, 4, tokens=tokens)
+np.save(sys.argv[1], np.stack([want, got]))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_without_command_buffers(tmp_path):
+    """With XLA's command buffers off, kernels are launched one by one on the stream, where
+    the kbit kernels (programmatic dependent launches there) let the next kernel start while
+    they run: the Pallas kernels that read their outputs must still see them. A 4096-wide
+    model (q/k/v and o products of ~10 us) decodes as XLA's attention and norms do."""
+    out = tmp_path / "logits.npy"
+    env = dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=")
+    subprocess.run([sys.executable, "-c", _NO_COMMAND_BUFFER_SCRIPT, str(out),
+                    os.path.dirname(os.path.abspath(__file__))], env=env, check=True, timeout=600)
+    want, got = np.load(out)
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * np.abs(want).max())
