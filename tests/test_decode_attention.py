@@ -265,13 +265,20 @@ def check_decoder_kernel_equals_xla(bits, rng):
 
 
 # -- on the GPU: the Triton-compiled kernel ----------------------------------------------------
+# Long caches, split over positions by default (the last entry: kv_len, or pos for the step).
+GPU_LONG = [(4, 8, 8, 128, 1000, 777), (1, 4, 8, 128, 5000, 4321)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES + [(4, 8, 8, 128, 1000, 777), (1, 4, 8, 128, 5000, 4321)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_gpu_kernel_matches_float64(shape, dtype, rng):
+@pytest.mark.parametrize("check,shape",
+                         [(check_against_float64, s) for s in SHAPES + GPU_LONG]
+                         + [(check_step, s) for s in STEP_SHAPES + GPU_LONG],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else
+                         {check_against_float64: "attention", check_step: "step"}[v])
+def test_gpu_kernels_match_float64(check, shape, dtype, rng):
     assert jax.default_backend() == "gpu"
-    check_against_float64(rng, shape, dtype)
+    check(rng, shape, dtype)
 
 
 @pytest.mark.gpu
@@ -289,15 +296,6 @@ def test_gpu_auto_takes_the_kernel(rng):
                                  prompt, 3)
     got, _ = decode_logits(model, prompt, 3, tokens=tokens)
     np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * np.abs(want).max())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", STEP_SHAPES + [(4, 8, 8, 128, 1000, 777), (1, 4, 8, 128, 5000, 4321)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_gpu_step_kernel_matches_float64(shape, dtype, rng):
-    assert jax.default_backend() == "gpu"
-    check_step(rng, shape, dtype)
 
 
 @pytest.mark.gpu
