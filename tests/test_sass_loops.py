@@ -66,3 +66,13 @@ def test_labels_name_the_template_arguments():
 def test_missing_cuobjdump_is_a_clear_error(capsys):
     assert sass_loops.main(["--cuobjdump", "/nonexistent/cuobjdump"]) == 2
     assert "no cuobjdump" in capsys.readouterr().err
+
+
+def test_identity_ignores_anonymous_namespace_hashes_only(capsys):
+    anon = "Function : _ZN12_GLOBAL__N__{}_7kernelEv\n        /*0000*/   EXIT ;"
+    same = {"quantize": {"ref": anon.format("3f2a"), "new": anon.format("91bc")}}
+    assert sass_loops.report_identity(same) == 0
+    changed = {"quantize": {"ref": anon.format("3f2a"), "new": anon.format("91bc").replace("EXIT", "BRA 0x0")}}
+    assert sass_loops.report_identity(changed) == 1
+    assert capsys.readouterr().out.splitlines() == ["quantize: identical SASS",
+                                                    "quantize: SASS differs (2 lines)"]

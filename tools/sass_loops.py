@@ -14,8 +14,16 @@ REF and in the working tree.
     python3 tools/sass_loops.py [REF] [--only b4] [--max-growth N]
 
 REF defaults to HEAD. `--max-growth N` exits with status 1 when a loop grew by more than N
-instructions. Needs nvcc and cuobjdump: the CUDA toolkit's, or the one Triton's wheel carries,
-given by --cuobjdump or $CUOBJDUMP, e.g.
+instructions.
+
+    python3 tools/sass_loops.py [REF] --identical
+
+compares the whole disassembly of every `cpp/cuda/*.cu` instead: identical SASS means the GPU
+tests of REF cover the working tree too, a way to verify a behaviour-preserving kernel refactor
+on a machine without a GPU (exit status 1 where a unit's SASS differs).
+
+Needs nvcc and cuobjdump: the CUDA toolkit's, or the one Triton's wheel carries, given by
+--cuobjdump or $CUOBJDUMP, e.g.
   $(python3 -c "import triton, os; print(os.path.dirname(triton.__file__))")/backends/nvidia/bin/cuobjdump
 """
 
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import difflib
 import glob
 import os
 import re
@@ -84,62 +93,98 @@ def compile_cubin(src: str, include: str, out: str) -> None:
         raise RuntimeError(f"nvcc failed on {src}:\n{done.stderr}")
 
 
+def disassemble(units: list[str], ref: str, work: str, cuobjdump: str) -> dict[str, dict[str, str]]:
+    """{unit name: {"ref": SASS, "new": SASS}}: each unit compiled from git revision ``ref``'s
+    cpp/ and from the working tree's (in parallel), then disassembled."""
+    ref_root = os.path.join(work, "ref")
+    os.makedirs(ref_root)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", ref, "cpp"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", ref_root], input=archive, check=True)
+    jobs = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        for unit in units:
+            name, rel = os.path.basename(unit)[:-3], os.path.relpath(unit, ROOT)
+            for tree, root in (("ref", ref_root), ("new", ROOT)):
+                out = os.path.join(work, f"{name}.{tree}.cubin")
+                jobs[(name, tree)] = (pool.submit(compile_cubin, os.path.join(root, rel),
+                                                  os.path.join(root, "cpp"), out), out)
+    sass = {}
+    for (name, tree), (future, cubin) in jobs.items():
+        future.result()  # (raises RuntimeError with nvcc's message on failure)
+        sass.setdefault(name, {})[tree] = subprocess.run(
+            [cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    return sass
+
+
+def normalized(sass: str) -> str:
+    """SASS without what differs between two compiles of the same code: anonymous-namespace
+    symbols carry a hash of the source path."""
+    return re.sub(r"_GLOBAL__N__[0-9a-f]*_", "_GLOBAL__N__", sass)
+
+
+def report_identity(sass: dict[str, dict[str, str]]) -> int:
+    status = 0
+    for name, trees in sass.items():
+        ref, new = (normalized(trees[t]).splitlines() for t in ("ref", "new"))
+        if ref == new:
+            print(f"{name}: identical SASS")
+            continue
+        changed = sum(1 for line in difflib.unified_diff(ref, new, lineterm="", n=0)
+                      if line[:1] in "+-" and line[:3] not in ("+++", "---"))
+        print(f"{name}: SASS differs ({changed} lines)")
+        status = 1
+    return status
+
+
+def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | None) -> int:
+    status = 0
+    print(f"hot loop (instructions), {ref} -> working tree")
+    for name, trees in sass.items():
+        code = {tree: functions(text) for tree, text in trees.items()}
+        for fn in sorted(code["ref"]):
+            before = hot_loop_size(code["ref"][fn])
+            if before is None:
+                continue
+            after = hot_loop_size(code["new"].get(fn, []))
+            grew = None if after is None else after - before
+            mark = ""
+            if grew is None:
+                mark = "  (gone)"
+            elif grew:
+                mark = f"  ({grew:+d})"
+                if max_growth is not None and grew > max_growth:
+                    status = 1
+            print(f"  {name}: {label(fn):34s} {before:5d} -> {after if after is not None else '-':>5}{mark}")
+    return status
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("ref", nargs="?", default="HEAD", help="git revision to compare with (HEAD)")
-    ap.add_argument("--only", default="", help="comma list of translation units, e.g. b4 or b2,b4")
+    ap.add_argument("--only", default="",
+                    help="comma list of translation units, e.g. b4 or b2,b4 (with --identical: "
+                         "file names without .cu, e.g. quantize,matmul_fused_b4)")
     ap.add_argument("--max-growth", type=int, default=None,
                     help="exit 1 when a hot loop grew by more than this many instructions")
+    ap.add_argument("--identical", action="store_true",
+                    help="compare the whole SASS of every cpp/cuda/*.cu instead of the hot loops")
     ap.add_argument("--cuobjdump", default=os.environ.get("CUOBJDUMP", "cuobjdump"))
     args = ap.parse_args(argv)
     if shutil.which(args.cuobjdump) is None and not os.path.exists(args.cuobjdump):
         print(f"sass_loops: no cuobjdump at '{args.cuobjdump}' (see --cuobjdump)", file=sys.stderr)
         return 2
-    units = sorted(glob.glob(os.path.join(ROOT, "cpp/cuda/matmul_fused_b*.cu")))
+    pattern = "cpp/cuda/*.cu" if args.identical else "cpp/cuda/matmul_fused_b*.cu"
+    units = sorted(glob.glob(os.path.join(ROOT, pattern)))
     if args.only:
-        wanted = {f"matmul_fused_{u.strip()}.cu" for u in args.only.split(",")}
+        wanted = {f"{u.strip()}.cu" if args.identical else f"matmul_fused_{u.strip()}.cu"
+                  for u in args.only.split(",")}
         units = [u for u in units if os.path.basename(u) in wanted]
     with tempfile.TemporaryDirectory() as work:
-        ref_root = os.path.join(work, "ref")
-        os.makedirs(ref_root)
-        archive = subprocess.run(["git", "-C", ROOT, "archive", args.ref, "cpp"], check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", ref_root], input=archive, check=True)
-        jobs = {}
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            for unit in units:
-                name = os.path.basename(unit)[:-3]
-                rel = os.path.relpath(unit, ROOT)
-                for tree, root in (("ref", ref_root), ("new", ROOT)):
-                    out = os.path.join(work, f"{name}.{tree}.cubin")
-                    jobs[(name, tree)] = (pool.submit(compile_cubin, os.path.join(root, rel),
-                                                      os.path.join(root, "cpp"), out), out)
-        status = 0
-        print(f"hot loop (instructions), {args.ref} -> working tree")
-        for unit in units:
-            name = os.path.basename(unit)[:-3]
-            code = {}
-            for tree in ("ref", "new"):
-                future, cubin = jobs[(name, tree)]
-                future.result()  # (raises RuntimeError with nvcc's message on failure)
-                sass = subprocess.run([args.cuobjdump, "-sass", cubin], check=True,
-                                      capture_output=True, text=True).stdout
-                code[tree] = functions(sass)
-            for fn in sorted(code["ref"]):
-                before = hot_loop_size(code["ref"][fn])
-                if before is None:
-                    continue
-                after = hot_loop_size(code["new"].get(fn, []))
-                grew = None if after is None else after - before
-                mark = ""
-                if grew is None:
-                    mark = "  (gone)"
-                elif grew:
-                    mark = f"  ({grew:+d})"
-                    if args.max_growth is not None and grew > args.max_growth:
-                        status = 1
-                print(f"  {name}: {label(fn):34s} {before:5d} -> {after if after is not None else '-':>5}{mark}")
-        return status
+        sass = disassemble(units, args.ref, work, args.cuobjdump)
+    if args.identical:
+        return report_identity(sass)
+    return report_loops(sass, args.ref, args.max_growth)
 
 
 if __name__ == "__main__":
