@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import DTYPES, unit_roundoff
 
 from kbit_jax.examples import llama
 from kbit_jax.examples.fused_norm import add_rms_norm, supported
 
-DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 SHAPES = [(1, 1, 256), (3, 5, 64), (2, 4096), (16,)]
 
 
@@ -31,10 +31,10 @@ def check(rng, shape, dtype, with_delta, eps=1e-5, interpret=None):
     want_s = x if delta is None else x + delta          # XLA's rounding of the residual stream
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
     assert h.shape == x.shape and h.dtype == dtype
-    # f32 arithmetic (relative ~1e-6), then one rounding to the dtype (half an ulp: eps / 2).
+    # f32 arithmetic (relative ~1e-6), then one rounding to the dtype (its unit roundoff).
     want = norm64(want_s, scale, eps)
     np.testing.assert_allclose(np.asarray(h, np.float64), want,
-                               rtol=float(jnp.finfo(dtype).eps) / 2 + 1e-6, atol=1e-6 * np.abs(want).max())
+                               rtol=unit_roundoff(dtype) + 1e-6, atol=1e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("with_delta", [True, False], ids=["add", "norm-only"])
