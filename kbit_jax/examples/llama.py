@@ -88,6 +88,20 @@ CONFIGS = {"tiny": TINY, "tiny-tp": TINY_TP, "llama3-8b": LLAMA3_8B, "llama3-70b
 Cache = list  # [(k, v)] per layer, each [B, max_len, n_kv_heads, head_dim]
 
 
+def _takes_kernel(mode: str, flag: str, why_not) -> bool:
+    """Whether a layer in `KERNEL_MODES` ``mode`` runs its Pallas kernel: never with "xla";
+    always with "pallas", raising ValueError (naming ``flag``) where ``why_not()`` says why the
+    kernel does not take the inputs; with "auto" on a GPU where it takes them."""
+    if mode == "xla":
+        return False
+    why = why_not()
+    if mode == "pallas":
+        if why:
+            raise ValueError(f"{flag}='pallas': {why}")
+        return True
+    return why is None and jax.default_backend() == "gpu"
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis. ``kernel`` (`KERNEL_MODES`): `add_and_norm` through
     ``fused_norm.add_rms_norm``'s Pallas kernel ("pallas"; "auto": on a GPU where it takes the
@@ -105,20 +119,10 @@ class RMSNorm(nnx.Module):
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
-    def _use_kernel(self, x) -> bool:
-        if self.kernel == "xla":
-            return False
-        why = _norm.supported(x.shape, x.dtype)
-        if self.kernel == "pallas":
-            if why:
-                raise ValueError(f"norm='pallas': {why}")
-            return True
-        return why is None and jax.default_backend() == "gpu"
-
     def add_and_norm(self, x, delta):
         """``(x + delta, self(x + delta))``, or ``(x, self(x))`` when delta is None: the residual
         stream with a sublayer's output added, and its norm (one kernel with "pallas")."""
-        if not self._use_kernel(x):
+        if not _takes_kernel(self.kernel, "norm", lambda: _norm.supported(x.shape, x.dtype)):
             if delta is not None:
                 x = x + delta
             return x, self(x)
@@ -186,17 +190,6 @@ class Attention(nnx.Module):
         self.attention = attention
         self.tp_axis = None   # the mesh axis over kv heads, once placed by shard_model
 
-    def _use_kernel(self, qkv, cache) -> bool:
-        """Whether the single-token kernel takes this step (qkv [B, KVH, G + 2, D] of one token)."""
-        if self.attention == "xla":
-            return False
-        why = _decode.supported_step(qkv.shape, cache.shape, qkv.dtype, cache.dtype)
-        if self.attention == "pallas":
-            if why:
-                raise ValueError(f"attention='pallas': {why}")
-            return True
-        return why is None and jax.default_backend() == "gpu"
-
     def _attend_one(self, qkv, cache_k, cache_v, pos, cos, sin):
         """decode_attention_step on qkv [B, KVH, G + 2, D]; per device over the kv-head axis
         when the model is tensor-parallel (a Pallas kernel has no partitioning rule of its own)."""
@@ -215,7 +208,8 @@ class Attention(nnx.Module):
         g = h // kvh
         positions = pos + jnp.arange(t)
         qkv = self.qkv_proj(x).reshape(b, t, kvh, g + 2, hd)
-        if t == 1 and self._use_kernel(qkv[:, 0], cache_k):
+        if t == 1 and _takes_kernel(self.attention, "attention", lambda: _decode.supported_step(
+                (b, kvh, g + 2, hd), cache_k.shape, qkv.dtype, cache_k.dtype)):
             # One kernel: rotary embedding, the cache writes at pos and the attention.
             cos, sin = rope_tables(positions, hd, self.rope_theta)
             out, cache_k, cache_v = self._attend_one(qkv[:, 0], cache_k, cache_v,
