@@ -121,7 +121,16 @@ def dequantize(w_q: KbitWeight, dtype=jnp.float32) -> jax.Array:
     return _reshape(w, w_q.shape)
 
 
-def matmul(x, w_q: KbitWeight, *, method: str = "auto") -> jax.Array:
+def check_glu(glu, n: int) -> None:
+    """Raise ValueError unless ``glu`` is None or a GLU name that applies to N = ``n``."""
+    if glu is not None and glu not in reference.GLU_ACTIVATIONS:
+        raise ValueError(f"glu must be None or one of {tuple(reference.GLU_ACTIVATIONS)}, got {glu!r}")
+    if glu is not None and n % 2:
+        raise ValueError(f"glu={glu!r} pairs gate and up columns (2j, 2j + 1) and needs an even N, "
+                         f"got the weight's N={n}")
+
+
+def matmul(x, w_q: KbitWeight, *, method: str = "auto", glu: str | None = None) -> jax.Array:
     """``x @ W`` with W dequantized on the fly: ``x[..., K]`` -> ``[..., N]`` in x's dtype.
 
     ``x`` is float32, bfloat16 or float16 and may have any leading shape. For a stacked
@@ -129,10 +138,21 @@ def matmul(x, w_q: KbitWeight, *, method: str = "auto") -> jax.Array:
     ``method``: "auto" (default) uses the fused kernel, except on the GPU for more than
     ``primitives.matmul.FUSED_MAX_M`` (128) rows, or more than 16 when N is not a multiple of
     16, where dequantize + XLA's dense dot is faster; "fused" and "dequantize" force one path.
+
+    ``glu``: "silu" (SwiGLU) or "gelu_tanh" (GeGLU) makes this a gated MLP's first product:
+    W's column 2j is gate feature j, column 2j + 1 up feature j (`interleave_glu` builds such a
+    W), and the result is ``act(y[..., 0::2]) * y[..., 1::2]``, ``[..., N / 2]``, computed by
+    the kernel on its float32 sums before the one rounding to x's dtype (no N-wide
+    intermediate, no separate elementwise kernel). On the GPU, "auto" does this up to
+    ``primitives.matmul.FUSED_GLU_MAX_M`` (1) row and lets XLA gate the kernel's product above
+    (the in-kernel gate sits on each work item's end; measured slower there on large shapes);
+    "fused" keeps it in the kernel at any M. Under sharded ``jit``, shard W's N across devices
+    (column-parallel); a sharded K is summed before the gate.
     """
     _check_weight(w_q)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_glu(glu, w_q.out_features)
     if not hasattr(x, "dtype"):
         raise TypeError(f"x must be an array, got {type(x).__name__}")
     _check_float("x", x)
@@ -147,8 +167,19 @@ def matmul(x, w_q: KbitWeight, *, method: str = "auto") -> jax.Array:
                          f"shape {batch} (x.shape={x.shape})")
     rows = x.shape[len(batch):-1]
     b, m = math.prod(batch), math.prod(rows)
-    y = matmul_p.bind(_reshape(x, (b, m, k)), *_flat_weight(w_q), layout=w_q.layout, method=method)
-    return _reshape(y, (*batch, *rows, n))
+    y = matmul_p.bind(_reshape(x, (b, m, k)), *_flat_weight(w_q), layout=w_q.layout, method=method, glu=glu)
+    return _reshape(y, (*batch, *rows, n // 2 if glu else n))
+
+
+def interleave_glu(gate, up):
+    """One kernel ``[..., K, 2 H]`` from a gated MLP's gate and up kernels (``[..., K, H]``
+    each), in the column order ``matmul(..., glu=...)`` reads: column 2j is gate feature j,
+    column 2j + 1 up feature j. Quantize the result; a column-parallel shard of it holds
+    matching gate and up features."""
+    gate, up = jnp.asarray(gate), jnp.asarray(up)
+    if gate.shape != up.shape or gate.ndim < 2:
+        raise ValueError(f"gate and up must be kernels [..., K, H] of one shape, got {gate.shape} and {up.shape}")
+    return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1])
 
 
 def convert_layout(w_q: KbitWeight, layout: str) -> KbitWeight:

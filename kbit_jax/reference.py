@@ -73,8 +73,29 @@ def dequantize(planes, scales, codebook, tensor_scale, *, layout="fragment", dty
     return _uncells(values).astype(dtype)
 
 
-def matmul(x, planes, scales, codebook, tensor_scale, *, layout="fragment"):
-    """y[..., M, N] = x[..., M, K] @ W, float32 accumulation, rounded to x.dtype."""
+#: Gated linear units `matmul` can apply to its product (cpp/glu.h evaluates the same
+#: functions in float32): "silu" (SwiGLU) and "gelu_tanh" (GeGLU with jax.nn.gelu's default
+#: tanh approximation, 0.5 g (1 + tanh(z)), written as g * sigmoid(2 z), which is the same
+#: function without 1 + tanh(z)'s cancellation at negative z).
+GLU_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda g: g * jax.nn.sigmoid(1.5957691216057308 * (g + 0.044715 * (g * g * g))),
+}
+
+
+def apply_glu(y, kind: str):
+    """``act(y[..., 0::2]) * y[..., 1::2]``: gate column 2j, up column 2j + 1 -> column j.
+    Evaluated in float32, returned in y's dtype."""
+    y32 = y.astype(jnp.float32)
+    return (GLU_ACTIVATIONS[kind](y32[..., 0::2]) * y32[..., 1::2]).astype(y.dtype)
+
+
+def matmul(x, planes, scales, codebook, tensor_scale, *, layout="fragment", glu=None):
+    """y[..., M, N] = x[..., M, K] @ W, float32 accumulation, rounded to x.dtype. With
+    ``glu`` (a `GLU_ACTIVATIONS` name), `apply_glu` of the float32 product (N / 2 columns),
+    rounded once."""
     w = dequantize(planes, scales, codebook, tensor_scale, layout=layout)
     y = jnp.matmul(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    if glu is not None:
+        y = apply_glu(y, glu)
     return y.astype(x.dtype)

@@ -349,12 +349,15 @@ def _replicated_like(sharding):
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def partitioned(kernel: Callable, rule: FactorRule, *, multiple_results: bool):
+def partitioned(kernel: Callable, rule: FactorRule, *, multiple_results: bool,
+                split_at_reduction: tuple[Callable, Callable] | None = None):
     """``custom_partitioning`` wrapper around ``kernel(*operands)`` following ``rule``.
 
     The partition callback reshards operands to one consistent sharding per factor, runs
     ``kernel`` on the local shards and psums the results over the reduction factors' axes
-    (in the result dtype, as XLA does for a dense dot with a sharded contraction).
+    (in the result dtype, as XLA does for a dense dot with a sharded contraction). With
+    ``split_at_reduction = (local, finish)``, a sharded reduction runs ``local`` on the shards
+    and ``finish`` on the sum instead (a result that is a function of the sum, e.g. a GLU).
     """
     from jax.experimental.custom_partitioning import custom_partitioning
 
@@ -397,6 +400,9 @@ def partitioned(kernel: Callable, rule: FactorRule, *, multiple_results: bool):
             # Sharding custom call inside, which XLA's GPU all-reduce cannot match to a
             # reduction kind (compile abort "reduction_kind.has_value()" on the H200).
             with jax.sharding.use_abstract_mesh(_NO_MESH):
+                if red_axes and split_at_reduction is not None:
+                    local, finish = split_at_reduction
+                    return finish(jax.lax.psum(local(*args), red_axes))
                 out = fn(*args)
                 if red_axes:
                     out = jax.tree.map(lambda y: jax.lax.psum(y, red_axes), out)

@@ -46,3 +46,32 @@ def matmul_error_bound(x, w64, out_dtype, weight_dtype):
 
 def cells_codes(w_q):
     return np.asarray(fmt.unpack_codes(w_q.planes, w_q.layout))
+
+
+GLU_KINDS = ("silu", "gelu_tanh")
+
+
+def _act64(g, kind):
+    if kind == "silu":
+        return g / (1 + np.exp(-g))
+    return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+
+
+def glu64(y64, kind):
+    """act(y[..., 0::2]) * y[..., 1::2] in float64 (kbit_jax.reference.apply_glu's maths)."""
+    return _act64(y64[..., 0::2], kind) * y64[..., 1::2]
+
+
+def glu_error_bound(x, w64, out_dtype, weight_dtype, kind):
+    """Worst-case |glu(y) - glu(y_exact)| per output element: the sums' errors e_g, e_u
+    (matmul_error_bound, with a float32 output rounding in place of the final one) through
+    act(g) * u, whose slope in g is at most 1.13 |u| (silu: 1.10, tanh-gelu: 1.13), plus the
+    float32 evaluation of the gate (a few units in the last place) and the rounding to the
+    output dtype."""
+    y64, e = matmul_error_bound(x, w64, jnp.float32, weight_dtype)
+    g, u = y64[..., 0::2], np.abs(y64[..., 1::2])
+    e_g, e_u = e[..., 0::2], e[..., 1::2]
+    out64 = glu64(y64, kind)
+    bound = 1.13 * e_g * (u + e_u) + np.abs(_act64(g, kind)) * e_u
+    bound += (8 * unit_roundoff(jnp.float32) + unit_roundoff(out_dtype)) * np.abs(out64)
+    return out64, 2 * bound + np.finfo(np.float32).tiny

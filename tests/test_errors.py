@@ -84,6 +84,16 @@ def test_matmul_bad_inputs(q):
         kj.matmul(jnp.ones((64,)), stacked)
 
 
+def test_matmul_bad_glu(q):
+    with pytest.raises(ValueError, match=r"glu must be None or one of \('silu', 'gelu_tanh'\), got 'relu'"):
+        kj.matmul(jnp.ones((2, 64)), q, glu="relu")
+    odd = kj.quantize(jnp.ones((64, 7)), 4)
+    with pytest.raises(ValueError, match="needs an even N, got the weight's N=7"):
+        kj.matmul(jnp.ones((2, 64)), odd, glu="silu")
+    with pytest.raises(ValueError, match="of one shape"):
+        kj.interleave_glu(jnp.ones((64, 8)), jnp.ones((64, 4)))
+
+
 def test_malformed_weights(q):
     bad = kj.KbitWeight(q.planes, q.scales[:1], q.codebook, q.tensor_scale, layout=q.layout)
     with pytest.raises(ValueError, match="w_q.scales must be uint8"):
@@ -113,6 +123,19 @@ def test_ffi_handler_errors_reach_python_without_crashing():
     with pytest.raises(Exception, match="layout"):
         jax.block_until_ready(call(jnp.ones((1, 64, 4)), jnp.zeros((1, 16)), jnp.ones((1,)),
                                    layout=np.int32(7)))
+    # kbit_matmul's glu attribute: an unknown kind, an odd N, a result of the ungated width
+    q = kj.quantize(jnp.ones((64, 6)), 4)
+    weight = (q.planes[None], q.scales[None], q.codebook[None], q.tensor_scale[None])
+    x = jnp.ones((1, 2, 64))
+    for glu, n_out, match in [(3, 3, "attribute glu must be 0"), (1, 6, r"y \(result\) must have shape \[B, M, N/2\]")]:
+        matmul = jax.ffi.ffi_call("kbit_matmul", jax.ShapeDtypeStruct((1, 2, n_out), jnp.float32))
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(matmul(x, *weight, layout=np.int32(1), glu=np.int32(glu)))
+    odd = kj.quantize(jnp.ones((64, 5)), 4)
+    matmul = jax.ffi.ffi_call("kbit_matmul", jax.ShapeDtypeStruct((1, 2, 2), jnp.float32))
+    with pytest.raises(Exception, match="needs an even N, got N=5"):
+        jax.block_until_ready(matmul(x, odd.planes[None], odd.scales[None], odd.codebook[None],
+                                     odd.tensor_scale[None], layout=np.int32(1), glu=np.int32(1)))
 
 
 def test_interop_errors(q):

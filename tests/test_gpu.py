@@ -1,6 +1,7 @@
 """GPU-only checks (marked `gpu`, skipped without one): the fused matmul over the M sweep,
 determinism, and XLA command buffers (CUDA graphs) on and off."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 import kbit_jax as kj
-from helpers import BITS, dense64, matmul_error_bound, random_weight
+from kbit_jax.primitives.matmul import FUSED_GLU_MAX_M
+from helpers import BITS, GLU_KINDS, dense64, glu_error_bound, matmul_error_bound, random_weight
 
 pytestmark = pytest.mark.gpu
 
@@ -57,6 +59,37 @@ def test_matmul_nsplit_tiling(bits, dtype, rng):
         err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
         assert np.all(err <= bound), f"M={m}: max err/bound = {np.max(err / bound)}"
         assert np.array_equal(np.asarray(y), np.asarray(f(jax.device_put(x, gpu), q)))
+
+
+@pytest.mark.parametrize("glu", GLU_KINDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("bits", [4, 5])
+def test_matmul_glu_every_path(bits, dtype, glu, rng):
+    """The GLU epilogue of every kernel path: K 544 x N 200 (ragged tiles: the cp.async kernel
+    above 16 rows), N 256 (the warp-specialized kernel up to 128 rows), K 4096 x N 512 (k-split
+    clusters at small M), K 256 x N 8192 (the N-split tiling's per-warp cluster reduction at
+    M = 17..128), float32 (the generic kernel), and XLA's gate after the kernel or after
+    dequantize + dot. x is scaled by 4 / sqrt(K) so that gate * up stays far inside float16's
+    range at every K."""
+    gpu = jax.devices("gpu")[0]
+    f = jax.jit(functools.partial(kj.matmul, glu=glu))
+
+    fused = jax.jit(functools.partial(kj.matmul, glu=glu, method="fused"))   # the gate in the kernel at any M
+    for k, n, ms in [(544, 200, (0, 1, 2, 5, 16, 17, 100, 511)), (544, 256, (1, 5, 16, 33, 128, 4096)),
+                     (4096, 512, (1, 5, 16, 64)), (256, 8192, (17, 64, 100))]:
+        q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
+        w64 = dense64(q)
+        for m in ms:
+            x = jnp.asarray(rng.standard_normal((m, k)) * (4 / np.sqrt(k)), dtype)
+            y = f(jax.device_put(x, gpu), q)
+            assert y.shape == (m, n // 2) and y.dtype == dtype
+            y64, bound = glu_error_bound(x, w64, dtype, dtype, glu)
+            err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
+            assert np.all(err <= bound), f"K={k} N={n} M={m}: max err/bound = {np.max(err / bound)}"
+            if FUSED_GLU_MAX_M < m <= 128 and dtype != jnp.float32:   # auto let XLA gate
+                y = fused(jax.device_put(x, gpu), q)
+                err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
+                assert np.all(err <= bound), f"in kernel, K={k} N={n} M={m}: max err/bound = {np.max(err / bound)}"
 
 
 def test_matmul_deterministic(rng):

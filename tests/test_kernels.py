@@ -12,7 +12,8 @@ import pytest
 
 import kbit_jax as kj
 from kbit_jax import codebooks, reference
-from helpers import BITS, DTYPES, LAYOUTS, dense64, matmul_error_bound, random_weight
+from helpers import (BITS, DTYPES, GLU_KINDS, LAYOUTS, dense64, glu_error_bound, matmul_error_bound,
+                     random_weight)
 
 SHAPES = [(32, 1), (32, 129), (96, 17), (256, 64), (64, 300)]
 
@@ -128,6 +129,23 @@ def test_matmul_within_derived_bound(device, m, bits, dtype, rng):
     assert np.all(err <= bound), f"max err/bound = {np.max(err / bound)}"
 
 
+@pytest.mark.parametrize("glu", GLU_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("bits", [2, 4, 5])
+def test_matmul_glu_within_derived_bound(device, bits, dtype, glu, rng):
+    """act(gate) * up of each column pair, N = 74 (37 pairs, a ragged last tile), M = 0, 1, 5."""
+    k, n = 256, 74
+    q = kj.quantize(on(device, random_weight(rng, (k, n)))[0], bits)
+    w64 = dense64(q)
+    for m in (0, 1, 5):
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        y = kj.matmul(on(device, x)[0], q, glu=glu)
+        assert y.shape == (m, n // 2) and y.dtype == dtype
+        y64, bound = glu_error_bound(x, w64, dtype, dtype, glu)
+        err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
+        assert np.all(err <= bound), f"M={m}: max err/bound = {np.max(err / bound)}"
+
+
 def test_matmul_batched_leading_shapes_and_planes_layout(device, rng):
     w = random_weight(rng, (4, 64, 24))
     x = jnp.asarray(rng.standard_normal((4, 2, 3, 64)), jnp.float32)
@@ -137,6 +155,10 @@ def test_matmul_batched_leading_shapes_and_planes_layout(device, rng):
         y = kj.matmul(x_dev, q)
         assert y.shape == (4, 2, 3, 24)
         y64, bound = matmul_error_bound(x, dense64(q)[:, None], jnp.float32, jnp.float32)
+        assert np.all(np.abs(np.asarray(y, np.float64) - y64) <= bound)
+        y = kj.matmul(x_dev, q, glu="silu")
+        assert y.shape == (4, 2, 3, 12)
+        y64, bound = glu_error_bound(x, dense64(q)[:, None], jnp.float32, jnp.float32, "silu")
         assert np.all(np.abs(np.asarray(y, np.float64) - y64) <= bound)
 
 

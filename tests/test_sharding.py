@@ -125,6 +125,24 @@ def test_row_parallel(weights, axis_type, x_spec, rng):
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_glu_column_and_row_parallel(weights, axis_type, rng):
+    """A GLU product: column-parallel gives each device whole gate/up pairs and needs no
+    collective (output sharded on N / 2); with K sharded the shards' sums are all-reduced once
+    and gated after."""
+    wq = weights[(256, 512)]
+    mesh = mesh_1d(axis_type)
+    x = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
+    gated = lambda x, w: kj.matmul(x, w, glu="silu")  # noqa: E731
+    y, coll = run(mesh, gated, put(x, mesh, P()), ks.column_parallel(wq, mesh))
+    assert y.shape == (16, 256) and y.sharding.spec == P(None, "tp")
+    assert_close(y, gated(x, wq))
+    assert coll == NONE, coll
+    y, coll = run(mesh, gated, put(x, mesh, P(None, "tp")), ks.row_parallel(wq, mesh))
+    assert_close(y, gated(x, wq), rtol=1e-4)
+    assert coll == ONE_ALL_REDUCE, coll
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_2d_mesh_data_and_tensor_parallel(weights, axis_type, rng):
     """dp x tp: column-parallel then row-parallel (an MLP): one all-reduce in total."""
     w1, w2 = weights[(256, 512)], weights[(512, 256)]

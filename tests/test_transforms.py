@@ -9,7 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import kbit_jax as kj
-from helpers import dense64, matmul_error_bound, random_weight
+from kbit_jax import reference as kbit_reference
+from helpers import GLU_KINDS, dense64, glu64, matmul_error_bound, random_weight
 
 
 @pytest.fixture
@@ -84,6 +85,35 @@ def test_grad_wrt_x(layer, rng):
     close(g, expected, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("glu", GLU_KINDS)
+def test_glu_under_jit_vmap_and_grad(layer, glu, rng):
+    """matmul(glu=...) is act(y[..., 0::2]) * y[..., 1::2] of the product under jit, vmap (x
+    and stacked weights), and grad w.r.t. x (through the plain product: the GLU is not linear)."""
+    w = dense64(layer)
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+    close(jax.jit(functools.partial(kj.matmul, glu=glu))(x, layer), glu64(np.asarray(x, np.float64) @ w, glu),
+          rtol=1e-4, atol=1e-4)
+    qs = kj.quantize(random_weight(rng, (2, 64, 16)), 3)
+    xs = jnp.asarray(rng.standard_normal((2, 5, 64)), jnp.float32)
+    y = jax.vmap(functools.partial(kj.matmul, glu=glu))(xs, qs)
+    assert y.shape == (2, 5, 8)
+    close(y, glu64(np.einsum("bmk,bkn->bmn", np.asarray(xs, np.float64), dense64(qs)), glu), rtol=1e-4, atol=1e-4)
+    close(jax.vmap(functools.partial(kj.matmul, glu=glu), in_axes=(0, None))(xs, qs[0]),
+          glu64(np.asarray(xs, np.float64) @ dense64(qs)[0], glu), rtol=1e-4, atol=1e-4)
+
+    def loss(x, f):
+        return jnp.sum(f(x) ** 2)
+
+    w32 = jnp.asarray(w, jnp.float32)
+    g = jax.grad(loss)(x, lambda x: kj.matmul(x, layer, glu=glu))
+    expected = jax.grad(loss)(x, lambda x: kbit_reference.apply_glu(
+        jnp.matmul(x, w32, precision=jax.lax.Precision.HIGHEST), glu))
+    # (float32 sums of terms up to ~|g|max with cancellation: a tolerance on that scale)
+    close(g, expected, rtol=1e-4, atol=1e-5 * float(jnp.abs(expected).max()))
+    _, vjp = jax.vjp(lambda x: kj.matmul(x, layer, glu=glu), x)
+    assert vjp(jnp.ones((3, 24), jnp.float32))[0].shape == x.shape
+
+
 def test_pmap_over_stacked_weights(rng):
     n = jax.local_device_count()
     assert n == 8, "conftest sets 8 simulated CPU devices"
@@ -131,6 +161,16 @@ def _check_shard_map(mesh, x, layer):
 
     close(summed(x, layer), kj.matmul(x, layer).sum(0), rtol=1e-4, atol=1e-3)
 
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"),
+                       check_vma=True)
+    def gated(x, w):
+        return kj.matmul(x, w, glu="silu")
+
+    close(gated(x, layer), kj.matmul(x, layer, glu="silu"))
+    g_ref = jax.grad(lambda x: jnp.sum(kj.matmul(x, layer, glu="silu") ** 2))(x)
+    close(jax.grad(lambda x: jnp.sum(gated(x, layer) ** 2))(x), g_ref, rtol=1e-4,
+          atol=1e-5 * float(jnp.abs(g_ref).max()))
+
 
 def test_jit_under_eval_shape_and_dtypes(layer):
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
@@ -160,3 +200,24 @@ def test_cuda_lowering_dispatch(m, n, dtype, layout, method, fused):
     text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert ("@kbit_matmul" in text or '"kbit_matmul"' in text) == fused
     assert ("kbit_dequantize" in text) == (not fused)
+
+
+def test_cuda_lowering_glu():
+    """The fused kernel gets the glu attribute; dequantize + dense dot gates in XLA."""
+    if not kj.build_info()["cuda_module"]:
+        pytest.skip("the CUDA module is not built")
+    from kbit_jax.primitives.matmul import FUSED_GLU_MAX_M
+    w = kj.quantize(jnp.ones((256, 64)), 4)
+    f = jax.jit(lambda x, w: kj.matmul(x, w, glu="gelu_tanh"))
+    # (rows, dtype) -> the kernel gates / the fused kernel runs without a GLU, XLA gates / dequantize + dot
+    for m, dtype, where in ((1, jnp.bfloat16, "kernel"), (FUSED_GLU_MAX_M, jnp.float16, "kernel"),
+                            (FUSED_GLU_MAX_M + 1, jnp.bfloat16, "xla after kernel"),
+                            (64, jnp.float32, "kernel"),       # the float32 kernel gates at any M
+                            (129, jnp.bfloat16, "xla after dequantize")):
+        text = f.trace(jnp.ones((m, 256), dtype), w).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("glu = 2" in text) == (where == "kernel"), (m, where)
+        assert ("glu = 0" in text) == (where == "xla after kernel"), (m, where)
+        assert ("kbit_dequantize" in text) == (where == "xla after dequantize"), (m, where)
+        assert ("exponential" in text) == where.startswith("xla"), (m, where)
+    forced = jax.jit(lambda x, w: kj.matmul(x, w, glu="gelu_tanh", method="fused"))
+    assert "glu = 2" in forced.trace(jnp.ones((64, 256), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()

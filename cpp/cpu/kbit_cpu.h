@@ -48,7 +48,9 @@ void quantize(const void* w, FloatType w_type, const float* codebook, const floa
 void dequantize(const PackedWeight& w, FloatType out_type, void* out);
 
 // y[b, m, n] = sum_k x[b, m, k] * dequantize(w)[b, k, n], float32 accumulation, rounded (RNE)
-// to x_type. Fused: W is dequantized a tile at a time, never materialized.
-void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, void* y);
+// to x_type. Fused: W is dequantized a tile at a time, never materialized. With `glu` (glu.h)
+// other than kGluNone, y[b, m, j] = act(sum for n = 2j) * (sum for n = 2j + 1), N / 2 columns.
+void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, int32_t glu,
+            void* y);
 
 }  // namespace kbit::cpu

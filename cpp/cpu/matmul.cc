@@ -13,6 +13,7 @@
 #include "cpu/float_convert.h"
 #include "cpu/kbit_cpu.h"
 #include "cpu/parallel.h"
+#include "glu.h"
 
 namespace kbit::cpu {
 namespace {
@@ -100,14 +101,29 @@ KBIT_VECTOR_CLONES void accumulate_1_row(const float* x, const float* panel, int
 #endif
 }
 
-// x: float32 [B, M, K]; computes y[batch, :, n_begin:n_end].
+// One row of a tile's sums (width columns from n0) into y, whose rows have y_cols columns: as
+// they are, or (glu) act(gate) * up per column pair, at column n0 / 2 (n0 and width are even).
+inline void store_row(const float* sums, int64_t width, int32_t glu, FloatType y_type, void* y,
+                      int64_t row, int64_t y_cols, int64_t n0) {
+  if (glu == kGluNone) {
+    store_floats(sums, width, y_type, y, row * y_cols + n0);
+    return;
+  }
+  const GluLogit logit(glu);
+  float gated[kTileN / 2];
+  for (int64_t j = 0; j < width / 2; ++j) gated[j] = glu_apply(logit, sums[2 * j], sums[2 * j + 1]);
+  store_floats(gated, width / 2, y_type, y, row * y_cols + n0 / 2);
+}
+
+// x: float32 [B, M, K]; computes y[batch, :, n_begin:n_end] (or, with glu, its column pairs).
 template <int kBits, Layout kLayout>
-void matmul_columns(const float* x, int64_t m, const PackedWeight& w, FloatType y_type, void* y,
-                    int64_t batch, int64_t n_begin, int64_t n_end) {
+void matmul_columns(const float* x, int64_t m, const PackedWeight& w, int32_t glu,
+                    FloatType y_type, void* y, int64_t batch, int64_t n_begin, int64_t n_end) {
   const WeightShape& s = w.shape;
   const int64_t blocks = s.k / kBlockSize;
   const float* codebook = w.codebook + batch * (int64_t(1) << kBits);
   const float tensor_scale = w.tensor_scale[batch];
+  const int64_t y_cols = glu == kGluNone ? s.n : s.n / 2;
   // Panel columns past a ragged tile's width are never stored; zeroing them once keeps the
   // arithmetic on them finite and defined.
   alignas(64) float panel[kChunkRows][kTileN] = {};
@@ -141,14 +157,15 @@ void matmul_columns(const float* x, int64_t m, const PackedWeight& w, FloatType 
         for (; r < tile_rows; ++r) accumulate_1_row(x_chunk + r * s.k, &panel[0][0], rows, acc[r]);
       }
       for (int64_t r = 0; r < tile_rows; ++r)
-        store_floats(acc[r], width, y_type, y, (batch * m + m0 + r) * s.n + n0);
+        store_row(acc[r], width, glu, y_type, y, batch * m + m0 + r, y_cols, n0);
     }
   }
 }
 
 }  // namespace
 
-void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, void* y) {
+void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, int32_t glu,
+            void* y) {
   const WeightShape& s = w.shape;
   if (m == 0 || s.n == 0 || s.batch == 0) return;
   // Converting x once up front lets every thread read float32 rows.
@@ -165,8 +182,8 @@ void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, v
   parallel_ranges(s.n, kTileN, threads, [&](int64_t n_begin, int64_t n_end) {
     dispatch_format(s.bits, s.layout, [&](auto bits, auto layout) {
       for (int64_t b = 0; b < s.batch; ++b)
-        matmul_columns<decltype(bits)::value, decltype(layout)::value>(x_f32, m, w, x_type, y, b,
-                                                                      n_begin, n_end);
+        matmul_columns<decltype(bits)::value, decltype(layout)::value>(x_f32, m, w, glu, x_type,
+                                                                      y, b, n_begin, n_end);
     });
   });
 }

@@ -46,9 +46,10 @@ struct MatmulArgs {
   const uint8_t* scales = nullptr;
   const float* codebook = nullptr;
   const float* tensor_scale = nullptr;
-  void* y = nullptr;  // [B, M, N] of dtype
+  void* y = nullptr;  // [B, M, N] of dtype ([B, M, N / 2] with glu)
   int64_t batch = 0, m = 0, k = 0, n = 0;
   int bits = 0, layout = 0;
+  int glu = 0;  // kbit::Glu (glu.h): 0, or act(column 2j) * column 2j + 1 into column j
 };
 
 // Knobs for benchmarks and tests; the defaults (0) mean "let the launcher decide".

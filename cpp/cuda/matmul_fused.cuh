@@ -228,6 +228,7 @@
 #include "cuda/item_reduce.cuh"
 #include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
+#include "glu.h"
 
 namespace kbit::cuda::fused {
 
@@ -500,6 +501,7 @@ struct Params {
   int64_t scale_bytes;              // B * KB * N, the end of the scales buffer
   int inputs_ready;                 // 1: a plain launch (not a programmatic dependent one), so
                                     // every input is visible at entry (warp-specialized kernel)
+  int glu;                          // kbit::Glu: y gets act(column 2j) * column 2j + 1 (store_item)
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline;     // timeline.cuh: per-CTA milestone clocks, or null
 #endif
@@ -666,9 +668,48 @@ struct ItemWalk {
 // Scale one item's sums by the tensor scale ts, round to T and store them; v[e] of lane (g, t)
 // holds row m0 + 8 mt + 2t + (e & 1) of column col0 + 16 j + g + 8 ((e >> 1) & 1), with
 // e = 4 (j MT + mt) + (e & 3), as the mma accumulator layout of the swapped product puts it.
+// Called by all 32 lanes of a warp.
+//
+// With p.glu, column n + 1 of an even column n sits in lane (g + 1, t), i.e. lane ^ 4 (col0 and
+// 16 j are even), so one shuffle per sum pairs gate and up, and the even lane stores act(gate) *
+// up at column n / 2 of the N / 2. This runs on the warp that ends the item, which holds its ring
+// stages meanwhile (harness timeline, Llama-3-70B gate/up at TP 2, K = 4, M = 1: the first item's
+// end 1.44 us without a GLU), so it is kept short:
+//  * the sums of one row pair (mt, r) form a group, skipped as a whole where both of its rows lie
+//    past M (warp-uniform: lane t = 0 holds the lowest): at M = 1 that is 3 of 4 sums;
+//  * a group's 2 TN chains (shuffle, MUFU.EX2, MUFU.RCP: ~150 cycles) run side by side, all lanes
+//    alike (odd lanes' results are dropped), and the stores follow. Written as one loop with the
+//    predicated store inside, ptxas ran the chains one after another behind a branch per store:
+//    43.2 -> 47.4 us for that gate/up.
 template <int MT, class T, int NACC>
 __device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, int g, int t, const float (&v)[NACC],
                                            float ts) {
+  if (p.glu != kGluNone) {
+    constexpr int TN = NACC / (4 * MT), kGroup = 2 * TN;
+    const int half_n = p.N / 2;
+    const GluLogit logit(p.glu);
+    T* yg = static_cast<T*>(p.y) + int64_t(cur.b) * p.M * half_n;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (cur.m0 + 8 * mt + r >= p.M) continue;  // no lane holds a row of this group
+        float gate[kGroup], up[kGroup];            // i = 2 j + h: column 16 j + g + 8 h
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) gate[i] = v[4 * ((i >> 1) * MT + mt) + 2 * (i & 1) + r] * ts;
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) up[i] = __shfl_xor_sync(0xffffffffu, gate[i], 4);
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) gate[i] = glu_apply_fast(logit, gate[i], up[i]);
+        const int64_t m = cur.m0 + 8 * mt + 2 * t + r;
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) {
+          const int n = cur.col0 + 16 * (i >> 1) + g + 8 * (i & 1);
+          if ((g & 1) == 0 && m < p.M && n < p.N) yg[m * half_n + (n >> 1)] = from_f32<T>(gate[i]);
+        }
+      }
+    return;
+  }
   T* yg = static_cast<T*>(p.y) + int64_t(cur.b) * p.M * p.N;
 #pragma unroll
   for (int e = 0; e < NACC; ++e) {
@@ -1585,7 +1626,7 @@ struct Launcher {
   static std::string shape(const MatmulArgs& a) {
     return "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" + std::to_string(a.k) +
            " N=" + std::to_string(a.n) + " bits=" + std::to_string(BITS) + " dtype=" + Act::kName +
-           " MT=" + std::to_string(MT) + " V=" + std::to_string(V);
+           " MT=" + std::to_string(MT) + " V=" + std::to_string(V) + " glu=" + std::to_string(a.glu);
   }
 
   // How a launch covers the problem: shared memory, cluster size (k-split) and clusters, and the
@@ -1759,6 +1800,7 @@ struct Launcher {
     // (the cp.async kernel does not keep dependent_launch.cuh's contract: plain launches)
     const bool dependent = WS && dependent_launch_enabled(stream);
     prm.inputs_ready = dependent ? 0 : 1;
+    prm.glu = a.glu;
 #ifdef KBIT_TIMELINE
     prm.timeline = tuning ? tuning->timeline : nullptr;
 #endif

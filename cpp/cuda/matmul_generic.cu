@@ -7,9 +7,11 @@
 // block row kb: the CTA stages x[8 rows][32] in shared memory (as float), each thread loads its
 // cell, dequantizes the 32 elements exactly as kbit_dequantize does before rounding
 // (codebook[code] * scale, in float32) and accumulates x * w into float32; tensor_scale is
-// applied once at the end, and the sum is rounded to the activation dtype.
+// applied once at the end, and the sum is rounded to the activation dtype (with glu, after the
+// gate of each column pair: the even thread of a pair gets its neighbour's sum by a shuffle).
 #include "cuda/codes.cuh"
 #include "cuda/common.cuh"
+#include "glu.h"
 
 namespace kbit::cuda {
 
@@ -23,7 +25,7 @@ __global__ void __launch_bounds__(kGenericThreads)
     matmul_generic_kernel(const T* __restrict__ x, const uint32_t* __restrict__ planes,
                           const uint8_t* __restrict__ scales, const float* __restrict__ codebook,
                           const float* __restrict__ tensor_scale, T* __restrict__ y, int64_t M,
-                          int64_t KB, int64_t N) {
+                          int64_t KB, int64_t N, int glu) {
   constexpr int C = 1 << BITS;
   __shared__ float xs[kGenericRows][32];
   __shared__ float cb[C];
@@ -58,11 +60,23 @@ __global__ void __launch_bounds__(kGenericThreads)
       }
     }
   }
-  if (n >= N) return;
   const float ts = tensor_scale[b];
+  if (glu == kGluNone) {
+    if (n >= N) return;
 #pragma unroll
-  for (int r = 0; r < kGenericRows; ++r)
-    if (m0 + r < M) y[(b * M + m0 + r) * N + n] = from_f32<T>(acc[r] * ts);
+    for (int r = 0; r < kGenericRows; ++r)
+      if (m0 + r < M) y[(b * M + m0 + r) * N + n] = from_f32<T>(acc[r] * ts);
+    return;
+  }
+  // Column pairs (2j, 2j + 1) lie in neighbouring lanes of one warp (N even, warps start at
+  // multiples of 32 columns), both in range or both out; every lane takes part in the shuffle.
+  const GluLogit logit(glu);
+#pragma unroll
+  for (int r = 0; r < kGenericRows; ++r) {
+    const float v = acc[r] * ts, up = __shfl_xor_sync(0xffffffffu, v, 1);
+    if ((n & 1) == 0 && n < N && m0 + r < M)
+      y[(b * M + m0 + r) * (N / 2) + n / 2] = from_f32<T>(glu_apply(logit, v, up));
+  }
 }
 
 std::string launch_matmul_generic(const MatmulArgs& a, cudaStream_t stream) {
@@ -70,7 +84,8 @@ std::string launch_matmul_generic(const MatmulArgs& a, cudaStream_t stream) {
   const std::string shape = "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) +
                             " K=" + std::to_string(a.k) + " N=" + std::to_string(a.n) +
                             " bits=" + std::to_string(a.bits) + " layout=" +
-                            std::to_string(a.layout) + " dtype=" + dtype_name(a.dtype);
+                            std::to_string(a.layout) + " dtype=" + dtype_name(a.dtype) +
+                            " glu=" + std::to_string(a.glu);
   const int64_t mblocks = (a.m + kGenericRows - 1) / kGenericRows;
   if (mblocks > 65535 || a.batch > 65535)
     return "kbit_matmul_generic_kernel: grid too large (ceil(M/8) and B must be <= 65535) for " + shape;
@@ -81,7 +96,7 @@ std::string launch_matmul_generic(const MatmulArgs& a, cudaStream_t stream) {
       return KBIT_DTYPE_SWITCH(a.dtype, T, [&] {
         matmul_generic_kernel<BITS, LAYOUT, T><<<grid, kGenericThreads, 0, stream>>>(
             static_cast<const T*>(a.x), a.planes, a.scales, a.codebook, a.tensor_scale,
-            static_cast<T*>(a.y), a.m, KB, a.n);
+            static_cast<T*>(a.y), a.m, KB, a.n, a.glu);
         return check_launch("kbit_matmul_generic_kernel", shape);
       });
     });

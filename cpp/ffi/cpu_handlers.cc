@@ -78,13 +78,14 @@ ffi::Error dequantize_impl(ffi::AnyBuffer planes, ffi::AnyBuffer scales, ffi::An
 
 ffi::Error matmul_impl(ffi::AnyBuffer x, ffi::AnyBuffer planes, ffi::AnyBuffer scales,
                        ffi::AnyBuffer codebook, ffi::AnyBuffer tensor_scale,
-                       ffi::Result<ffi::AnyBuffer> y, int32_t layout) {
+                       ffi::Result<ffi::AnyBuffer> y, int32_t layout, int32_t glu) {
   Problem p;
-  KBIT_RETURN_IF_ERROR(
-      kbit::ffi_check::check_matmul(x, planes, scales, codebook, tensor_scale, *y, layout, p));
+  KBIT_RETURN_IF_ERROR(kbit::ffi_check::check_matmul(x, planes, scales, codebook, tensor_scale,
+                                                     *y, layout, glu, p));
   return run_kernel("kbit_matmul", [&] {
     kbit::cpu::matmul(x.untyped_data(), float_type(p.dtype), p.m,
-                      packed_weight(planes, scales, codebook, tensor_scale, p), y->untyped_data());
+                      packed_weight(planes, scales, codebook, tensor_scale, p), p.glu,
+                      y->untyped_data());
   });
 }
 
@@ -118,4 +119,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KbitMatmulCpu, matmul_impl,
                                   .Arg<ffi::AnyBuffer>()  // codebook
                                   .Arg<ffi::AnyBuffer>()  // tensor_scale
                                   .Ret<ffi::AnyBuffer>()  // y
-                                  .Attr<int32_t>("layout"));
+                                  .Attr<int32_t>("layout")
+                                  .Attr<int32_t>("glu"));

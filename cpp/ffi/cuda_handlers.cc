@@ -73,11 +73,11 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer planes, ffi::AnyBu
 // ---- kbit_matmul ----
 ffi::Error MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer planes,
                       ffi::AnyBuffer scales, ffi::AnyBuffer codebook, ffi::AnyBuffer tensor_scale,
-                      ffi::Result<ffi::AnyBuffer> y, int32_t layout) {
+                      ffi::Result<ffi::AnyBuffer> y, int32_t layout, int32_t glu) {
   constexpr const char* kT = "kbit_matmul";
   Problem p;
-  KBIT_RETURN_IF_ERROR(
-      kbit::ffi_check::check_matmul(x, planes, scales, codebook, tensor_scale, *y, layout, p));
+  KBIT_RETURN_IF_ERROR(kbit::ffi_check::check_matmul(x, planes, scales, codebook, tensor_scale,
+                                                     *y, layout, glu, p));
   if (p.n > 0x7fffffff / 8 || p.k > 0x7fffffff)  // the kernels index columns and k in 32 bits
     return kbit::ffi_check::invalid(kT, "the CUDA path needs N < 2^28 and K < 2^31, got K=" +
                                             std::to_string(p.k) + " N=" + std::to_string(p.n));
@@ -95,6 +95,7 @@ ffi::Error MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer plan
   a.n = p.n;
   a.bits = p.bits;
   a.layout = p.layout;
+  a.glu = p.glu;
   return launch_result(kbit::cuda::launch_matmul(a, stream));
 }
 
@@ -131,5 +132,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KbitMatmulCuda, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()  // codebook
                                   .Arg<ffi::AnyBuffer>()  // tensor_scale
                                   .Ret<ffi::AnyBuffer>()  // y
-                                  .Attr<int32_t>("layout"),
+                                  .Attr<int32_t>("layout")
+                                  .Attr<int32_t>("glu"),
                               {ffi::Traits::kCmdBufferCompatible});

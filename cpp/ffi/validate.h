@@ -9,6 +9,7 @@
 #include <string>
 
 #include "format.h"
+#include "glu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace kbit::ffi_check {
@@ -29,8 +30,9 @@ KernelFloat to_kernel_float(Float dtype) {
 
 // What a call's operands say, once they are known to be consistent.
 struct Problem {
-  int64_t batch = 0, m = 0, k = 0, n = 0;  // m only for matmul
+  int64_t batch = 0, m = 0, k = 0, n = 0;  // m only for matmul; n is the weight's N
   int bits = 0;
+  int32_t glu = kGluNone;  // matmul only (glu.h): y has N / 2 columns when set
   Layout layout = kPlanes;
   Float dtype = Float::kF32;  // w (quantize), the result (dequantize) or x and y (matmul)
 };
@@ -168,13 +170,21 @@ inline ffi::Error check_dequantize(const ffi::AnyBuffer& planes, const ffi::AnyB
   return check_shape(kTarget, "w (result)", w, "[B, K, N]", {p.batch, p.k, p.n});
 }
 
-// kbit_matmul(x [B, M, K], planes, scales, codebook, tensor_scale) -> y [B, M, N], x's dtype.
+// kbit_matmul(x [B, M, K], planes, scales, codebook, tensor_scale) -> y [B, M, N], x's dtype;
+// with the glu attribute set, y [B, M, N / 2] (N even).
 inline ffi::Error check_matmul(const ffi::AnyBuffer& x, const ffi::AnyBuffer& planes,
                                const ffi::AnyBuffer& scales, const ffi::AnyBuffer& codebook,
                                const ffi::AnyBuffer& tensor_scale, const ffi::AnyBuffer& y,
-                               int32_t layout, Problem& p) {
+                               int32_t layout, int32_t glu, Problem& p) {
   constexpr const char* kTarget = "kbit_matmul";
   KBIT_RETURN_IF_ERROR(check_weight(kTarget, planes, scales, codebook, tensor_scale, layout, p));
+  if (glu < kGluNone || glu > kGluLast)
+    return invalid(kTarget, "attribute glu must be 0 (none), 1 (silu) or 2 (gelu_tanh), got " +
+                                std::to_string(glu));
+  if (glu != kGluNone && p.n % 2 != 0)
+    return invalid(kTarget, "attribute glu pairs gate and up columns and needs an even N, got N=" +
+                                std::to_string(p.n));
+  p.glu = glu;
   KBIT_RETURN_IF_ERROR(check_float(kTarget, "x", x, p.dtype));
   KBIT_RETURN_IF_ERROR(check_rank(kTarget, "x", x, "[B, M, K]", 3));
   p.m = x.dimensions()[1];
@@ -183,6 +193,8 @@ inline ffi::Error check_matmul(const ffi::AnyBuffer& x, const ffi::AnyBuffer& pl
   if (y.element_type() != x.element_type())
     return invalid(kTarget, "y (result) must have x's dtype " + dtype_string(x.element_type()) +
                                 ", got " + dtype_string(y.element_type()));
+  if (glu != kGluNone)
+    return check_shape(kTarget, "y (result)", y, "[B, M, N/2]", {p.batch, p.m, p.n / 2});
   return check_shape(kTarget, "y (result)", y, "[B, M, N]", {p.batch, p.m, p.n});
 }
 

@@ -41,23 +41,28 @@ def out_aval(shape, dtype, avals_in: Sequence) -> jax.core.ShapedArray:
 
 def define(prim: jax.extend.core.Primitive, *, abstract_eval: Callable, reference: Callable,
            ffi_attrs: Callable[..., dict], batcher: Callable | None = None,
-           cuda_lowering: Callable | None = None, rule=None) -> jax.extend.core.Primitive:
+           cuda_lowering: Callable | None = None, rule=None,
+           split_at_reduction: Callable | None = None) -> jax.extend.core.Primitive:
     """Give `prim` its rules. Eager calls compile the primitive alone with XLA; lowering:
     cpu -> the C++ FFI target named like the primitive, cuda -> the CUDA target (or
     `cuda_lowering`), any platform without a kernel -> `reference` traced to HLO. The default
     batcher folds vmapped axes into the leading batch axis.
 
-    With a `kbit_jax.sharding.FactorRule` ``rule``, those platform lowerings go to a twin
-    *kernel* primitive (``<name>_kernel``, returned) and `prim` (which keeps the abstract
-    eval, batching and AD rules) lowers through ``custom_partitioning`` so that XLA
-    partitions it without gathering operands; the rule also gives results their sharding
-    type under Explicit mesh axes. See `kbit_jax.sharding`."""
+    With a `kbit_jax.sharding.FactorRule` ``rule`` (or a function of the primitive's params
+    returning one), those platform lowerings go to a twin *kernel* primitive
+    (``<name>_kernel``, returned) and `prim` (which keeps the abstract eval, batching and AD
+    rules) lowers through ``custom_partitioning`` so that XLA partitions it without gathering
+    operands; the rule also gives results their sharding type under Explicit mesh axes. See
+    `kbit_jax.sharding`. ``split_at_reduction(**params)`` may return ``(params', finish)`` for
+    a result that is not a sum over a sharded reduction factor's shards: the shards then run
+    the kernel with ``params'``, and ``finish`` follows the psum."""
     from jax._src import dispatch  # apply_primitive: the standard eager impl of a primitive
 
     target = prim.name
     prim.def_impl(lambda *args, **params: dispatch.apply_primitive(prim, *args, **params))
+    rule_for = rule if callable(rule) else (lambda **params: rule)
     prim.def_abstract_eval(abstract_eval if rule is None
-                           else _with_sharding_types(abstract_eval, rule, prim.multiple_results))
+                           else _with_sharding_types(abstract_eval, rule_for, prim.multiple_results))
     batching.primitive_batchers[prim] = batcher or (
         lambda args, dims, **params: fold_batch_into_leading_axis(prim, args, dims, **params))
     kernel = prim
@@ -65,7 +70,7 @@ def define(prim: jax.extend.core.Primitive, *, abstract_eval: Callable, referenc
         kernel = jax.extend.core.Primitive(prim.name + "_kernel")
         kernel.multiple_results = prim.multiple_results
         kernel.def_abstract_eval(abstract_eval)
-        _partition_through_kernel(prim, kernel, rule)
+        _partition_through_kernel(prim, kernel, rule_for, split_at_reduction)
     reference_lowering = mlir.lower_fun(reference, multiple_results=prim.multiple_results)
     ffi_rule = jax.ffi.ffi_lowering(target)
 
@@ -87,14 +92,14 @@ def define(prim: jax.extend.core.Primitive, *, abstract_eval: Callable, referenc
     return kernel
 
 
-def _with_sharding_types(abstract_eval: Callable, rule, multiple_results: bool) -> Callable:
+def _with_sharding_types(abstract_eval: Callable, rule_for: Callable, multiple_results: bool) -> Callable:
     """Wrap an abstract eval so results carry the sharding the rule derives from the inputs'
     sharding types (needed under Explicit mesh axes; a no-op for plain avals)."""
     from ..sharding import result_shardings
 
     def wrapped(*avals, **params):
         out = abstract_eval(*avals, **params)
-        shardings = result_shardings(rule, avals)
+        shardings = result_shardings(rule_for(**params), avals)
         if shardings is None:
             return out
         outs = [o.update(sharding=s) for o, s in zip(out if multiple_results else (out,), shardings)]
@@ -103,7 +108,7 @@ def _with_sharding_types(abstract_eval: Callable, rule, multiple_results: bool) 
     return wrapped
 
 
-def _partition_through_kernel(prim, kernel, rule) -> None:
+def _partition_through_kernel(prim, kernel, rule_for, split_at_reduction) -> None:
     """Lower `prim` to `kernel`: through custom_partitioning when XLA partitions the program
     over several devices, directly otherwise (one device, or inside shard_map/pmap)."""
     import functools
@@ -114,8 +119,12 @@ def _partition_through_kernel(prim, kernel, rule) -> None:
     @functools.lru_cache(maxsize=None)
     def partitioned_fn(params):
         kw = dict(params)
-        return partitioned(lambda *args: kernel.bind(*args, **kw), rule,
-                           multiple_results=prim.multiple_results)
+        split = split_at_reduction(**kw) if split_at_reduction else None
+        if split is not None:
+            split_kw, finish = split
+            split = (lambda *args: kernel.bind(*args, **split_kw), finish)
+        return partitioned(lambda *args: kernel.bind(*args, **kw), rule_for(**kw),
+                           multiple_results=prim.multiple_results, split_at_reduction=split)
 
     def lowering(ctx, *args, **params):
         # The kernel sees plain local shapes: no sharding types, no manual-axis types.

@@ -1,15 +1,18 @@
 """matmul_p: x[B, M, K] and a weight (planes, scales, codebook, tensor_scale) with batch B -> y[B, M, N].
 
-Params: ``layout`` (the weight's layout) and ``method``: "fused" runs the fused
+Params: ``layout`` (the weight's layout), ``method``: "fused" runs the fused
 dequantize+matmul kernel; "dequantize" materializes W in x.dtype with the dequantize kernel
 and lets XLA's dense dot do the rest (faster at large M on the GPU); "auto" picks by M on
-the GPU (see `FUSED_MAX_M`) and the fused kernel elsewhere.
+the GPU (see `FUSED_MAX_M`) and the fused kernel elsewhere; and ``glu``: None, or a
+`reference.GLU_ACTIVATIONS` name, for which y is ``act(y[..., 0::2]) * y[..., 1::2]``
+(``[B, M, N / 2]``), applied by the kernels to their float32 sums (the FFI attribute ``glu``).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -34,32 +37,55 @@ METHODS = ("auto", "fused", "dequantize")
 FUSED_MAX_M = 128
 #: Rows up to which every N takes the fused kernel under "auto".
 FUSED_ANY_N_MAX_M = 16
+#: On CUDA under method "auto", rows up to which the fused bf16/f16 kernel applies a GLU itself;
+#: above, its plain product is gated by XLA (one elementwise fusion; "fused" keeps the gate in
+#: the kernel at any M). The gate runs on the warp that ends each
+#: work item while it holds its ring stages, and its work grows with the item's rows. Measured
+#: on an H200 (bits 4, `bench_matmul.py --glu silu`; benchmarks/results/matmul_glu_h200_s21.md),
+#: fused gate against kernel + XLA gate: at M = 1 0.5-5.3 us less on the Qwen3, GLM-4.7 and
+#: Llama-3 gate/up shapes; at M = 4 and 8 less on the small shapes but 3.5-4.2 us more on
+#: Llama-3-70B's (8192 x 28672: 49.5 against 46.0 us at M = 4); at M = 16 mixed.
+FUSED_GLU_MAX_M = 1
 
 
-def _abstract_eval(x, planes, scales, codebook, tensor_scale, *, layout, method):
+#: The FFI attribute ``glu`` (cpp/glu.h's kbit::Glu) for each value of the ``glu`` param.
+GLU_IDS = {None: 0, "silu": 1, "gelu_tanh": 2}
+assert set(GLU_IDS) - {None} == set(reference.GLU_ACTIVATIONS)
+
+
+def _abstract_eval(x, planes, scales, codebook, tensor_scale, *, layout, method, glu):
     b, m, _ = x.shape
-    return out_aval((b, m, planes.shape[2]), x.dtype, (x, planes, scales, codebook, tensor_scale))
+    n = planes.shape[2] // (2 if glu else 1)
+    return out_aval((b, m, n), x.dtype, (x, planes, scales, codebook, tensor_scale))
 
 
-def _reference(x, planes, scales, codebook, tensor_scale, *, layout, method):
-    return reference.matmul(x, planes, scales, codebook, tensor_scale, layout=layout)
+def _reference(x, planes, scales, codebook, tensor_scale, *, layout, method, glu):
+    return reference.matmul(x, planes, scales, codebook, tensor_scale, layout=layout, glu=glu)
 
 
-def _dequantize_then_dot(x, planes, scales, codebook, tensor_scale, *, layout, method):
+def _dequantize_then_dot(x, planes, scales, codebook, tensor_scale, *, layout, method, glu):
     w = dequantize_kernel_p.bind(planes, scales, codebook, tensor_scale, layout=layout, dtype=x.dtype)
     # The result is asked for in x's dtype: cuBLAS accumulates 16-bit products in float32 and
     # rounds once, as an f32 result + convert would, without writing and re-reading a float32
     # [B, M, N] (H200, M = 4096: 4 % less time, median over the benchmark shapes). float32
-    # inputs ask for full float32 precision: the default may use TF32 on the GPU.
+    # inputs ask for full float32 precision: the default may use TF32 on the GPU. A GLU gates
+    # the float32 sums, as the kernels do.
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jnp.einsum("bmk,bkn->bmn", x, w, precision=precision)
+    if glu is None:
+        return jnp.einsum("bmk,bkn->bmn", x, w, precision=precision)
+    y = jnp.einsum("bmk,bkn->bmn", x, w, precision=precision, preferred_element_type=jnp.float32)
+    return reference.apply_glu(y, glu).astype(x.dtype)
 
 
 _dequantize_then_dot_lowering = mlir.lower_fun(_dequantize_then_dot, multiple_results=False)
 _fused_cuda_lowering = jax.ffi.ffi_lowering("kbit_matmul")
 
 
-def _cuda_lowering(ctx, x, planes, scales, codebook, tensor_scale, *, layout, method):
+def _ffi_attrs(*, layout, method, glu):
+    return {"layout": layout_attr(layout), "glu": np.int32(GLU_IDS[glu])}
+
+
+def _cuda_lowering(ctx, x, planes, scales, codebook, tensor_scale, *, layout, method, glu):
     x_aval = ctx.avals_in[0]
     # The fast fused kernel reads the fragment layout with bf16/f16 activations; float32
     # activations take the (slower) float32 kernel to keep float32 accuracy, since XLA's
@@ -70,45 +96,79 @@ def _cuda_lowering(ctx, x, planes, scales, codebook, tensor_scale, *, layout, me
     fused = method == "fused" or (method == "auto" and (x_aval.dtype == jnp.float32 or (fast and small)))
     if not fused:
         return _dequantize_then_dot_lowering(ctx, x, planes, scales, codebook, tensor_scale,
-                                             layout=layout, method=method)
+                                             layout=layout, method=method, glu=glu)
+    if glu is not None and fast and method == "auto" and m > FUSED_GLU_MAX_M:
+        return _gated_by_xla_lowering(ctx, x, planes, scales, codebook, tensor_scale,
+                                      layout=layout, method=method, glu=glu)
     return _fused_cuda_lowering(ctx, x, planes, scales, codebook, tensor_scale,
-                                layout=layout_attr(layout))
+                                **_ffi_attrs(layout=layout, method=method, glu=glu))
 
 
-def _batcher(args, dims, *, layout, method):
+def _gated_by_xla(x, planes, scales, codebook, tensor_scale, *, layout, method, glu):
+    y = matmul_kernel_p.bind(x, planes, scales, codebook, tensor_scale, layout=layout, method=method,
+                             glu=None)
+    return reference.apply_glu(y, glu)
+
+
+_gated_by_xla_lowering = mlir.lower_fun(_gated_by_xla, multiple_results=False)
+
+
+def _batcher(args, dims, *, layout, method, glu):
     x, *weight = args
     x_dim, *weight_dims = dims
     if all(d is None for d in weight_dims):
         # Only x is mapped: fold the mapped axis into M instead of copying the weight.
         x = jnp.moveaxis(x, x_dim, 1)                       # [B, V, M, K]
         b, v, m, k = x.shape
-        y = matmul_p.bind(x.reshape(b, v * m, k), *weight, layout=layout, method=method)
+        y = matmul_p.bind(x.reshape(b, v * m, k), *weight, layout=layout, method=method, glu=glu)
         return jnp.moveaxis(y.reshape(b, v, m, -1), 1, 0), 0
-    return fold_batch_into_leading_axis(matmul_p, args, dims, layout=layout, method=method)
+    return fold_batch_into_leading_axis(matmul_p, args, dims, layout=layout, method=method, glu=glu)
 
 
 #: How matmul_p partitions (kbit_jax.sharding): x's K is the K/32 blocks `k` times 32; `k` is
 #: contracted (psum over its mesh axes); weights' shardings win (order: planes, scales, x).
 SHARDING_RULE = FactorRule("b m (k i), b k n j, b k n, b c, b -> b m n", reduction=("k",),
                            replicated=("i", "j", "c"), order=(1, 2, 0, 3, 4), i=BLOCK)
+#: With a GLU the weight's N is `n` gate/up pairs `p`: a shard along N holds whole pairs.
+GLU_SHARDING_RULE = FactorRule("b m (k i), b k (n p) j, b k (n p), b c, b -> b m n", reduction=("k",),
+                               replicated=("i", "j", "c"), order=(1, 2, 0, 3, 4), i=BLOCK, p=2)
+
+
+def _sharding_rule(*, layout, method, glu):
+    return SHARDING_RULE if glu is None else GLU_SHARDING_RULE
+
+
+def _split_at_reduction(*, layout, method, glu):
+    """A GLU does not commute with the sum over K's shards: where K is sharded, the shards'
+    products are summed first and gated after."""
+    if glu is None:
+        return None
+    return dict(layout=layout, method=method, glu=None), lambda y: reference.apply_glu(y, glu)
+
 
 #: The kernel primitive matmul_p lowers to (directly, or per shard via custom_partitioning).
 matmul_kernel_p = define(matmul_p, abstract_eval=_abstract_eval, reference=_reference,
-                         ffi_attrs=lambda *, layout, method: {"layout": layout_attr(layout)},
-                         batcher=_batcher, cuda_lowering=_cuda_lowering, rule=SHARDING_RULE)
+                         ffi_attrs=_ffi_attrs, batcher=_batcher, cuda_lowering=_cuda_lowering,
+                         rule=_sharding_rule, split_at_reduction=_split_at_reduction)
 
 
 # -- differentiation: y is linear in x; the quantized weight is a constant -------------------
-def _jvp(primals, tangents, *, layout, method):
+def _jvp(primals, tangents, *, layout, method, glu):
     x, *weight = primals
-    y = matmul_p.bind(x, *weight, layout=layout, method=method)
     tx = tangents[0]
     if type(tx) is ad.Zero:
+        y = matmul_p.bind(x, *weight, layout=layout, method=method, glu=glu)
         return y, ad.Zero.from_primal_value(y)
-    return y, matmul_p.bind(tx, *weight, layout=layout, method=method)
+    plain = lambda a: matmul_p.bind(a, *weight, layout=layout, method=method, glu=None)  # noqa: E731
+    if glu is None:
+        return plain(x), plain(tx)
+    # A GLU gates the two halves of the linear product: JAX differentiates the gate; the
+    # product and its tangent (linear in tx) run without it.
+    return jax.jvp(lambda y: reference.apply_glu(y, glu), (plain(x),), (plain(tx),))
 
 
-def _transpose(ct, x, planes, scales, codebook, tensor_scale, *, layout, method):
+def _transpose(ct, x, planes, scales, codebook, tensor_scale, *, layout, method, glu):
+    assert glu is None, "a GLU product is not linear; its JVP transposes the plain product"
     assert ad.is_undefined_primal(x) and not ad.is_undefined_primal(planes)
     x_aval = x.aval
     if type(ct) is ad.Zero:
