@@ -40,7 +40,8 @@ from flax import linen, nnx
 
 from . import codebooks as _codebooks
 from .format import BLOCK, KbitWeight
-from .ops import dequantize, matmul, quantize
+from .ops import check_glu, dequantize, matmul, quantize
+from .reference import apply_glu
 
 __all__ = [
     "KbitDense", "KbitLinear", "QuantizeReport", "QuantizedWeight", "default_filter",
@@ -263,17 +264,25 @@ class KbitLinear(nnx.Module):
         """The dense kernel ``[*batch, K, N]`` (float32 is exact), e.g. to build an ``nnx.Linear``."""
         return dequantize(self.weight, dtype or self.param_dtype)
 
-    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding=None, *, glu: str | None = None) -> jax.Array:
         """``inputs @ W + b``. ``out_sharding`` (as ``nnx.Linear``'s, for Explicit mesh axes)
         reshards the result; the matmul itself already gives it the sharding its operands
-        imply (column-parallel: N sharded; row-parallel: all-reduced, K's axes replicated)."""
+        imply (column-parallel: N sharded; row-parallel: all-reduced, K's axes replicated).
+
+        ``glu`` ("silu" or "gelu_tanh"): the layer is a gated MLP's interleaved gate/up
+        projection (`kbit_jax.interleave_glu`) and returns ``act(y[..., 0::2]) * y[..., 1::2]``
+        with ``out_features / 2`` features, gated inside the kernel (`kbit_jax.matmul`); with a
+        bias, the bias is added first and the gate follows in JAX."""
+        check_glu(glu, self.out_features)
         bias = self.bias.get_value() if self.bias is not None else None
         dtype = _promote_dtype(inputs, self.dtype, self.param_dtype, bias)
-        y = matmul(jnp.asarray(inputs, dtype), self.weight)
+        y = matmul(jnp.asarray(inputs, dtype), self.weight, glu=glu if bias is None else None)
         if out_sharding is not None:
             y = jax.sharding.reshard(y, out_sharding)
         if bias is not None:
             y = y + jnp.asarray(bias, dtype)
+            if glu is not None:
+                y = apply_glu(y, glu)
         return y
 
 

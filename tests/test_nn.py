@@ -78,6 +78,23 @@ def test_kbit_linear_equals_dense_linear_with_dequantized_weight(rng, bits, use_
     assert state["kernel"]["planes"].get_value().dtype == jnp.uint32
 
 
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_kbit_linear_glu(rng, use_bias):
+    """layer(x, glu=...) is act(y[..., 0::2]) * y[..., 1::2] of the layer's output (bias added
+    before the gate): in the kernel without a bias, in JAX with one."""
+    layer = knn.KbitLinear(96, 40, use_bias=use_bias, rngs=nnx.Rngs(0), kernel_init=np_init(rng),
+                           bias_init=np_init(rng, 1.0))
+    x = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32)
+    y_dense = np.asarray(dense_twin(layer)(x), np.float64)
+    for glu in ("silu", "gelu_tanh"):
+        y = layer(x, glu=glu)
+        assert y.shape == (3, 20)
+        ref = kj.reference.apply_glu(jnp.asarray(y_dense, jnp.float32), glu)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+    with pytest.raises(ValueError, match="glu must be None"):
+        layer(x, glu="swish")
+
+
 def test_kbit_linear_dtype_promotion_like_nnx_linear(rng):
     layer = knn.KbitLinear(64, 32, rngs=nnx.Rngs(0), kernel_init=np_init(rng), bias_init=np_init(rng, 1.0))
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.bfloat16)
@@ -428,3 +445,15 @@ def test_fused_projections_match_separate_kernels(rng):
     down = np.asarray(mlp.down_proj.kernel.get_value())
     silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
     np.testing.assert_allclose(mlp(x), (silu(x @ gate) * (x @ up)) @ down, rtol=1e-4, atol=1e-3)
+    # Quantized, the MLP gates inside the kbit kernel (matmul(..., glu="silu")): the same as
+    # gating the quantized layer's plain output.
+    knn.quantize_model(mlp, bits=4, progress=False)
+    assert isinstance(mlp.gate_up_proj, knn.KbitLinear)
+    gate_up = np.asarray(mlp.gate_up_proj(x), np.float64)
+    down = np.asarray(mlp.down_proj.dequantized_kernel(), np.float64)
+    expected = (silu(gate_up[..., 0::2]) * gate_up[..., 1::2]) @ down
+    np.testing.assert_allclose(mlp(x), expected, rtol=1e-4, atol=1e-3)
+    mlp.gate = "xla"
+    np.testing.assert_allclose(mlp(x), expected, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="mlp_gate='kernel'"):
+        llama.MLP(cfg, jnp.float32, nnx.Rngs(0), gate="kernel")

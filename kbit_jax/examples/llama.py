@@ -38,6 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import nn as knn
+from ..ops import interleave_glu
 from ..sharding import shard_weight
 from . import decode_attention as _decode
 from . import fused_norm as _norm
@@ -50,6 +51,9 @@ ATTENTION_MODES = ("auto", "xla", "pallas")
 #: ``norm=`` values, the same three: the residual add and RMSNorm through XLA (two kernels per
 #: norm), or through ``fused_norm.add_rms_norm`` (one; "auto": on a GPU).
 KERNEL_MODES = ATTENTION_MODES
+#: ``mlp_gate=`` values: "auto" (silu(gate) * up inside the kbit gate/up kernel,
+#: ``KbitLinear(x, glu="silu")``, where that projection is quantized; XLA otherwise), "xla".
+MLP_GATE_MODES = ("auto", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,14 +249,20 @@ class MLP(nnx.Module):
     column-parallel split gives every device matching gate and up features (`fuse_gate_up`
     builds it from separate kernels)."""
 
-    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs, *, gate: str = "auto"):
+        if gate not in MLP_GATE_MODES:
+            raise ValueError(f"mlp_gate={gate!r}: expected one of {MLP_GATE_MODES}")
         self.gate_up_proj = _linear(cfg.dim, 2 * cfg.hidden_dim, param_dtype, rngs)
         self.down_proj = _linear(cfg.hidden_dim, cfg.dim, param_dtype, rngs)
+        self.gate = gate
 
     def __call__(self, x):
-        gate_up = self.gate_up_proj(x)
-        gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
-        h = jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
+        if self.gate == "auto" and isinstance(self.gate_up_proj, knn.KbitLinear):
+            h = self.gate_up_proj(x, glu="silu")
+        else:
+            gate_up = self.gate_up_proj(x)
+            gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
+            h = jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
         return self.down_proj(h, out_sharding=_row_parallel_out(h))
 
 
@@ -268,19 +278,18 @@ def fuse_qkv(q, k, v, n_kv_heads: int):
     return jnp.concatenate(parts, axis=2).reshape(d, -1)
 
 
-def fuse_gate_up(gate, up):
-    """A checkpoint's gate and up kernels (``[dim, hidden]`` each) as one ``gate_up_proj``
-    kernel: column 2i is gate feature i, column 2i + 1 up feature i."""
-    return jnp.stack([gate, up], axis=-1).reshape(gate.shape[0], -1)
+#: A checkpoint's gate and up kernels (``[dim, hidden]`` each) as one ``gate_up_proj`` kernel:
+#: column 2i is gate feature i, column 2i + 1 up feature i.
+fuse_gate_up = interleave_glu
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto",
-                 norm: str = "auto"):
+                 norm: str = "auto", mlp_gate: str = "auto"):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         self.attn = Attention(cfg, param_dtype, rngs, attention=attention)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
-        self.mlp = MLP(cfg, param_dtype, rngs)
+        self.mlp = MLP(cfg, param_dtype, rngs, gate=mlp_gate)
 
     def __call__(self, x, cache_k, cache_v, pos):
         x, mlp_out, cache_k, cache_v = self.step(x, None, cache_k, cache_v, pos)
@@ -301,15 +310,16 @@ class Llama(nnx.Module):
     """Decoder-only transformer. ``block_hook(block)`` (optional) runs on each block as soon
     as it is built, e.g. to quantize it before the next one is allocated. ``attention`` picks
     the single-token attention (`ATTENTION_MODES`; prompts always take the XLA path), ``norm``
-    the residual add + RMSNorm (`KERNEL_MODES`)."""
+    the residual add + RMSNorm (`KERNEL_MODES`), ``mlp_gate`` where the MLP's silu(gate) * up
+    runs (`MLP_GATE_MODES`)."""
 
     def __init__(self, cfg: LlamaConfig, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
-                 block_hook=None, attention: str = "auto", norm: str = "auto"):
+                 block_hook=None, attention: str = "auto", norm: str = "auto", mlp_gate: str = "auto"):
         self.config = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, param_dtype=param_dtype, rngs=rngs)
         blocks = []
         for _ in range(cfg.n_layers):
-            blocks.append(Block(cfg, param_dtype, rngs, attention=attention, norm=norm))
+            blocks.append(Block(cfg, param_dtype, rngs, attention=attention, norm=norm, mlp_gate=mlp_gate))
             if block_hook is not None:
                 block_hook(blocks[-1])
         self.layers = nnx.List(blocks)
@@ -443,7 +453,8 @@ def shard_model(model, mesh, axis: str = "tp"):
 
 def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
                 param_dtype=jnp.bfloat16, quantize_head: bool = False, progress: bool = False,
-                mesh=None, axis: str = "tp", attention: str = "auto", norm: str = "auto"):
+                mesh=None, axis: str = "tp", attention: str = "auto", norm: str = "auto",
+                mlp_gate: str = "auto"):
     """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
 
     With ``bits``, each block goes through ``kbit_jax.nn.quantize_model`` as soon as it is
@@ -459,15 +470,16 @@ def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "n
     ``attention`` picks the single-token attention: `ATTENTION_MODES` ("auto": the Pallas
     kernel of ``decode_attention.decode_attention_step`` on a GPU, rotary embedding and cache
     write included). ``norm`` picks the residual add + RMSNorm: `KERNEL_MODES` ("auto": the
-    Pallas kernel of ``fused_norm.add_rms_norm`` on a GPU).
+    Pallas kernel of ``fused_norm.add_rms_norm`` on a GPU). ``mlp_gate``: `MLP_GATE_MODES`
+    ("auto": silu(gate) * up inside the quantized gate/up projection's kernel).
     """
+    modes = dict(attention=attention, norm=norm, mlp_gate=mlp_gate)
     if mesh is not None:
         check_tp(cfg, _tp_size(mesh, axis))
     if bits is None:
         if mesh is None:
-            return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), attention=attention,
-                         norm=norm), None
-        model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), attention=attention, norm=norm,
+            return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), **modes), None
+        model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), **modes,
                       block_hook=lambda block: shard_model(block, mesh, axis))
         return shard_model(model, mesh, axis), None
     report = knn.QuantizeReport(bits=bits, codebook=codebook)
@@ -484,8 +496,7 @@ def build_model(cfg: LlamaConfig, *, bits: int | None = None, codebook: Any = "n
         report.replaced_bytes_before += r.replaced_bytes_before
         report.replaced_bytes_after += r.replaced_bytes_after
 
-    model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), block_hook=hook,
-                  attention=attention, norm=norm)
+    model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), block_hook=hook, **modes)
     report.bytes_before += knn._nbytes(nnx.state(model)) - knn._nbytes(nnx.state(model.layers))
     if quantize_head:
         r = knn.quantize_model(model, bits, codebook, filter=lambda path, _: path == ("lm_head",),
