@@ -55,6 +55,11 @@ RESULT = "RESULT "  # prefix of the worker's stdout line carrying its rows as JS
 #: does not fit one H200 (141 GB of weights); it is attempted and reported as not fitting.
 DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tiny": "bf16,2,3,4,5",
                    "tiny-tp": "bf16,2,3,4,5"}
+#: The example decoder's kernel choices (`llama.build_model` keywords) and their values; each
+#: flag takes a comma list, and every combination is a row. Spelled out here: the driver parses
+#: its arguments before importing jax and flax (the example module would pull them in).
+MODES = {"attention": ("auto", "xla", "pallas"), "norm": ("auto", "xla", "pallas"),
+         "mlp_gate": ("auto", "xla")}
 
 
 # -- worker: one model, all batch sizes -------------------------------------------------------
@@ -98,7 +103,7 @@ def run_worker(args) -> list[dict]:
     bits = None if args.weights == "bf16" else int(args.weights)
     tp = args.tp
     base = {"config": args.config, "weights": args.weights, "bits": bits, "tp": tp,
-            "attention": args.attention, "norm": args.norm, "quantize_head": args.quantize_head,
+            **{m: getattr(args, m) for m in MODES}, "quantize_head": args.quantize_head,
             "prompt": args.prompt, "new_tokens": args.new_tokens}
     max_len = args.prompt + args.new_tokens
     if tp > len(jax.devices()):
@@ -131,8 +136,8 @@ def run_worker(args) -> list[dict]:
     t0 = time.perf_counter()
     model, report = llama.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
                                       param_dtype=jnp.bfloat16, quantize_head=args.quantize_head,
-                                      progress=args.progress, mesh=mesh, attention=args.attention,
-                                      norm=args.norm)
+                                      progress=args.progress, mesh=mesh,
+                                      **{m: getattr(args, m) for m in MODES})
     jax.block_until_ready(nnx.state(model))
     build_s = time.perf_counter() - t0
     graphdef, state = nnx.split(model)
@@ -257,12 +262,14 @@ def environment() -> dict:
     return info
 
 
-def run_subprocess(args, config: str, weights: str, tp: int, attention: str, norm: str) -> list[dict]:
+def run_subprocess(args, config: str, weights: str, tp: int, modes: dict) -> list[dict]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config,
            "--weights", weights, "--batches", ",".join(map(str, args.batches)),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
            "--reps", str(args.reps), "--codebook", args.codebook, "--tp", str(tp),
-           "--axis-type", args.axis_type, "--attention", attention, "--norm", norm]
+           "--axis-type", args.axis_type]
+    for m, value in modes.items():
+        cmd += [f"--{m.replace('_', '-')}", value]
     if args.profile:
         cmd += ["--profile", args.profile]
     if args.progress:
@@ -276,15 +283,18 @@ def run_subprocess(args, config: str, weights: str, tp: int, attention: str, nor
     if proc.returncode != 0 or not lines:
         # Keep the end of the worker's stderr in the results: a crash (an XLA check failure
         # aborts the process) must be diagnosable from the JSON alone.
-        return [{"config": config, "weights": weights, "tp": tp, "attention": attention, "norm": norm,
+        return [{"config": config, "weights": weights, "tp": tp, **modes,
                  "status": f"failed (exit {proc.returncode}); stderr_tail in the JSON",
                  "stderr_tail": proc.stderr[-4000:]}]
     return json.loads(lines[-1])
 
 
 def to_markdown(env: dict, args, rows: list[dict]) -> str:
+    def modes(r):   # (rows of older runs lack the newer modes: they ran XLA's path there)
+        return tuple(r.get(m, "xla") for m in MODES)
+
     def key(r):
-        return r["config"], r["batch"], r.get("tp", 1), r.get("attention", "xla"), r.get("norm", "xla")
+        return r["config"], r["batch"], r.get("tp", 1), *modes(r)
 
     dense = {key(r): r["decode_tokens_per_s"] for r in rows
              if r["status"] == "ok" and r["weights"] == "bf16"}
@@ -298,26 +308,27 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"the largest over its devices). tp = tensor-parallel devices ({args.axis_type} mesh "
         f"axis); attention: the single-token attention (`llama.ATTENTION_MODES`; auto = the "
         f"Pallas kernel on a GPU); norm: the residual add + RMSNorm (auto = its Pallas kernel on "
-        f"a GPU); vs bf16 compares with bf16 at the same tp, attention and norm; "
+        f"a GPU); mlp gate: where silu(gate) * up runs (auto = inside the kbit gate/up kernel); "
+        f"vs bf16 compares with bf16 at the same tp and modes; "
         f"model GiB is the whole model, "
         f"GiB/dev the first device's share. "
         f"jax {env.get('jax')}, flax {env.get('flax')}, kbit_jax build {env.get('build_info')}; "
         f"XLA_FLAGS {env.get('xla_flags') or '(none)'}.",
         "",
-        "| config | tp | attention | norm | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
-        "|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | tp | attention | norm | mlp gate | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
+        "|---|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        tp, attention, norm = r.get("tp", 1), r.get("attention", "xla"), r.get("norm", "xla")
+        tp, mode_cells = r.get("tp", 1), " | ".join(modes(r))
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | {tp} | {attention} | {norm} | | {r['weights']} | {r['status']} | | | | | | |")
+            lines.append(f"| {r['config']} | {tp} | {mode_cells} | | {r['weights']} | {r['status']} | | | | | | |")
             continue
         base = dense.get(key(r))
         speedup = f"{r['decode_tokens_per_s'] / base:.2f}x" if base else "-"
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         weights = "bf16" if r["bits"] is None else f"K={r['bits']}"
         per_device = r.get("device_model_gib", r["model_gib"])
-        lines.append(f"| {r['config']} | {tp} | {attention} | {norm} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
+        lines.append(f"| {r['config']} | {tp} | {mode_cells} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
                      f"{speedup} | {r['decode_ms_per_step']:.2f} | {r['prefill_ms']:.1f} | "
                      f"{r['model_gib']:.2f} | {per_device:.2f} | {peak} |")
     return "\n".join(lines) + "\n"
@@ -347,6 +358,9 @@ def parse_args(argv=None):
                    help="comma list of residual add + RMSNorm modes, each a row (with every "
                         "--attention mode): auto (the Pallas kernel on a GPU), xla, pallas "
                         "(default auto)")
+    p.add_argument("--mlp-gate", default="auto",
+                   help="comma list of MLP gate modes, each a row (with every other mode): auto "
+                        "(silu(gate) * up inside the kbit gate/up kernel), xla (default auto)")
     p.add_argument("--out", default=None, help="directory for decode.json and decode.md")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")
     p.add_argument("--progress", action="store_true", help="progress bar while building models")
@@ -363,10 +377,10 @@ def parse_args(argv=None):
         if len(args.tp) != 1:
             p.error("a worker runs one --tp size")
         args.tp = args.tp[0]
-    for flag, value in (("--attention", args.attention), ("--norm", args.norm)):
-        modes = value.split(",")
-        if any(m not in ("auto", "xla", "pallas") for m in modes) or (args.worker and len(modes) != 1):
-            p.error(f"{flag}: {value!r} (a worker takes one of auto, xla, pallas)")
+    for mode, choices in MODES.items():
+        value = getattr(args, mode)
+        if any(m not in choices for m in value.split(",")) or (args.worker and "," in value):
+            p.error(f"--{mode.replace('_', '-')}: {value!r} (a worker takes one of {', '.join(choices)})")
     if any(t < 1 for t in ([args.tp] if args.worker else args.tp)):
         p.error("--tp sizes must be >= 1")
     return args
@@ -382,14 +396,15 @@ def main(argv=None):
     rows = []
     for config in args.configs.split(","):
         for tp in args.tp:
-            for attention, norm in itertools.product(args.attention.split(","), args.norm.split(",")):
+            for values in itertools.product(*(getattr(args, m).split(",") for m in MODES)):
+                modes = dict(zip(MODES, values))
                 for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
                     if args.in_process:
                         sub = argparse.Namespace(**{**vars(args), "config": config, "weights": weights,
-                                                    "tp": tp, "attention": attention, "norm": norm})
+                                                    "tp": tp, **modes})
                         rows += run_worker(sub)
                     else:
-                        rows += run_subprocess(args, config, weights, tp, attention, norm)
+                        rows += run_subprocess(args, config, weights, tp, modes)
     md = to_markdown(env, args, rows)
     print(md)
     if args.out:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -39,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
+from kbit_jax import reference  # noqa: E402
 from kbit_jax.timing import median_call_seconds, passes_function, products_seconds  # noqa: E402
 from profile_summary import busy_us, trace_kernels  # noqa: E402
 from shapes import BITS, M_VALUES, SHAPES  # noqa: E402
@@ -83,12 +85,17 @@ def main(argv=None):
     p.add_argument("--bits", nargs="+", type=int, default=list(BITS))
     p.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
     p.add_argument("--method", default="auto", choices=["auto", "fused", "dequantize"])
+    p.add_argument("--glu", default=None, choices=sorted(reference.GLU_ACTIVATIONS),
+                   help="time gated products (a SwiGLU/GeGLU MLP's gate/up): act(y[..., 0::2]) * "
+                        "y[..., 1::2]; kbit gates inside its kernel (kbit_jax.matmul(glu=...)), the "
+                        "dense dots and 'kbit_xla_gate_us' (the same kbit product, gated by XLA) after")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default=None, help="directory for matmul.json (+ .md)")
     args = p.parse_args(argv)
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
+    xla_gate = functools.partial(reference.apply_glu, kind=args.glu)
     bw = copy_bandwidth(args.repeats)
     print(f"device {device.device_kind}, jax {jax.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"build {kj.build_info()}", flush=True)
@@ -108,6 +115,8 @@ def main(argv=None):
             for m in args.m:
                 x = (jax.random.normal(jax.random.key(m), (m, k), jnp.float32)).astype(dtype)
                 dot = jnp.dot          # what a user writes: XLA picks the GEMM (cuBLAS)
+                if args.glu:
+                    dot = lambda x, w: xla_gate(jnp.dot(x, w))  # noqa: E731
                 t_dense, dense_passes, dense_host_bound = products_seconds(dot, x, dense_ws, args.repeats)
                 t_dense_call = t_dense
                 if dense_host_bound and on_gpu:
@@ -119,12 +128,13 @@ def main(argv=None):
                 passes = 1  # each bits value starts from the passes the previous one needed
                 for bits in args.bits:
                     ws = quantized[bits]
-                    product = lambda x, w: kj.matmul(x, w, method=args.method)  # noqa: E731
+                    product = lambda x, w: kj.matmul(x, w, method=args.method, glu=args.glu)  # noqa: E731
                     t, passes, host_bound = products_seconds(product, x, ws, args.repeats, passes=passes)
                     t_call = t
                     if host_bound and on_gpu:
                         t = busy_seconds(product, x, ws)
-                    moved = ws[0].planes.nbytes + ws[0].scales.nbytes + x.nbytes + m * n * dtype.itemsize
+                    n_out = n // 2 if args.glu else n
+                    moved = ws[0].planes.nbytes + ws[0].scales.nbytes + x.nbytes + m * n_out * dtype.itemsize
                     row = dict(shape=name, k=k, n=n, m=m, bits=bits, dtype=dtype_name,
                                kbit_us=t * 1e6, dense_us=t_dense * 1e6, speedup=t_dense / t,
                                passes=passes, dense_passes=dense_passes,
@@ -136,14 +146,21 @@ def main(argv=None):
                         row["kbit_call_us"] = t_call * 1e6
                     if t_dense != t_dense_call:
                         row["dense_call_us"] = t_dense_call * 1e6
+                    if args.glu:   # the same product with XLA's gate after it: what the fusion saves
+                        unfused = lambda x, w: xla_gate(kj.matmul(x, w, method=args.method))  # noqa: E731
+                        row["glu"] = args.glu
+                        row["kbit_xla_gate_us"] = products_seconds(unfused, x, ws, args.repeats,
+                                                                   passes=passes)[0] * 1e6
                     rows.append(row)
                     print(f"{name:22s} {dtype_name:8s} M={m:<5d} K={bits} kbit {t * 1e6:9.1f} us  "
                           f"dense {t_dense * 1e6:9.1f} us  x{t_dense / t:5.2f}  "
                           f"{100 * row['bw_fraction']:5.1f}% of copy BW  passes {passes}/{dense_passes}"
-                          f"{'' if not (host_bound or dense_host_bound) else '  (host-bound: busy time from a profile)' if on_gpu else '  (host-bound: upper bound)'}",
+                          f"{'' if not (host_bound or dense_host_bound) else '  (host-bound: busy time from a profile)' if on_gpu else '  (host-bound: upper bound)'}"
+                          + (f"  kbit + XLA gate {row['kbit_xla_gate_us']:7.1f} us" if args.glu else ""),
                           flush=True)
     result = dict(device=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
-                  copy_bandwidth_tbs=bw / 1e12, build=kj.build_info(), method=args.method, rows=rows)
+                  copy_bandwidth_tbs=bw / 1e12, build=kj.build_info(), method=args.method, glu=args.glu,
+                  rows=rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "matmul.json")

@@ -735,11 +735,15 @@ struct BenchEnv {
     cudaFree(pool); cudaFree(cb); cudaFree(ts); cudaFree(x); cudaFree(y);
   }
   // A bf16 product of the fragment-layout weight at `s`, `bits`, with M rows (planes and
-  // scales are set per launch by WeightCopies).
+  // scales are set per launch by WeightCopies). KBIT_HARNESS_GLU=1 (silu) or 2 (gelu_tanh):
+  // every such product gates its column pairs (the GLU epilogue; the seed shapes' N are even),
+  // e.g. `tools/kernel_profile.sh ab env:KBIT_HARNESS_GLU=1` times the epilogue's cost.
   kbit::cuda::MatmulArgs matmul_args(const Shape& s, int bits, int m) const {
     kbit::cuda::MatmulArgs a;
     a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
     a.batch = 1; a.m = m; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
+    const char* glu = std::getenv("KBIT_HARNESS_GLU");
+    a.glu = glu ? std::atoi(glu) : 0;
     return a;
   }
 };

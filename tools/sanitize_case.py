@@ -33,4 +33,12 @@ for (k, n), ms in (((256, 8192), (17, 33, 64)), ((4096, 256), (1, 12)), ((2048, 
             for dtype in (jnp.bfloat16, jnp.float16):
                 x = jax.random.normal(jax.random.key(m), (m, k), dtype)
                 jax.block_until_ready(kj.matmul(x, q, method="fused"))
+# The GLU epilogue (shuffled gate/up pairs, N / 2 columns stored): every path above once, bits 4.
+for (k, n), ms in (((256, 136), (1, 12)), ((256, 256), (5, 33)), ((256, 8192), (17,)), ((4096, 256), (1,)),
+                   ((2048, 256), (12,))):
+    q = kj.quantize(jax.random.normal(jax.random.key(k + n), (k, n)), 4)
+    for m in ms:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            x = jax.random.normal(jax.random.key(m), (m, k), dtype)
+            jax.block_until_ready(kj.matmul(x, q, method="fused", glu="silu"))
 print("sanitize case done")
