@@ -12,6 +12,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KbitWeight", "build_info", "codebooks", "column_parallel", "convert_layout", "decode_e4m4",
-    "dequantize", "encode_e4m4", "from_bitsandbytes", "interleave_glu", "matmul", "quantize", "row_parallel",
-    "shard_weight", "sharding", "to_bitsandbytes",
+    "dequantize", "encode_e4m4", "from_bitsandbytes", "interleave_glu", "matmul", "quantize",
+    "row_parallel", "shard_weight", "sharding", "to_bitsandbytes",
 ]
