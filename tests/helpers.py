@@ -5,6 +5,7 @@ import numpy as np
 
 import kbit_jax as kj
 from kbit_jax import format as fmt
+from kbit_jax import reference
 
 BITS = (2, 3, 4, 5)
 LAYOUTS = ("planes", "fragment")
@@ -48,7 +49,7 @@ def cells_codes(w_q):
     return np.asarray(fmt.unpack_codes(w_q.planes, w_q.layout))
 
 
-GLU_KINDS = ("silu", "gelu_tanh")
+GLU_KINDS = tuple(reference.GLU_ACTIVATIONS)
 
 
 def _act64(g, kind):

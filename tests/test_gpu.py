@@ -73,8 +73,7 @@ def test_matmul_glu_every_path(bits, dtype, glu, rng):
     range at every K."""
     gpu = jax.devices("gpu")[0]
     f = jax.jit(functools.partial(kj.matmul, glu=glu))
-
-    fused = jax.jit(functools.partial(kj.matmul, glu=glu, method="fused"))   # the gate in the kernel at any M
+    fused = jax.jit(functools.partial(kj.matmul, glu=glu, method="fused"))  # the gate in the kernel at any M
     for k, n, ms in [(544, 200, (0, 1, 2, 5, 16, 17, 100, 511)), (544, 256, (1, 5, 16, 33, 128, 4096)),
                      (4096, 512, (1, 5, 16, 64)), (256, 8192, (17, 64, 100))]:
         q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
@@ -89,7 +88,8 @@ def test_matmul_glu_every_path(bits, dtype, glu, rng):
             if FUSED_GLU_MAX_M < m <= 128 and dtype != jnp.float32:   # auto let XLA gate
                 y = fused(jax.device_put(x, gpu), q)
                 err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
-                assert np.all(err <= bound), f"in kernel, K={k} N={n} M={m}: max err/bound = {np.max(err / bound)}"
+                assert np.all(err <= bound), (f"in kernel, K={k} N={n} M={m}: "
+                                              f"max err/bound = {np.max(err / bound)}")
 
 
 def test_matmul_deterministic(rng):

@@ -39,12 +39,12 @@ FUSED_MAX_M = 128
 FUSED_ANY_N_MAX_M = 16
 #: On CUDA under method "auto", rows up to which the fused bf16/f16 kernel applies a GLU itself;
 #: above, its plain product is gated by XLA (one elementwise fusion; "fused" keeps the gate in
-#: the kernel at any M). The gate runs on the warp that ends each
-#: work item while it holds its ring stages, and its work grows with the item's rows. Measured
-#: on an H200 (bits 4, `bench_matmul.py --glu silu`; benchmarks/results/matmul_glu_h200_s21.md),
-#: fused gate against kernel + XLA gate: at M = 1 0.5-5.3 us less on the Qwen3, GLM-4.7 and
-#: Llama-3 gate/up shapes; at M = 4 and 8 less on the small shapes but 3.5-4.2 us more on
-#: Llama-3-70B's (8192 x 28672: 49.5 against 46.0 us at M = 4); at M = 16 mixed.
+#: the kernel at any M). The gate runs on the warp that ends each work item while it holds its
+#: ring stages, and its work grows with the item's rows. Measured on an H200 (bits 4,
+#: `bench_matmul.py --glu silu`; benchmarks/results/matmul_glu_h200_s21.md), fused gate against
+#: kernel + XLA gate: at M = 1 0.6-5.3 us less on the Qwen3, GLM-4.7 and Llama-3 gate/up shapes;
+#: at M = 4 and 8 less on the small shapes but 3.5-4.2 us more on Llama-3-70B's (8192 x 28672:
+#: 49.5 against 46.0 us at M = 4); at M = 16 mixed.
 FUSED_GLU_MAX_M = 1
 
 
