@@ -1,6 +1,10 @@
 """Render benchmark JSON (bench_matmul.py) as a markdown table and a speedup-vs-M plot.
 
     python benchmarks/render.py benchmarks/results/matmul.json
+    python benchmarks/render.py --merge all.json part1.json part2.json   # runs split over calls
+
+--merge joins the rows of runs made on one device (each row keeps the '% BW' of its own run's
+copy bandwidth) and records each part's header under "parts".
 """
 
 from __future__ import annotations
@@ -11,10 +15,36 @@ import os
 import sys
 
 
+def copy_bandwidths(result) -> str:
+    def one(r):
+        xla, memcpy = r.get("xla_copy_bandwidth_tbs"), r.get("memcpy_bandwidth_tbs")
+        detail = f" (cudaMemcpy {memcpy:.2f}, XLA copy {xla:.2f})" if xla and memcpy else ""
+        return f"{r['copy_bandwidth_tbs']:.2f} TB/s{detail}"
+    parts = result.get("parts")
+    if not parts:
+        return one(result)
+    return f"{len(parts)} runs merged: " + "; ".join(one(r) for r in parts)
+
+
+def merge(paths):
+    """One result from bench_matmul runs split over several calls (same device and build)."""
+    results = []
+    for path in paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    devices = {r["device"] for r in results}
+    if len(devices) != 1:
+        raise SystemExit(f"--merge: runs from different devices {sorted(devices)}")
+    merged = {k: v for k, v in results[0].items() if k != "rows"}
+    merged["parts"] = [{k: v for k, v in r.items() if k != "rows"} for r in results]
+    merged["rows"] = [row for r in results for row in r["rows"]]
+    return merged
+
+
 def markdown(result) -> str:
     lines = [f"# kbit matmul vs dense jnp.dot: {result['device']}, jax {result['jax']}, {result['date']}",
              "",
-             f"Copy bandwidth measured in the same run: {result['copy_bandwidth_tbs']:.2f} TB/s. "
+             f"Copy bandwidth measured in the same run: {copy_bandwidths(result)}. "
              f"Times are device time per product with cold weights (see bench_matmul.py). "
              f"'% BW' = bytes moved by the kbit product / copy bandwidth / its time; where the host still set "
              f"the pace at the benchmark's cap on passes, '*' marks the device's busy time from a profile "
@@ -63,9 +93,16 @@ def plot(result, path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(path):
-    with open(path) as f:
-        result = json.load(f)
+def main(argv):
+    if argv[0] == "--merge":
+        path = argv[1]
+        result = merge(argv[2:])
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    else:
+        path = argv[0]
+        with open(path) as f:
+            result = json.load(f)
     stem = os.path.splitext(path)[0]
     with open(stem + ".md", "w") as f:
         f.write(markdown(result))
@@ -77,4 +114,4 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
