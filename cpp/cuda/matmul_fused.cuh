@@ -228,176 +228,10 @@
 #include "cuda/item_reduce.cuh"
 #include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
+#include "cuda/weight_path.cuh"
 #include "glu.h"
 
 namespace kbit::cuda::fused {
-
-// Per-bits decode path. Shared interface:
-//   kLutBytes          shared-memory bytes of the replicated lookup table
-//   Raw                the registers of one thread's fields for one 16-column tile
-//   load(slab, off, j) read them from the staged weights of one k-block (slab = its first cell)
-//   decode             Raw -> the 2 x 4 A-operand registers of the tile's two k16 halves
-//   lut_entry          value of table entry e (built once per CTA)
-//   offset0/offset1    byte offsets of the thread's words inside a tile (rows g and g+8 follow
-//                      at compile-time distances)
-// mma row r of tile j always stands for column 16 j + r of the CTA's column group.
-template <int BITS>
-struct WeightPath;
-
-// bits 4: each thread's field is exactly word t of the cell; code pair q is byte q.
-// 256-entry pair table, 256-byte rows (lane l's copy at byte 4l; the upper 128 B of each row
-// are unused) so that the address is PRMT(field, lane_base): byte q of the field becomes the
-// row, the lane's byte offset stays in byte 0. One PRMT + one LDS.32 per two weights.
-template <>
-struct WeightPath<4> {
-  static constexpr int kEntries = 256, kEntryBytes = 4, kRowBytes = 256;
-  static constexpr int kLutBytes = kEntries * kRowBytes;  // 64 KiB
-  static constexpr int kTileBytes = 16 * 16;               // 16 cells of 4 words
-  struct Raw { uint32_t w[2]; };                           // word t of rows g and g+8
-  struct Lane { uint32_t base; };
-  __device__ static Lane lane_consts(int lane) { return {uint32_t(lane) * 4u}; }
-  __device__ static uint32_t offset0(int g, int t) { return 4 * (4 * g + t); }
-  __device__ static uint32_t offset1(int g, int t) { return offset0(g, t); }
-  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t, int j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) r.w[h] = lds32(slab + o0 + j * kTileBytes + h * 128);
-  }
-  __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int q = 0; q < 4; ++q)  // selector: byte0 <- lane base, byte1 <- field byte q, 0, 0
-        a[q >> 1][h + 2 * (q & 1)] = lds32(lut + __byte_perm(r.w[h], L.base, 0x5504u | (q << 4)));
-  }
-  template <class Act>
-  __device__ static uint2 lut_entry(int e, const float* cb) {
-    const uint32_t v = Act::pack2(__ldg(cb + (e & 15)), __ldg(cb + (e >> 4)));
-    return make_uint2(v, v);
-  }
-};
-
-// bits 2: a thread's field is 16 bits, half t&1 of word t>>1 of the cell. A 256-entry table of
-// FOUR values (8 B: the two operand registers of one k16 half) indexed by one field byte halves
-// the lookups: per 8 weights 2 PRMT + 2 LDS.64. Rows of 32 lanes x 8 B = 256 B, so the PRMT
-// that moves the field byte into byte 1 also keeps the lane offset (lane*8) in byte 0.
-template <>
-struct WeightPath<2> {
-  static constexpr int kEntries = 256, kEntryBytes = 8, kRowBytes = 256;
-  static constexpr int kLutBytes = kEntries * kRowBytes;  // 64 KiB
-  static constexpr int kTileBytes = 16 * 8;
-  struct Raw { uint32_t w[2]; };  // word t>>1 of rows g and g+8
-  struct Lane { uint32_t base; uint32_t sel[2]; };
-  __device__ static Lane lane_consts(int lane) {
-    const int t = lane & 3;
-    Lane L;
-    L.base = uint32_t(lane) * 8u;
-    L.sel[0] = 0x5504u | (uint32_t(2 * (t & 1)) << 4);      // byte 2(t&1):   codes 0..3
-    L.sel[1] = 0x5504u | (uint32_t(2 * (t & 1) + 1) << 4);  // byte 2(t&1)+1: codes 4..7
-    return L;
-  }
-  __device__ static uint32_t offset0(int g, int t) { return 4 * (2 * g + (t >> 1)); }
-  __device__ static uint32_t offset1(int g, int t) { return offset0(g, t); }
-  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t, int j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) r.w[h] = lds32(slab + o0 + j * kTileBytes + h * 64);
-  }
-  __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
-#pragma unroll
-    for (int s = 0; s < 2; ++s)  // quad s = codes 4s..4s+3 = the k16 half s of the cell
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint2 q = lds64(lut + __byte_perm(r.w[h], L.base, L.sel[s]));
-        a[s][h] = q.x;      // k 2t, 2t+1
-        a[s][h + 2] = q.y;  // k 2t+8, 2t+9
-      }
-  }
-  template <class Act>
-  __device__ static uint2 lut_entry(int e, const float* cb) {
-    return make_uint2(Act::pack2(__ldg(cb + (e & 3)), __ldg(cb + ((e >> 2) & 3))),
-                      Act::pack2(__ldg(cb + ((e >> 4) & 3)), __ldg(cb + (e >> 6))));
-  }
-};
-
-// bits 3: thread t's 24-bit field starts at bit 24t of the 96-bit cell: words a = 3t/4 and
-// a+1 (the last thread needs word 2 only and reads it twice), one funnel shift aligns it.
-// 64-entry pair table, 128-byte rows (8 KiB); a pair's address is one shift + one LOP3
-// ((f << 7 >> 6q) & 0x1f80 | lane*4).
-template <>
-struct WeightPath<3> {
-  static constexpr int kEntries = 64, kEntryBytes = 4, kRowBytes = 128;
-  static constexpr int kLutBytes = kEntries * kRowBytes;  // 8 KiB
-  static constexpr int kTileBytes = 16 * 12;
-  struct Raw { uint32_t lo[2], hi[2]; };
-  struct Lane { uint32_t base; uint32_t shift; };
-  __device__ static Lane lane_consts(int lane) {
-    return {uint32_t(lane) * 4u, uint32_t((24 * (lane & 3)) & 31)};
-  }
-  __device__ static uint32_t offset0(int g, int t) { return 4 * (3 * g + (3 * t) / 4); }
-  __device__ static uint32_t offset1(int g, int t) { return 4 * (3 * g + min((3 * t) / 4 + 1, 2)); }
-  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t o1, int j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      r.lo[h] = lds32(slab + o0 + j * kTileBytes + h * 96);
-      r.hi[h] = lds32(slab + o1 + j * kTileBytes + h * 96);
-    }
-  }
-  __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t f = __funnelshift_r(r.lo[h], r.hi[h], L.shift);
-      a[0][h] = lds32(lut + (((f << 7) & 0x1f80u) | L.base));
-      a[0][h + 2] = lds32(lut + (((f << 1) & 0x1f80u) | L.base));
-      a[1][h] = lds32(lut + (((f >> 5) & 0x1f80u) | L.base));
-      a[1][h + 2] = lds32(lut + (((f >> 11) & 0x1f80u) | L.base));
-    }
-  }
-  template <class Act>
-  __device__ static uint2 lut_entry(int e, const float* cb) {
-    const uint32_t v = Act::pack2(__ldg(cb + (e & 7)), __ldg(cb + (e >> 3)));
-    return make_uint2(v, v);
-  }
-};
-
-// bits 5: thread t's 40-bit field starts at bit 40t of the 160-bit cell: words a = 5t/4 and
-// a+1 (both inside the cell for every t). 1024-entry pair table, 128-byte rows (128 KiB);
-// addresses: one shift + one LOP3 per pair, the pair that straddles the field's 32-bit
-// boundary uses a funnel shift instead of the plain shift.
-template <>
-struct WeightPath<5> {
-  static constexpr int kEntries = 1024, kEntryBytes = 4, kRowBytes = 128;
-  static constexpr int kLutBytes = kEntries * kRowBytes;  // 128 KiB
-  static constexpr int kTileBytes = 16 * 20;
-  struct Raw { uint32_t lo[2], hi[2]; };
-  struct Lane { uint32_t base; uint32_t shift; };
-  __device__ static Lane lane_consts(int lane) {
-    return {uint32_t(lane) * 4u, uint32_t((40 * (lane & 3)) & 31)};
-  }
-  __device__ static uint32_t offset0(int g, int t) { return 4 * (5 * g + (5 * t) / 4); }
-  __device__ static uint32_t offset1(int g, int t) { return offset0(g, t) + 4; }
-  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t, int j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      r.lo[h] = lds32(slab + o0 + j * kTileBytes + h * 160);
-      r.hi[h] = lds32(slab + o0 + j * kTileBytes + h * 160 + 4);
-    }
-  }
-  __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t lo = __funnelshift_r(r.lo[h], r.hi[h], L.shift);  // field bits 0..31
-      const uint32_t hi = r.hi[h] >> L.shift;                           // field bits 32..39
-      a[0][h] = lds32(lut + (((lo << 7) & 0x1ff80u) | L.base));
-      a[0][h + 2] = lds32(lut + (((lo >> 3) & 0x1ff80u) | L.base));
-      a[1][h] = lds32(lut + (((lo >> 13) & 0x1ff80u) | L.base));
-      a[1][h + 2] = lds32(lut + ((__funnelshift_r(lo, hi, 23) & 0x1ff80u) | L.base));
-    }
-  }
-  template <class Act>
-  __device__ static uint2 lut_entry(int e, const float* cb) {
-    const uint32_t v = Act::pack2(__ldg(cb + (e & 31)), __ldg(cb + (e >> 5)));
-    return make_uint2(v, v);
-  }
-};
 
 constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 
@@ -507,10 +341,7 @@ struct Params {
 #endif
 };
 
-// cp.async with a source size: copies `src_bytes` (0..16 / 0..4) and zero-fills the rest.
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
+// cp.async with a source size: copies `src_bytes` (0..4) and zero-fills the rest.
 __device__ __forceinline__ void cp_async4_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
@@ -785,11 +616,6 @@ __device__ __forceinline__ void mma_k_block(float (&acc)[TN * MT * 4], const typ
 // instructions, Nsight Compute) and the mma into zero by 16 HMUL2. fp16 keeps mma_k_block:
 // scaled weights could be fp16 subnormals there. The tests' derived error bound counts that
 // second rounding of each weight to the activation dtype (the codebook entry's is the first).
-__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
 template <class WP, int MT, int TN>
 __device__ __forceinline__ void mma_k_block_scaled_weights(float (&acc)[TN * MT * 4],
                                                            const typename WP::Raw (&raw)[TN], uint32_t lut,
@@ -799,32 +625,13 @@ __device__ __forceinline__ void mma_k_block_scaled_weights(float (&acc)[TN * MT 
   for (int j = 0; j < TN; ++j) {
     uint32_t a[2][4];
     WP::decode(raw[j], lut, L, a);
-    const uint32_t s_lo = ActBF16::pack2(sc[2 * j], sc[2 * j]);          // column 16 j + g
-    const uint32_t s_hi = ActBF16::pack2(sc[2 * j + 1], sc[2 * j + 1]);  // column 16 j + g + 8
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // registers 0, 2: mma row g; 1, 3: row g + 8
-      a[h][0] = mul_bf16x2(a[h][0], s_lo);
-      a[h][2] = mul_bf16x2(a[h][2], s_lo);
-      a[h][1] = mul_bf16x2(a[h][1], s_hi);
-      a[h][3] = mul_bf16x2(a[h][3], s_hi);
-    }
+    scale_fragments(a, sc[2 * j], sc[2 * j + 1]);  // columns 16 j + g and 16 j + g + 8
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float(&c)[4] = *reinterpret_cast<float(*)[4]>(acc + (j * MT + mt) * 4);
       mma_16816<ActBF16>(c, a[0], xb[mt][0], xb[mt][1], c);  // k 0..15 of the block
       mma_16816<ActBF16>(c, a[1], xb[mt][2], xb[mt][3], c);  // k 16..31
     }
-  }
-}
-
-// The replicated lookup table of one batch entry's codebook, written by `nthreads` threads.
-template <class WP, class Act>
-__device__ __forceinline__ void build_table(uint32_t lut, const float* cb, int tid, int nthreads) {
-  constexpr int kPieces = 2 * WP::kEntryBytes;
-  for (int i = tid; i < WP::kEntries * kPieces; i += nthreads) {
-    const int e = i / kPieces, piece = i % kPieces;
-    const uint2 v = WP::template lut_entry<Act>(e, cb);
-    sts128(lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
   }
 }
 
@@ -1549,26 +1356,9 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 }
 
 // ---- host side: launch configuration ----
-// Per-device facts and per-(kernel, device) settings are cached: the launcher runs on every
-// eager call, and a driver query per launch would make small kernels host-bound. The caches
-// are benign-race atomics (every writer stores the same value); they live in the class
-// template below, so each kernel instantiation has its own.
-constexpr int kMaxDevices = 64;
-
-inline int current_device() {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) dev = 0;
-  return dev;
-}
-
-inline int device_sm_count(int dev) {
-  static std::atomic<int> cache[kMaxDevices];
-  int sms = cache[dev].load(std::memory_order_relaxed);
-  if (sms > 0) return sms;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) sms = 132;
-  cache[dev].store(sms, std::memory_order_relaxed);
-  return sms;
-}
+// Per-device facts and per-(kernel, device) settings are cached (see common.cuh's
+// device_sm_count); they live in the class template below, so each kernel instantiation has its
+// own.
 
 // n8 tiles along M for a problem with M rows (blocks of 64 rows above that).
 inline int m_tiles(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }

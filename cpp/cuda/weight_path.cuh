@@ -1,0 +1,209 @@
+// The per-bits decode of fragment-layout weights into mma A-operand registers, shared by the
+// fused kernels (matmul_fused.cuh: mma.sync; matmul_wgmma.cuh: wgmma with A from registers,
+// whose per-warp fragment of a 64 x 16 A tile is the mma.m16n8k16 A fragment of rows 16 w..).
+#pragma once
+
+#include "cuda/common.cuh"
+
+namespace kbit::cuda::fused {
+
+// Per-bits decode path. Shared interface:
+//   kLutBytes          shared-memory bytes of the replicated lookup table
+//   Raw                the registers of one thread's fields for one 16-column tile
+//   load(slab, off, j) read them from the staged weights of one k-block (slab = its first cell)
+//   decode             Raw -> the 2 x 4 A-operand registers of the tile's two k16 halves
+//   lut_entry          value of table entry e (built once per CTA)
+//   offset0/offset1    byte offsets of the thread's words inside a tile (rows g and g+8 follow
+//                      at compile-time distances)
+// mma row r of tile j always stands for column 16 j + r of the CTA's column group.
+template <int BITS>
+struct WeightPath;
+
+// bits 4: each thread's field is exactly word t of the cell; code pair q is byte q.
+// 256-entry pair table, 256-byte rows (lane l's copy at byte 4l; the upper 128 B of each row
+// are unused) so that the address is PRMT(field, lane_base): byte q of the field becomes the
+// row, the lane's byte offset stays in byte 0. One PRMT + one LDS.32 per two weights.
+template <>
+struct WeightPath<4> {
+  static constexpr int kEntries = 256, kEntryBytes = 4, kRowBytes = 256;
+  static constexpr int kLutBytes = kEntries * kRowBytes;  // 64 KiB
+  static constexpr int kTileBytes = 16 * 16;               // 16 cells of 4 words
+  struct Raw { uint32_t w[2]; };                           // word t of rows g and g+8
+  struct Lane { uint32_t base; };
+  __device__ static Lane lane_consts(int lane) { return {uint32_t(lane) * 4u}; }
+  __device__ static uint32_t offset0(int g, int t) { return 4 * (4 * g + t); }
+  __device__ static uint32_t offset1(int g, int t) { return offset0(g, t); }
+  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t, int j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) r.w[h] = lds32(slab + o0 + j * kTileBytes + h * 128);
+  }
+  __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)  // selector: byte0 <- lane base, byte1 <- field byte q, 0, 0
+        a[q >> 1][h + 2 * (q & 1)] = lds32(lut + __byte_perm(r.w[h], L.base, 0x5504u | (q << 4)));
+  }
+  template <class Act>
+  __device__ static uint2 lut_entry(int e, const float* cb) {
+    const uint32_t v = Act::pack2(__ldg(cb + (e & 15)), __ldg(cb + (e >> 4)));
+    return make_uint2(v, v);
+  }
+};
+
+// bits 2: a thread's field is 16 bits, half t&1 of word t>>1 of the cell. A 256-entry table of
+// FOUR values (8 B: the two operand registers of one k16 half) indexed by one field byte halves
+// the lookups: per 8 weights 2 PRMT + 2 LDS.64. Rows of 32 lanes x 8 B = 256 B, so the PRMT
+// that moves the field byte into byte 1 also keeps the lane offset (lane*8) in byte 0.
+template <>
+struct WeightPath<2> {
+  static constexpr int kEntries = 256, kEntryBytes = 8, kRowBytes = 256;
+  static constexpr int kLutBytes = kEntries * kRowBytes;  // 64 KiB
+  static constexpr int kTileBytes = 16 * 8;
+  struct Raw { uint32_t w[2]; };  // word t>>1 of rows g and g+8
+  struct Lane { uint32_t base; uint32_t sel[2]; };
+  __device__ static Lane lane_consts(int lane) {
+    const int t = lane & 3;
+    Lane L;
+    L.base = uint32_t(lane) * 8u;
+    L.sel[0] = 0x5504u | (uint32_t(2 * (t & 1)) << 4);      // byte 2(t&1):   codes 0..3
+    L.sel[1] = 0x5504u | (uint32_t(2 * (t & 1) + 1) << 4);  // byte 2(t&1)+1: codes 4..7
+    return L;
+  }
+  __device__ static uint32_t offset0(int g, int t) { return 4 * (2 * g + (t >> 1)); }
+  __device__ static uint32_t offset1(int g, int t) { return offset0(g, t); }
+  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t, int j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) r.w[h] = lds32(slab + o0 + j * kTileBytes + h * 64);
+  }
+  __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s)  // quad s = codes 4s..4s+3 = the k16 half s of the cell
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint2 q = lds64(lut + __byte_perm(r.w[h], L.base, L.sel[s]));
+        a[s][h] = q.x;      // k 2t, 2t+1
+        a[s][h + 2] = q.y;  // k 2t+8, 2t+9
+      }
+  }
+  template <class Act>
+  __device__ static uint2 lut_entry(int e, const float* cb) {
+    return make_uint2(Act::pack2(__ldg(cb + (e & 3)), __ldg(cb + ((e >> 2) & 3))),
+                      Act::pack2(__ldg(cb + ((e >> 4) & 3)), __ldg(cb + (e >> 6))));
+  }
+};
+
+// bits 3: thread t's 24-bit field starts at bit 24t of the 96-bit cell: words a = 3t/4 and
+// a+1 (the last thread needs word 2 only and reads it twice), one funnel shift aligns it.
+// 64-entry pair table, 128-byte rows (8 KiB); a pair's address is one shift + one LOP3
+// ((f << 7 >> 6q) & 0x1f80 | lane*4).
+template <>
+struct WeightPath<3> {
+  static constexpr int kEntries = 64, kEntryBytes = 4, kRowBytes = 128;
+  static constexpr int kLutBytes = kEntries * kRowBytes;  // 8 KiB
+  static constexpr int kTileBytes = 16 * 12;
+  struct Raw { uint32_t lo[2], hi[2]; };
+  struct Lane { uint32_t base; uint32_t shift; };
+  __device__ static Lane lane_consts(int lane) {
+    return {uint32_t(lane) * 4u, uint32_t((24 * (lane & 3)) & 31)};
+  }
+  __device__ static uint32_t offset0(int g, int t) { return 4 * (3 * g + (3 * t) / 4); }
+  __device__ static uint32_t offset1(int g, int t) { return 4 * (3 * g + min((3 * t) / 4 + 1, 2)); }
+  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t o1, int j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      r.lo[h] = lds32(slab + o0 + j * kTileBytes + h * 96);
+      r.hi[h] = lds32(slab + o1 + j * kTileBytes + h * 96);
+    }
+  }
+  __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t f = __funnelshift_r(r.lo[h], r.hi[h], L.shift);
+      a[0][h] = lds32(lut + (((f << 7) & 0x1f80u) | L.base));
+      a[0][h + 2] = lds32(lut + (((f << 1) & 0x1f80u) | L.base));
+      a[1][h] = lds32(lut + (((f >> 5) & 0x1f80u) | L.base));
+      a[1][h + 2] = lds32(lut + (((f >> 11) & 0x1f80u) | L.base));
+    }
+  }
+  template <class Act>
+  __device__ static uint2 lut_entry(int e, const float* cb) {
+    const uint32_t v = Act::pack2(__ldg(cb + (e & 7)), __ldg(cb + (e >> 3)));
+    return make_uint2(v, v);
+  }
+};
+
+// bits 5: thread t's 40-bit field starts at bit 40t of the 160-bit cell: words a = 5t/4 and
+// a+1 (both inside the cell for every t). 1024-entry pair table, 128-byte rows (128 KiB);
+// addresses: one shift + one LOP3 per pair, the pair that straddles the field's 32-bit
+// boundary uses a funnel shift instead of the plain shift.
+template <>
+struct WeightPath<5> {
+  static constexpr int kEntries = 1024, kEntryBytes = 4, kRowBytes = 128;
+  static constexpr int kLutBytes = kEntries * kRowBytes;  // 128 KiB
+  static constexpr int kTileBytes = 16 * 20;
+  struct Raw { uint32_t lo[2], hi[2]; };
+  struct Lane { uint32_t base; uint32_t shift; };
+  __device__ static Lane lane_consts(int lane) {
+    return {uint32_t(lane) * 4u, uint32_t((40 * (lane & 3)) & 31)};
+  }
+  __device__ static uint32_t offset0(int g, int t) { return 4 * (5 * g + (5 * t) / 4); }
+  __device__ static uint32_t offset1(int g, int t) { return offset0(g, t) + 4; }
+  __device__ static void load(Raw& r, uint32_t slab, uint32_t o0, uint32_t, int j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      r.lo[h] = lds32(slab + o0 + j * kTileBytes + h * 160);
+      r.hi[h] = lds32(slab + o0 + j * kTileBytes + h * 160 + 4);
+    }
+  }
+  __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t lo = __funnelshift_r(r.lo[h], r.hi[h], L.shift);  // field bits 0..31
+      const uint32_t hi = r.hi[h] >> L.shift;                           // field bits 32..39
+      a[0][h] = lds32(lut + (((lo << 7) & 0x1ff80u) | L.base));
+      a[0][h + 2] = lds32(lut + (((lo >> 3) & 0x1ff80u) | L.base));
+      a[1][h] = lds32(lut + (((lo >> 13) & 0x1ff80u) | L.base));
+      a[1][h + 2] = lds32(lut + ((__funnelshift_r(lo, hi, 23) & 0x1ff80u) | L.base));
+    }
+  }
+  template <class Act>
+  __device__ static uint2 lut_entry(int e, const float* cb) {
+    const uint32_t v = Act::pack2(__ldg(cb + (e & 31)), __ldg(cb + (e >> 5)));
+    return make_uint2(v, v);
+  }
+};
+
+// a * b on two bf16 lanes, rounded once.
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Multiplies a tile's decoded fragments (WeightPath::decode) by the E4M4 block scales of its two
+// mma rows: s_lo for row g (registers 0, 2), s_hi for row g + 8 (registers 1, 3). The scales are
+// exact in bf16 (5 significant bits, 2^-14..31), so each weight is rounded once, to bf16.
+__device__ __forceinline__ void scale_fragments(uint32_t (&a)[2][4], float s_lo, float s_hi) {
+  const uint32_t lo = ActBF16::pack2(s_lo, s_lo), hi = ActBF16::pack2(s_hi, s_hi);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    a[h][0] = mul_bf16x2(a[h][0], lo);
+    a[h][2] = mul_bf16x2(a[h][2], lo);
+    a[h][1] = mul_bf16x2(a[h][1], hi);
+    a[h][3] = mul_bf16x2(a[h][3], hi);
+  }
+}
+
+// The replicated lookup table of one batch entry's codebook, written by `nthreads` threads.
+template <class WP, class Act>
+__device__ __forceinline__ void build_table(uint32_t lut, const float* cb, int tid, int nthreads) {
+  constexpr int kPieces = 2 * WP::kEntryBytes;
+  for (int i = tid; i < WP::kEntries * kPieces; i += nthreads) {
+    const int e = i / kPieces, piece = i % kPieces;
+    const uint2 v = WP::template lut_entry<Act>(e, cb);
+    sts128(lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
+  }
+}
+
+}  // namespace kbit::cuda::fused
