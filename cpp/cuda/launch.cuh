@@ -57,7 +57,8 @@ struct MatmulTuning {
   int k_split = 0;        // CTAs per thread-block cluster that split K (1..8); 0 = heuristic
   bool force_generic = false;  // use the slow SIMT kernel even where the fused one applies
   int variant = -1;            // fused tiling: 0 or 1 (the 8- and 16-row tilings), 2 (the N-split tiling
-                               // of 32 or 64 rows, warp-specialized kernel only); -1 = the launcher picks
+                               // of 32 or 64 rows, warp-specialized kernel only), 3 (the wgmma kernel, bf16
+                               // and N % 16 == 0 on sm_90a only); -1 = the launcher picks
   int ws_max_rows = -1;        // M up to which the warp-specialized kernel runs; -1 = default
   int balance = -1;            // chunk-balanced clusters: 1 = wherever possible (at k_split if set), 0 =
                                // never (uniform k-split), -1 = the launcher picks (KBIT_JAX_BALANCE=0: never)
@@ -76,6 +77,12 @@ std::string launch_quantize(const QuantizeArgs& a, cudaStream_t stream);
 std::string launch_dequantize(const DequantizeArgs& a, cudaStream_t stream);
 std::string launch_matmul(const MatmulArgs& a, cudaStream_t stream,
                           const MatmulTuning* tuning = nullptr);
+
+// The rows of x (min..max) for which bf16 products take the wgmma kernel on this device (0, 0:
+// not compiled, not a compute capability 9.0 device, or KBIT_JAX_WGMMA_MIN_M=0), for the
+// JAX-side dispatch.
+int wgmma_min_rows_here();
+int wgmma_max_rows_here();
 
 // The architectures the device code was compiled for (from nvcc's __CUDA_ARCH_LIST__),
 // e.g. "90", and the CUDA toolkit version the module was built with, e.g. "13.0".

@@ -1,5 +1,9 @@
-// kbit_matmul dispatch: the fused tensor-core kernel (matmul_fused.cuh) where it applies, the
-// generic SIMT kernel (matmul_generic.cu) elsewhere; plus the build information of the module.
+// kbit_matmul dispatch: the fused tensor-core kernels where they apply (matmul_wgmma.cuh for
+// bf16 at kWgmmaMinRows..kWgmmaMaxRows rows, matmul_fused.cuh otherwise), the generic SIMT kernel
+// (matmul_generic.cu) elsewhere; plus the build information of the module.
+#include <algorithm>
+#include <cstdlib>
+
 #include "cuda/common.cuh"
 
 namespace kbit::cuda {
@@ -9,6 +13,61 @@ namespace fused {
 template <int BITS>
 std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning);
 }  // namespace fused
+namespace wgmma {
+template <int BITS>
+std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning);
+}  // namespace wgmma
+
+// Rows of x for which bf16 products take the wgmma kernel (matmul_wgmma.cuh) instead of
+// matmul_fused.cuh's. Measured on an H200 (bits 4, the ten benchmark shapes;
+// benchmarks/results/matmul_wgmma_h200_s22.md): at M = 128 it takes 0.64-0.88x the time of the
+// mma.sync kernels on 9 of 10 shapes (Llama-3-70B gate/up 148 against 231 us), at M = 64 it wins
+// on half of them, and at M = 512 and 4096 dequantize + cuBLAS is faster on most. The environment
+// overrides the range (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read once per process; MIN_M=0: never).
+constexpr int kWgmmaMinRows = 65, kWgmmaMaxRows = 128;
+int env_or(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : fallback;
+}
+int wgmma_min_rows() {
+  static const int rows = env_or("KBIT_JAX_WGMMA_MIN_M", kWgmmaMinRows);
+  return rows;
+}
+int wgmma_max_rows() {
+  static const int rows = env_or("KBIT_JAX_WGMMA_MAX_M", kWgmmaMaxRows);
+  return rows;
+}
+
+// The module has the wgmma kernel (CMake compiled the sm_90a target: KBIT_WGMMA) and the current
+// device runs it (compute capability 9.0; sm_90a code runs nowhere else).
+bool wgmma_available() {
+#if defined(KBIT_WGMMA)
+  static std::atomic<int> cache[kMaxDevices];  // 0: unknown, 1: yes, 2: no
+  const int dev = current_device();
+  int v = cache[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0, minor = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
+    v = ok && major == 9 && minor == 0 ? 1 : 2;
+    cache[dev].store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+#else
+  return false;
+#endif
+}
+
+int wgmma_min_rows_here() { return wgmma_available() ? std::max(wgmma_min_rows(), 0) : 0; }
+int wgmma_max_rows_here() { return wgmma_min_rows_here() > 0 ? wgmma_max_rows() : 0; }
+
+// bf16 activations, the fragment layout and 16-byte rows (N % 16 == 0); tuning->variant 3 forces
+// it where it applies, 0..2 keep matmul_fused.cuh's tilings.
+bool use_wgmma(const MatmulArgs& a, const MatmulTuning* tuning) {
+  if (a.dtype != DType::kBF16 || a.layout != kbit::kFragment || a.n % 16 != 0 || !wgmma_available()) return false;
+  if (tuning && tuning->variant >= 0) return tuning->variant == 3;
+  return wgmma_min_rows() > 0 && a.m >= wgmma_min_rows() && a.m <= wgmma_max_rows();
+}
 
 // The fused kernel needs 16-bit activations (float32 activations keep float32 accuracy on the
 // generic path) and the fragment layout; any B, M, K (multiple of 32) and N.
@@ -22,6 +81,8 @@ std::string launch_matmul(const MatmulArgs& a, cudaStream_t stream, const Matmul
   if (a.batch == 0 || a.m == 0 || a.n == 0) return std::string();  // nothing to write
   const bool fused = matmul_path(a) == "fused" && !(tuning && tuning->force_generic);
   if (!fused) return launch_matmul_generic(a, stream);
+  if (use_wgmma(a, tuning))
+    return KBIT_BITS_SWITCH(a.bits, BITS, [&] { return wgmma::launch_wgmma_bits<BITS>(a, stream, tuning); });
   return KBIT_BITS_SWITCH(a.bits, BITS, [&] { return fused::launch_fused_bits<BITS>(a, stream, tuning); });
 }
 

@@ -2,13 +2,15 @@
 
 Params: ``layout`` (the weight's layout), ``method``: "fused" runs the fused
 dequantize+matmul kernel; "dequantize" materializes W in x.dtype with the dequantize kernel
-and lets XLA's dense dot do the rest (faster at large M on the GPU); "auto" picks by M on
-the GPU (see `FUSED_MAX_M`) and the fused kernel elsewhere; and ``glu``: None, or a
+and lets XLA's dense dot do the rest (faster at large M on the GPU without the wgmma kernel);
+"auto" picks by M on the GPU (see `FUSED_MAX_M`, `wgmma_rows`) and the fused kernel elsewhere; and ``glu``: None, or a
 `reference.GLU_ACTIVATIONS` name, for which y is ``act(y[..., 0::2]) * y[..., 1::2]``
 (``[B, M, N / 2]``), applied by the kernels to their float32 sums (the FFI attribute ``glu``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from .. import reference
+from .. import _ext, reference
 from ..format import BLOCK
 from ..sharding import FactorRule
 from ._common import _varying_axes, define, fold_batch_into_leading_axis, layout_attr, out_aval
@@ -37,9 +39,24 @@ METHODS = ("auto", "fused", "dequantize")
 FUSED_MAX_M = 128
 #: Rows up to which every N takes the fused kernel under "auto".
 FUSED_ANY_N_MAX_M = 16
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_rows() -> tuple[int, int]:
+    """(min, max): the rows (M) for which bf16 products (N % 16 == 0) take the CUDA module's
+    wgmma kernel (cpp/cuda/matmul_wgmma.cuh; cpp/cuda/matmul.cu says where it wins), whose
+    epilogue applies a GLU at no cost; (0, 0) where there is none (no CUDA module, a build
+    without the sm_90a target, a GPU other than compute capability 9.0, or KBIT_JAX_WGMMA_MIN_M=0).
+    Above FUSED_MAX_M, "auto" takes the fused kernel too where this range covers M."""
+    if not _ext.has_cuda():
+        return 0, 0
+    info = _ext.build_info()
+    return int(info.get("wgmma_min_m", 0)), int(info.get("wgmma_max_m", 0))
+
+
 #: On CUDA under method "auto", rows up to which the fused bf16/f16 kernel applies a GLU itself;
 #: above, its plain product is gated by XLA (one elementwise fusion; "fused" keeps the gate in
-#: the kernel at any M). The gate runs on the warp that ends each work item while it holds its
+#: the kernel at any M), except in the wgmma kernel (`wgmma_rows`), whose epilogue gates. The gate runs on the warp that ends each work item while it holds its
 #: ring stages, and its work grows with the item's rows. Measured on an H200 (bits 4,
 #: `bench_matmul.py --glu silu`; benchmarks/results/matmul_glu_h200_s21.md), fused gate against
 #: kernel + XLA gate: at M = 1 0.6-5.3 us less on the Qwen3, GLM-4.7 and Llama-3 gate/up shapes;
@@ -93,11 +110,14 @@ def _cuda_lowering(ctx, x, planes, scales, codebook, tensor_scale, *, layout, me
     fast = layout == "fragment" and x_aval.dtype != jnp.float32
     m, n = x_aval.shape[1], ctx.avals_in[1].shape[2]
     small = m <= FUSED_ANY_N_MAX_M or (m <= FUSED_MAX_M and n % 16 == 0)
-    fused = method == "fused" or (method == "auto" and (x_aval.dtype == jnp.float32 or (fast and small)))
+    lo, hi = wgmma_rows()
+    tensor_core = x_aval.dtype == jnp.bfloat16 and layout == "fragment" and n % 16 == 0 and 0 < lo <= m <= hi
+    fused = method == "fused" or (method == "auto" and (x_aval.dtype == jnp.float32 or
+                                                         (fast and (small or tensor_core))))
     if not fused:
         return _dequantize_then_dot_lowering(ctx, x, planes, scales, codebook, tensor_scale,
                                              layout=layout, method=method, glu=glu)
-    if glu is not None and fast and method == "auto" and m > FUSED_GLU_MAX_M:
+    if glu is not None and fast and method == "auto" and m > FUSED_GLU_MAX_M and not tensor_core:
         return _gated_by_xla_lowering(ctx, x, planes, scales, codebook, tensor_scale,
                                       layout=layout, method=method, glu=glu)
     return _fused_cuda_lowering(ctx, x, planes, scales, codebook, tensor_scale,

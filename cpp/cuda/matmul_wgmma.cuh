@@ -1,0 +1,396 @@
+// The fused kbit matmul on Hopper's warpgroup tensor-core instructions (wgmma, sm_90a), for
+// bf16 activations at larger M (where the mma.sync kernels of matmul_fused.cuh decode each weight
+// once per 16-64 rows and run out of tensor-core rate):
+//     y[b, m, n] = tensor_scale[b] * sum_kb scale[kb, n] * sum_{k in kb} x[b, m, k] * codebook[code]
+//
+// ---- Why it looks like this ----
+//  * Swapped operands, as in matmul_fused.cuh: D^T[n, m] = W^T[n, k] X^T[k, m]. The decoded
+//    weights are wgmma's A operand, taken from registers: the per-warp register fragment of a
+//    64 x 16 A tile is exactly the mma.m16n8k16 A fragment of rows 16 w .. 16 w + 15, so
+//    weight_path.cuh's decode (table lookups) feeds it unchanged, and the decoded weights never
+//    go through shared memory. x is the B operand (wgmma's N = BM rows of x, 64 or 128), read
+//    by the tensor cores from shared memory.
+//  * The E4M4 block scale multiplies the decoded weights (exact in bf16; each weight rounded
+//    once to bf16, as in the N-split tiling), so the wgmma accumulates straight into the f32
+//    sums: no per-k-block work on the BM / 2 accumulators per thread.
+//  * Work per CTA: BN = 256 weight columns (two warpgroups x two 64-column A tiles) x BM rows
+//    of x. The weights (bits / 8 bytes per element) are the cheap operand, so the tile is wide
+//    in N: per k, the CTA reads 256 bits/8 bytes of weights and 2 BM bytes of x (from L2) for
+//    512 BM flops.
+//  * Copies: a kStages-deep ring of chunks (KCH = 2 k-blocks), one __syncthreads per chunk.
+//    The weights and scale bytes (read by the decode's shared-memory loads) come by 16-byte
+//    cp.async from every thread. x comes by one TMA tensor copy per chunk, completing on an
+//    mbarrier, as wgmma's K-major operand with the 128-byte swizzle: each row of x holds the
+//    chunk's 64 k in 128 bytes, its 16-byte pieces XORed with the row index mod 8, 8-row atoms
+//    1024 bytes apart. The tensor cores read B through the async proxy: cp.async writes would
+//    need a fence.proxy.async in each writing thread, which compiles to MEMBAR.ALL.CTA and waited
+//    for every copy in flight, i.e. emptied the ring each chunk (2.2 us per chunk, 4x the
+//    tensor-core time, in a first version).
+//  * K is split across the CTAs of a thread-block cluster (ks ranks, each a k-range) where the
+//    output tiles alone would leave SMs idle; the ranks' f32 tiles are added through distributed
+//    shared memory in the epilogue (each rank sums and stores every ks-th row): no workspace.
+//  * The epilogue stages the f32 tile in shared memory ([m][n], rows padded by 4 floats: the
+//    accumulator stores are conflict-free), then each thread writes 8 consecutive outputs (16
+//    bytes): coalesced rows of y. A GLU gates there, on the f32 sums (glu.h, accurate form).
+//
+// ---- Where it stands (H200, bench_matmul.py, bits 4; benchmarks/results/matmul_wgmma_h200_s22.md) ----
+//  M = 128: 0.64-0.88x the time of the mma.sync kernels on 9 of the 10 benchmark shapes
+//  (Llama-3-70B gate/up 148 against 231 us, 0.83-0.88x the dense bf16 dot in two runs; 8B gate/up
+//  47 against 65), hence matmul.cu's dispatch at M = 65..128. M = 4096: Llama-3-70B gate/up 4061 us against
+//  cuBLAS's 2880 (~470 TFLOP/s, half of the tensor cores' rate): each chunk's decode, barrier and
+//  group wait run outside the products (one group in flight per warpgroup, both warpgroups in
+//  step). Next: two register sets (chunk loop unrolled by 2) or warpgroups out of step
+//  (ping-pong), a persistent grid (M = 512: 3.4 waves of tiles), then a wider tile for less x
+//  traffic from L2.
+//
+// ---- Limits ----
+//  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
+//  bytes), compiled for sm_90a only (elsewhere matmul.cu never picks it).
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "cuda/common.cuh"
+#include "cuda/item_reduce.cuh"  // mbar_init, mbar_wait
+#include "cuda/tma.cuh"
+#include "cuda/weight_path.cuh"
+#include "cuda/wgmma.cuh"
+#include "glu.h"
+
+namespace kbit::cuda::wgmma {
+
+constexpr int kMaxSmemBytes = 227 * 1024;  // H100/H200 per-block limit (opt-in)
+
+template <int BITS, int BM>
+struct WgConfig {
+  static constexpr int kThreads = 256;  // two warpgroups; every thread copies and computes
+  static constexpr int kBN = 256;       // weight columns per CTA: 2 warpgroups x 2 m64 tiles
+  static constexpr int kKCH = 2;        // k-blocks (32 k each) per ring stage
+  static constexpr int kXBytes = BM * kKCH * 64;           // [row][64 k] (128 bytes), swizzled
+  static constexpr int kWRowBytes = kBN * BITS * 4;        // one k-block of the CTA's cells
+  static constexpr int kWBytes = kKCH * kWRowBytes;
+  static constexpr int kSBytes = kKCH * kBN;               // E4M4 scale bytes
+  // (stages stay 1024-byte aligned: the 128-byte swizzle repeats every 8 rows of x)
+  static constexpr int kStageBytes = (kXBytes + kWBytes + kSBytes + 1023) / 1024 * 1024;
+  static constexpr int kLutBytes = fused::WeightPath<BITS>::kLutBytes;
+  static constexpr int kTileStride = kBN + 4;              // floats per row of the epilogue tile
+  static constexpr int kTileBytes = BM * kTileStride * 4;  // overlays table and ring at the end
+  // S - 1 chunks in flight: 4 stages where they fit, 3 with bits 5's 128 KiB table. (6 stages
+  // were timed only with the wgmma_wait<1> loop, which was slower; see the kernel's loop.)
+  static constexpr int pick_stages() { return kLutBytes + 4 * kStageBytes + 1024 + 32 <= kMaxSmemBytes ? 4 : 3; }
+  static constexpr int kStages = pick_stages();
+  static constexpr int kBarOffset = std::max(kLutBytes + kStages * kStageBytes + 1024, kTileBytes);
+  static constexpr int kSmemBytes = kBarOffset + 8 * kStages;  // + one mbarrier per stage (x)
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory budget");
+  static_assert(kStageBytes % 16 == 0 && kLutBytes % 16 == 0, "16-byte copies");
+};
+
+struct WgParams {
+  const void* x;  // [B, M, K] bf16
+  const uint32_t* planes;
+  const uint8_t* scales;
+  const float* codebook;
+  const float* tensor_scale;
+  void* y;  // [B, M, N] bf16, or [B, M, N / 2] with glu
+  int64_t M;
+  int N, K, KB;
+  int ks, kps;             // cluster size along K, k-blocks per rank
+  int n_tiles, m_tiles;    // output tiles: (b, nt, mt), mt fastest (neighbours share weights in L2)
+  int glu;
+};
+
+__device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+// Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int BITS, int BM>
+__global__ void __launch_bounds__(256, 1)
+    kbit_matmul_wgmma_kernel(const WgParams p, const __grid_constant__ CUtensorMap xmap) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = WgConfig<BITS, BM>;
+  using WP = fused::WeightPath<BITS>;
+  constexpr int S = Cfg::kStages, KCH = Cfg::kKCH, BN = Cfg::kBN, NACC = BM / 2;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wq = warp & 3, g = lane >> 2, t = lane & 3;
+
+  const int ks = p.ks, rank = blockIdx.x % ks, tile = blockIdx.x / ks;
+  const int mt = tile % p.m_tiles, nt = (tile / p.m_tiles) % p.n_tiles, b = tile / p.m_tiles / p.n_tiles;
+  const int n0 = nt * BN;
+  const int64_t m0 = int64_t(mt) * BM;
+  const int rows = int(min(int64_t(BM), p.M - m0));
+  const int kbA = rank * p.kps, kbE = min(p.KB, kbA + p.kps);
+  const int nch = kbE > kbA ? (kbE - kbA + KCH - 1) / KCH : 0;
+
+  const uint32_t s_lut = smem_u32(smem), s_bar = s_lut + Cfg::kBarOffset;
+  const uint32_t s_ring = (s_lut + Cfg::kLutBytes + 1023u) & ~1023u;  // 1024-byte aligned stages
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) fused::mbar_init(s_bar + 8 * s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  fused::build_table<WP, ActBF16>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, Cfg::kThreads);
+  __syncthreads();  // the barriers are initialized before any copy arrives on them
+
+  // ---- copies of chunk c (k-blocks kbA + KCH c ..) into ring slot c % S. Weights and scales:
+  // past K nothing is copied (the compute skips those k-blocks), past N zeros. Each thread's
+  // pieces are fixed for the whole k loop (offsets computed here, once): a chunk only moves the
+  // k offset. (Written per chunk, the address arithmetic was ~1000 SASS instructions per thread
+  // and chunk.)
+  const uint8_t* w_src = reinterpret_cast<const uint8_t*>(p.planes) + (int64_t(b) * p.KB * p.N + n0) * (BITS * 4);
+  const uint8_t* s_src = p.scales + int64_t(b) * p.KB * p.N + n0;
+  const int64_t w_row = int64_t(p.N) * BITS * 4;  // bytes of one k-block row of the weight
+  // weights: 16-byte pieces of the chunk's KCH k-block rows of BN cells
+  constexpr int kWPieces = Cfg::kWRowBytes / 16, kWPer = (KCH * kWPieces + Cfg::kThreads - 1) / Cfg::kThreads;
+  const int w_valid = min(BN, p.N - n0) * BITS * 4;  // bytes of a k-block row inside N
+  int w_kbl[kWPer];
+  uint32_t w_soff[kWPer];
+  int64_t w_goff[kWPer];
+  bool w_in[kWPer];
+#pragma unroll
+  for (int j = 0; j < kWPer; ++j) {
+    const int i = tid + Cfg::kThreads * j, off = (i % kWPieces) * 16;
+    w_kbl[j] = i < KCH * kWPieces ? i / kWPieces : KCH;  // KCH (never < kbl_end): no piece
+    w_soff[j] = uint32_t(Cfg::kXBytes + (i / kWPieces) * Cfg::kWRowBytes + off);
+    w_goff[j] = (i / kWPieces) * w_row + off;
+    w_in[j] = off < w_valid;
+  }
+  // scale bytes: one 16-byte piece of a k-block row for the first KCH * BN / 16 threads
+  constexpr int kSPieces = BN / 16;
+  const int s_kbl = tid < KCH * kSPieces ? tid / kSPieces : KCH, s_off = (tid % kSPieces) * 16;
+  const bool s_in = s_off < min(BN, p.N - n0);
+  const uint32_t s_soff = uint32_t(Cfg::kXBytes + Cfg::kWBytes + (tid / kSPieces) * BN + s_off);
+  const int64_t s_goff = int64_t(tid / kSPieces) * p.N + s_off;
+
+  auto issue = [&](int c) {
+    const uint32_t st = s_ring + (c % S) * Cfg::kStageBytes;
+    const int kb0 = kbA + c * KCH, kbl_end = min(KCH, kbE - kb0);  // k-blocks kbl < kbl_end exist
+    if (tid == 0) {  // x: rows m0.. of batch entry b, k from 32 kb0; past B * M or K zeros
+      mbar_arrive_expect_tx(s_bar + 8 * (c % S), Cfg::kXBytes);
+      tma_load_2d(st, &xmap, 32 * kb0, int(int64_t(b) * p.M + m0), s_bar + 8 * (c % S));
+    }
+    const uint8_t* w_chunk = w_src + int64_t(kb0) * w_row;
+#pragma unroll
+    for (int j = 0; j < kWPer; ++j)
+      if (w_kbl[j] < kbl_end) cp_async16_zfill(st + w_soff[j], w_in[j] ? w_chunk + w_goff[j] : w_src, w_in[j] ? 16u : 0u);
+    if (s_kbl < kbl_end)
+      cp_async16_zfill(st + s_soff, s_in ? s_src + int64_t(kb0) * p.N + s_goff : s_src, s_in ? 16u : 0u);
+  };
+
+  float acc[2][NACC];  // [m64 tile j][wgmma accumulator]
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[j][i] = 0.f;
+  const typename WP::Lane L = WP::lane_consts(lane);
+  const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
+
+#pragma unroll
+  for (int c = 0; c < S - 1; ++c) {
+    if (c < nch) issue(c);
+    cp_async_commit();
+  }
+  // One chunk at a time: its products are one wgmma group, waited for before the next chunk's
+  // barrier. Waiting only for the previous chunk's group (wgmma_wait<1>, 6 stages, copies two
+  // chunks back) was slower (Llama-3-70B gate/up, M = 4096: 4703 against 4321 us): the next
+  // decode writes the registers the group in flight reads, so ptxas has to finish it first
+  // (its SASS waits on the group's scoreboard; with one group per k-block it serialized every
+  // wgmma, warning C7513). Overlapping needs two register sets, i.e. a chunk loop unrolled by 2.
+  // Chunk c + S - 1 goes into chunk c - 1's slot, issued while chunk c's products run.
+  for (int c = 0; c < nch; ++c) {
+    cp_async_wait<S - 2>();  // this thread's copies of chunk c have landed
+    __syncthreads();         // everyone's; and chunk c - 1's slot is free (its group waited)
+    fused::mbar_wait(s_bar + 8 * (c % S), uint32_t(c / S) & 1u);  // and its x (TMA)
+    const uint32_t st = s_ring + (c % S) * Cfg::kStageBytes;
+    const int kb0 = kbA + c * KCH;
+#pragma unroll
+    for (int kbl = 0; kbl < KCH; ++kbl) {
+      if (kb0 + kbl >= kbE) break;  // CTA-uniform
+      uint32_t a[2][2][4];  // [m64 tile j][k16 half][register]
+      const uint32_t slab = st + Cfg::kXBytes + kbl * Cfg::kWRowBytes;
+      const uint32_t sc = st + Cfg::kXBytes + Cfg::kWBytes + kbl * BN;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int tile16 = 8 * wg + 4 * j + wq;  // the warp's 16 columns: rows 16 wq.. of tile j
+        typename WP::Raw raw;
+        WP::load(raw, slab, o0, o1, tile16);
+        WP::decode(raw, s_lut, L, a[j]);
+        const float s_lo = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g) << 19);
+        const float s_hi = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g + 8) << 19);
+        fused::scale_fragments(a[j], s_lo, s_hi);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // the k16 slice at byte 64 kbl + 32 h of every 128-byte row (SWIZZLE_128B, see header)
+        const uint64_t desc = make_smem_desc_sw128(st + 64 * kbl + 32 * h);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) WgmmaBF16<BM>::mma(acc[j], a[j][h], desc);
+      }
+    }
+    wgmma_commit();
+    if (c + S - 1 < nch) issue(c + S - 1);
+    cp_async_commit();
+    wgmma_wait<0>();
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 2; ++j) fence_operands(acc[j]);
+  cp_async_wait<0>();  // (only empty groups can be pending here)
+  __syncthreads();     // every warp is done with the table and the ring: the tile overlays them
+
+  // ---- epilogue: this rank's f32 tile into shared memory ([m][n], padded rows) ----
+  float* tile_f = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+      const int n = 128 * wg + 64 * j + 16 * wq + g + 8 * ((i >> 1) & 1);
+      tile_f[m * Cfg::kTileStride + n] = acc[j][i];
+    }
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  if (ks > 1) cluster.sync(); else __syncthreads();
+
+  // ---- each rank sums every ks-th row over the ranks, scales, rounds and stores it: a thread
+  // takes E consecutive tile columns (8, or 16 with a GLU: 8 outputs, one 16-byte store) ----
+  const float ts = p.tensor_scale[b];
+  const int E = p.glu != kGluNone ? 16 : 8, groups = BN / E;
+  const int n_out = p.glu != kGluNone ? p.N / 2 : p.N;
+  const GluLogit logit(p.glu);
+  const int my_rows = rows > rank ? (rows - rank + ks - 1) / ks : 0;
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.y) + (int64_t(b) * p.M + m0) * n_out;
+  for (int it = tid; it < my_rows * groups; it += Cfg::kThreads) {
+    const int r = rank + ks * (it / groups), c0 = (it % groups) * E;
+    if (n0 + c0 >= p.N) continue;
+    float v[16];
+    for (int e = 0; e < E; e += 4) {
+      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int q = 0; q < ks; ++q) {  // rank order: the same sums on every run
+        const float4* src = cluster.map_shared_rank(
+            reinterpret_cast<const float4*>(tile_f + r * Cfg::kTileStride + c0 + e), q);
+        const float4 u = ks > 1 ? *src : *reinterpret_cast<const float4*>(tile_f + r * Cfg::kTileStride + c0 + e);
+        s.x += u.x; s.y += u.y; s.z += u.z; s.w += u.w;
+      }
+      v[e] = s.x * ts; v[e + 1] = s.y * ts; v[e + 2] = s.z * ts; v[e + 3] = s.w * ts;
+    }
+    uint32_t packed[4];
+    if (p.glu != kGluNone) {
+#pragma unroll
+      for (int o = 0; o < 4; ++o)
+        packed[o] = ActBF16::pack2(glu_apply(logit, v[4 * o], v[4 * o + 1]), glu_apply(logit, v[4 * o + 2], v[4 * o + 3]));
+    } else {
+#pragma unroll
+      for (int o = 0; o < 4; ++o) packed[o] = ActBF16::pack2(v[2 * o], v[2 * o + 1]);
+    }
+    const int col = p.glu != kGluNone ? (n0 + c0) / 2 : n0 + c0;
+    *reinterpret_cast<uint4*>(y + int64_t(r) * n_out + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+  if (ks > 1) cluster.sync();  // no rank leaves while another reads its tile
+#endif
+}
+
+// Clusters of `ks` CTAs of `kernel` at `smem` bytes that fit on device `dev` at once; `cache`
+// is the caller's (one per kernel instantiation).
+template <class Kernel>
+int max_resident_clusters(Kernel kernel, int ks, int smem, int dev, std::atomic<int> (&cache)[kMaxDevices][9]) {
+  int n = cache[dev][ks].load(std::memory_order_relaxed);
+  if (n > 0) return n;
+  const ClusterLaunch probe(unsigned(ks) * 64, 256, smem, nullptr, ks);
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe.cfg) != cudaSuccess || n < 1) {
+    cudaGetLastError();
+    n = std::max(1, device_sm_count(dev) / ks / 2);
+  }
+  cache[dev][ks].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+template <int BITS, int BM>
+std::string launch_wgmma(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
+  using Cfg = WgConfig<BITS, BM>;
+  constexpr auto kernel = &kbit_matmul_wgmma_kernel<BITS, BM>;
+  const std::string shape = "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" +
+                            std::to_string(a.k) + " N=" + std::to_string(a.n) + " bits=" +
+                            std::to_string(BITS) + " BM=" + std::to_string(BM) + " glu=" + std::to_string(a.glu);
+  const int dev = current_device();
+  static std::atomic<bool> smem_set[kMaxDevices];
+  static std::atomic<int> fits[kMaxDevices][9];  // max_resident_clusters' cache
+  if (!smem_set[dev].load(std::memory_order_relaxed)) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (err != cudaSuccess)
+      return std::string("kbit_matmul_wgmma_kernel: cannot reserve ") + std::to_string(Cfg::kSmemBytes) +
+             " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape + ")";
+    smem_set[dev].store(true, std::memory_order_relaxed);
+  }
+  WgParams p;
+  p.x = a.x;
+  p.planes = a.planes;
+  p.scales = a.scales;
+  p.codebook = a.codebook;
+  p.tensor_scale = a.tensor_scale;
+  p.y = a.y;
+  p.M = a.m;
+  p.N = static_cast<int>(a.n);
+  p.K = static_cast<int>(a.k);
+  p.KB = static_cast<int>(a.k / 32);
+  p.glu = a.glu;
+  p.n_tiles = ceil_div(a.n, Cfg::kBN);
+  p.m_tiles = ceil_div(a.m, BM);
+  const int64_t tiles = int64_t(p.n_tiles) * p.m_tiles * a.batch;
+  // Split K over a cluster where the tiles leave SMs idle: the largest cluster size whose
+  // clusters all fit on the GPU at once (cudaOccupancyMaxActiveClusters: at ~170 KB of shared
+  // memory per CTA, 4-CTA clusters fit 120 CTAs, not 132, and a second wave doubled the time of
+  // 128-CTA launches), with at least two chunks per rank.
+  int ks = 1;
+  if (tuning && tuning->k_split > 0) {
+    ks = std::min(tuning->k_split, 8);
+  } else {
+    for (int c = std::min(8, p.KB / (2 * Cfg::kKCH)); c > 1; --c)
+      if (tiles * c <= device_sm_count(dev) && tiles <= max_resident_clusters(kernel, c, Cfg::kSmemBytes, dev, fits)) {
+        ks = c;
+        break;
+      }
+  }
+  p.kps = ceil_div(p.KB, ks);
+  ks = std::max(1, ceil_div(p.KB, p.kps));  // no rank without k-blocks
+  p.ks = ks;
+  if (tiles * ks > 0x7fffffffLL) return "kbit_matmul_wgmma_kernel: too many tiles for " + shape;
+  if (tuning) {
+    tuning->launched_k_split = ks;
+    tuning->launched_ctas = static_cast<int>(tiles * ks);
+    tuning->launched_balanced = 0;
+  }
+  // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
+  // row's 16-byte pieces swizzled by the row's index mod 8 (see the header).
+  CUtensorMap xmap;
+  const uint64_t x_dims[2] = {uint64_t(a.k), uint64_t(a.batch * a.m)};
+  const uint64_t x_strides[1] = {uint64_t(a.k) * 2};
+  const uint32_t x_box[2] = {uint32_t(32 * Cfg::kKCH), uint32_t(BM)};
+  const std::string bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_box,
+                                            CU_TENSOR_MAP_SWIZZLE_128B);
+  if (!bad.empty()) return "kbit_matmul_wgmma_kernel: " + bad + " (" + shape + ")";
+  const ClusterLaunch launch(static_cast<unsigned>(tiles * ks), Cfg::kThreads, Cfg::kSmemBytes, stream, ks);
+  cudaLaunchKernelEx(&launch.cfg, kernel, p, xmap);
+  return check_launch("kbit_matmul_wgmma_kernel", shape);
+}
+
+// The BM tile by M: 64 rows up to 64, else 128.
+template <int BITS>
+std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
+  if (a.m <= 64) return launch_wgmma<BITS, 64>(a, stream, tuning);
+  return launch_wgmma<BITS, 128>(a, stream, tuning);
+}
+
+}  // namespace kbit::cuda::wgmma
