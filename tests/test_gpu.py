@@ -45,8 +45,9 @@ def test_matmul_m_sweep(n, bits, dtype, method, rng):
 @pytest.mark.parametrize("bits", BITS)
 def test_matmul_nsplit_tiling(bits, dtype, rng):
     """K = 256, N = 8192 at M = 17..128: the launcher's plan takes the N-split tiling (blocks of
-    32 or 64 rows, partial at 17, 33 and 100; 2-CTA k-split clusters), which with bf16 rounds
-    each scaled weight to bf16 (the bound counts it); the same result twice (deterministic)."""
+    32 or 64 rows, partial at 17, 33 and 100; 2-CTA k-split clusters; bf16 at M = 100 and 128
+    takes the wgmma kernel), which with bf16 rounds each scaled weight to bf16 (the bound counts
+    it); the same result twice (deterministic)."""
     gpu = jax.devices("gpu")[0]
     k, n = 256, 8192
     q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
@@ -90,6 +91,59 @@ def test_matmul_glu_every_path(bits, dtype, glu, rng):
                 err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
                 assert np.all(err <= bound), (f"in kernel, K={k} N={n} M={m}: "
                                               f"max err/bound = {np.max(err / bound)}")
+
+
+_WGMMA_SCRIPT = textwrap.dedent("""
+    import functools, sys
+    import jax, jax.numpy as jnp, numpy as np, kbit_jax as kj
+    from kbit_jax.primitives.matmul import wgmma_rows
+    from helpers import dense64, glu_error_bound, matmul_error_bound, random_weight
+    assert wgmma_rows() == (1, 1 << 30), wgmma_rows()
+    rng = np.random.default_rng(int(sys.argv[1]))
+    worst = 0.0
+    # (K, N, M values): K = 544 ends in a partial ring stage; N = 400 in a partial 256-column
+    # tile; K = 4096 with N = 256 is one tile, so K splits over 8-CTA clusters; M crosses the
+    # 64- and 128-row tiles.
+    for bits in (2, 3, 4, 5):
+        for k, n, ms in [(544, 400, (1, 17, 64, 65, 129)), (4096, 256, (1, 33, 128)), (256, 4096, (100, 300))]:
+            q = kj.quantize(random_weight(rng, (k, n)), bits)
+            w64 = dense64(q)
+            for m in ms:
+                x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+                y64, bound = matmul_error_bound(x, w64, jnp.bfloat16, jnp.bfloat16)
+                y = np.asarray(kj.matmul(x, q).astype(jnp.float32), np.float64)
+                r = np.max(np.abs(y - y64) / bound)
+                assert r <= 1, f"bits={bits} K={k} N={n} M={m}: max err/bound {r}"
+                assert np.array_equal(np.asarray(kj.matmul(x, q)), np.asarray(kj.matmul(x, q)))
+                worst = max(worst, r)
+                for glu in ("silu", "gelu_tanh"):
+                    xs = x * (4 / np.sqrt(k))
+                    y64, bound = glu_error_bound(xs, w64, jnp.bfloat16, jnp.bfloat16, glu)
+                    y = np.asarray(kj.matmul(xs, q, glu=glu).astype(jnp.float32), np.float64)
+                    r = np.max(np.abs(y - y64) / bound)
+                    assert r <= 1, f"glu={glu} bits={bits} K={k} N={n} M={m}: max err/bound {r}"
+    # stacked weights (batch entries with their own codebooks and tensor scales)
+    qs = [kj.quantize(random_weight(rng, (256, 512)), 4) for _ in range(3)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *qs)
+    xb = jnp.asarray(rng.standard_normal((3, 80, 256)), jnp.bfloat16)
+    yb = jax.vmap(kj.matmul)(xb, stacked)
+    for i, q in enumerate(qs):
+        y64, bound = matmul_error_bound(xb[i], dense64(q), jnp.bfloat16, jnp.bfloat16)
+        r = np.max(np.abs(np.asarray(yb[i].astype(jnp.float32), np.float64) - y64) / bound)
+        assert r <= 1, f"stacked entry {i}: max err/bound {r}"
+    print(f"worst err/bound {worst:.3f}")
+""")
+
+
+def test_matmul_wgmma_every_m(rng):
+    """The wgmma kernel (bf16, N % 16 == 0) forced at every M (KBIT_JAX_WGMMA_MIN_M=1 and _MAX_M,
+    read once per process, hence the subprocess): partial ring stages, column and row tiles,
+    8-CTA k-split clusters, both GLUs, stacked weights; deterministic."""
+    env = dict(os.environ, KBIT_JAX_WGMMA_MIN_M="1", KBIT_JAX_WGMMA_MAX_M=str(1 << 30),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _WGMMA_SCRIPT, str(rng.integers(1 << 30))], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
 def test_matmul_deterministic(rng):
