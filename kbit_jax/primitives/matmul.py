@@ -2,8 +2,8 @@
 
 Params: ``layout`` (the weight's layout), ``method``: "fused" runs the fused
 dequantize+matmul kernel; "dequantize" materializes W in x.dtype with the dequantize kernel
-and lets XLA's dense dot do the rest (faster at large M on the GPU without the wgmma kernel);
-"auto" picks by M on the GPU (see `FUSED_MAX_M`, `wgmma_rows`) and the fused kernel elsewhere; and ``glu``: None, or a
+and lets XLA's dense dot do the rest (faster at large M on the GPU); "auto" picks by M on
+the GPU (see `FUSED_MAX_M`, `wgmma_rows`) and the fused kernel elsewhere; and ``glu``: None, or a
 `reference.GLU_ACTIVATIONS` name, for which y is ``act(y[..., 0::2]) * y[..., 1::2]``
 (``[B, M, N / 2]``), applied by the kernels to their float32 sums (the FFI attribute ``glu``).
 """
@@ -45,9 +45,10 @@ FUSED_ANY_N_MAX_M = 16
 def wgmma_rows() -> tuple[int, int]:
     """(min, max): the rows (M) for which bf16 products (N % 16 == 0) take the CUDA module's
     wgmma kernel (cpp/cuda/matmul_wgmma.cuh; cpp/cuda/matmul.cu says where it wins), whose
-    epilogue applies a GLU at no cost; (0, 0) where there is none (no CUDA module, a build
-    without the sm_90a target, a GPU other than compute capability 9.0, or KBIT_JAX_WGMMA_MIN_M=0).
-    Above FUSED_MAX_M, "auto" takes the fused kernel too where this range covers M."""
+    epilogue applies a GLU to the staged float32 tile, after its main loop; (0, 0) where there is
+    none (no CUDA module, a build without the sm_90a target, a GPU other than compute capability
+    9.0, or KBIT_JAX_WGMMA_MIN_M=0). Above FUSED_MAX_M, "auto" takes the fused kernel too where
+    this range covers M."""
     if not _ext.has_cuda():
         return 0, 0
     info = _ext.build_info()
@@ -55,13 +56,14 @@ def wgmma_rows() -> tuple[int, int]:
 
 
 #: On CUDA under method "auto", rows up to which the fused bf16/f16 kernel applies a GLU itself;
-#: above, its plain product is gated by XLA (one elementwise fusion; "fused" keeps the gate in
-#: the kernel at any M), except in the wgmma kernel (`wgmma_rows`), whose epilogue gates. The gate runs on the warp that ends each work item while it holds its
-#: ring stages, and its work grows with the item's rows. Measured on an H200 (bits 4,
-#: `bench_matmul.py --glu silu`; benchmarks/results/matmul_glu_h200_s21.md), fused gate against
-#: kernel + XLA gate: at M = 1 0.6-5.3 us less on the Qwen3, GLM-4.7 and Llama-3 gate/up shapes;
-#: at M = 4 and 8 less on the small shapes but 3.5-4.2 us more on Llama-3-70B's (8192 x 28672:
-#: 49.5 against 46.0 us at M = 4); at M = 16 mixed.
+#: above, its plain product is gated by XLA (one elementwise fusion; "fused" keeps the gate in the
+#: kernel at any M), except in the wgmma kernel (`wgmma_rows`), whose epilogue gates. In the other
+#: kernels the gate runs on the warp that ends each work item while it holds its ring stages, and
+#: its work grows with the item's rows. Measured on an H200 (bits 4, `bench_matmul.py --glu silu`;
+#: benchmarks/results/matmul_glu_h200_s21.md), fused gate against kernel + XLA gate: at M = 1
+#: 0.6-5.3 us less on the Qwen3, GLM-4.7 and Llama-3 gate/up shapes; at M = 4 and 8 less on the
+#: small shapes but 3.5-4.2 us more on Llama-3-70B's (8192 x 28672: 49.5 against 46.0 us at M = 4);
+#: at M = 16 mixed.
 FUSED_GLU_MAX_M = 1
 
 
