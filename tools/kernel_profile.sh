@@ -49,7 +49,8 @@ mkdir -p "$work"
 
 build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then link
   local root=$1 out=$2 objs=$work/obj_$(basename "$2") pids=()
-  local flags="-arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -I$root/cpp ${EXTRA_NVCC:-}"
+  # (KBIT_WGMMA as in CMake's 90a build: the harness dispatches like the module)
+  local flags="-arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -DKBIT_WGMMA=1 -I$root/cpp ${EXTRA_NVCC:-}"
   echo "== build $out from $root ($flags)"
   mkdir -p "$objs"
   for src in "$root"/benchmarks/cuda_kernel_harness.cu "$root"/cpp/cuda/*.cu; do
