@@ -50,7 +50,7 @@ mkdir -p "$work"
 build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then link
   local root=$1 out=$2 objs=$work/obj_$(basename "$2") pids=()
   # (KBIT_WGMMA as in CMake's 90a build: the harness dispatches like the module)
-  local flags="-arch=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -DKBIT_WGMMA=1 -I$root/cpp ${EXTRA_NVCC:-}"
+  local flags="-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -DKBIT_WGMMA=1 -I$root/cpp ${EXTRA_NVCC:-}"
   echo "== build $out from $root ($flags)"
   mkdir -p "$objs"
   for src in "$root"/benchmarks/cuda_kernel_harness.cu "$root"/cpp/cuda/*.cu; do
@@ -58,7 +58,7 @@ build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then 
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || { echo "build failed"; return 1; }; done
-  nvcc -arch=sm_90a "$objs"/*.o -o "$out"
+  nvcc -gencode=arch=compute_90a,code=sm_90a "$objs"/*.o -o "$out"
 }
 if [[ $what == timeline ]]; then  # an instrumented build (cuda/timeline.cuh) of its own
   bin=$work/harness_timeline
