@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -242,6 +243,19 @@ inline int device_sm_count(int dev) {
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) sms = 132;
   cache[dev].store(sms, std::memory_order_relaxed);
   return sms;
+}
+
+// Clusters of `ks` CTAs of `kernel` (at `threads` and `smem` bytes of dynamic shared memory) that
+// fit on device `dev` at once; half the SMs' worth where the driver cannot say. Callers cache it.
+template <class Kernel>
+int query_max_active_clusters(Kernel kernel, int threads, size_t smem, int ks, int dev) {
+  const ClusterLaunch probe(unsigned(ks) * 64, unsigned(threads), smem, nullptr, ks);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe.cfg) != cudaSuccess || n < 1) {
+    cudaGetLastError();
+    n = std::max(1, device_sm_count(dev) / ks / 2);
+  }
+  return n;
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }

@@ -1402,11 +1402,7 @@ struct Launcher {
         per_sm = 1;
       n = std::max(per_sm, 1) * device_sm_count(dev);
     } else {
-      const ClusterLaunch probe(ks * 64, kThreads, smem, nullptr, ks);
-      if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe.cfg) != cudaSuccess || n < 1) {
-        cudaGetLastError();
-        n = std::max(1, device_sm_count(dev) / ks / 2);
-      }
+      n = query_max_active_clusters(kernel, kThreads, smem, ks, dev);
     }
     slot.store((int64_t(smem) << 32) | int64_t(n), std::memory_order_relaxed);
     return n;

@@ -302,36 +302,31 @@ __global__ void __launch_bounds__(256, 1)
 #endif
 }
 
-// Clusters of `ks` CTAs of `kernel` at `smem` bytes that fit on device `dev` at once; `cache`
-// is the caller's (one per kernel instantiation).
-template <class Kernel>
-int max_resident_clusters(Kernel kernel, int ks, int smem, int dev, std::atomic<int> (&cache)[kMaxDevices][9]) {
-  int n = cache[dev][ks].load(std::memory_order_relaxed);
-  if (n > 0) return n;
-  const ClusterLaunch probe(unsigned(ks) * 64, 256, smem, nullptr, ks);
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe.cfg) != cudaSuccess || n < 1) {
-    cudaGetLastError();
-    n = std::max(1, device_sm_count(dev) / ks / 2);
-  }
-  cache[dev][ks].store(n, std::memory_order_relaxed);
-  return n;
-}
-
 template <int BITS, int BM>
 std::string launch_wgmma(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
   using Cfg = WgConfig<BITS, BM>;
   constexpr auto kernel = &kbit_matmul_wgmma_kernel<BITS, BM>;
-  const std::string shape = "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" +
-                            std::to_string(a.k) + " N=" + std::to_string(a.n) + " bits=" +
-                            std::to_string(BITS) + " BM=" + std::to_string(BM) + " glu=" + std::to_string(a.glu);
+  auto shape = [&] {  // (built only for messages: the launcher runs on every call)
+    return "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" + std::to_string(a.k) +
+           " N=" + std::to_string(a.n) + " bits=" + std::to_string(BITS) + " BM=" + std::to_string(BM) +
+           " glu=" + std::to_string(a.glu);
+  };
   const int dev = current_device();
   static std::atomic<bool> smem_set[kMaxDevices];
-  static std::atomic<int> fits[kMaxDevices][9];  // max_resident_clusters' cache
+  static std::atomic<int> fits[kMaxDevices][9];  // resident clusters per cluster size (cached)
+  auto max_clusters = [&](int c) {
+    int n = fits[dev][c].load(std::memory_order_relaxed);
+    if (n == 0) {
+      n = query_max_active_clusters(kernel, Cfg::kThreads, Cfg::kSmemBytes, c, dev);
+      fits[dev][c].store(n, std::memory_order_relaxed);
+    }
+    return n;
+  };
   if (!smem_set[dev].load(std::memory_order_relaxed)) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
     if (err != cudaSuccess)
       return std::string("kbit_matmul_wgmma_kernel: cannot reserve ") + std::to_string(Cfg::kSmemBytes) +
-             " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape + ")";
+             " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape() + ")";
     smem_set[dev].store(true, std::memory_order_relaxed);
   }
   WgParams p;
@@ -358,7 +353,7 @@ std::string launch_wgmma(const MatmulArgs& a, cudaStream_t stream, const MatmulT
     ks = std::min(tuning->k_split, 8);
   } else {
     for (int c = std::min(8, p.KB / (2 * Cfg::kKCH)); c > 1; --c)
-      if (tiles * c <= device_sm_count(dev) && tiles <= max_resident_clusters(kernel, c, Cfg::kSmemBytes, dev, fits)) {
+      if (tiles * c <= device_sm_count(dev) && tiles <= max_clusters(c)) {
         ks = c;
         break;
       }
@@ -366,7 +361,7 @@ std::string launch_wgmma(const MatmulArgs& a, cudaStream_t stream, const MatmulT
   p.kps = ceil_div(p.KB, ks);
   ks = std::max(1, ceil_div(p.KB, p.kps));  // no rank without k-blocks
   p.ks = ks;
-  if (tiles * ks > 0x7fffffffLL) return "kbit_matmul_wgmma_kernel: too many tiles for " + shape;
+  if (tiles * ks > 0x7fffffffLL) return "kbit_matmul_wgmma_kernel: too many tiles for " + shape();
   if (tuning) {
     tuning->launched_k_split = ks;
     tuning->launched_ctas = static_cast<int>(tiles * ks);
@@ -380,10 +375,11 @@ std::string launch_wgmma(const MatmulArgs& a, cudaStream_t stream, const MatmulT
   const uint32_t x_box[2] = {uint32_t(32 * Cfg::kKCH), uint32_t(BM)};
   const std::string bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_box,
                                             CU_TENSOR_MAP_SWIZZLE_128B);
-  if (!bad.empty()) return "kbit_matmul_wgmma_kernel: " + bad + " (" + shape + ")";
+  if (!bad.empty()) return "kbit_matmul_wgmma_kernel: " + bad + " (" + shape() + ")";
   const ClusterLaunch launch(static_cast<unsigned>(tiles * ks), Cfg::kThreads, Cfg::kSmemBytes, stream, ks);
   cudaLaunchKernelEx(&launch.cfg, kernel, p, xmap);
-  return check_launch("kbit_matmul_wgmma_kernel", shape);
+  if (cudaPeekAtLastError() == cudaSuccess) return std::string();
+  return check_launch("kbit_matmul_wgmma_kernel", shape());
 }
 
 // The BM tile by M: 64 rows up to 64, else 128.
