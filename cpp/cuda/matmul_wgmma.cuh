@@ -17,15 +17,17 @@
 //    of x. The weights (bits / 8 bytes per element) are the cheap operand, so the tile is wide
 //    in N: per k, the CTA reads 256 bits/8 bytes of weights and 2 BM bytes of x (from L2) for
 //    512 BM flops.
-//  * Copies: a kStages-deep ring of chunks (KCH = 2 k-blocks), one __syncthreads per chunk.
-//    The weights and scale bytes (read by the decode's shared-memory loads) come by 16-byte
-//    cp.async from every thread. x comes by one TMA tensor copy per chunk, completing on an
-//    mbarrier, as wgmma's K-major operand with the 128-byte swizzle: each row of x holds the
+//  * Copies: a kStages-deep ring of chunks (KCH = 2 k-blocks), each slot with a "full" and an
+//    "empty" mbarrier; warp 0 issues every copy of a chunk from one lane: x by one TMA tensor
+//    copy, as wgmma's K-major operand with the 128-byte swizzle (each row of x holds the
 //    chunk's 64 k in 128 bytes, its 16-byte pieces XORed with the row index mod 8, 8-row atoms
-//    1024 bytes apart. The tensor cores read B through the async proxy: cp.async writes would
-//    need a fence.proxy.async in each writing thread, which compiles to MEMBAR.ALL.CTA and waited
-//    for every copy in flight, i.e. emptied the ring each chunk (2.2 us per chunk, 4x the
-//    tensor-core time, in a first version).
+//    1024 bytes apart), and each k-block's weights and scale bytes by one 1-D bulk copy (the
+//    CTA's cells of a k-block row are contiguous). The tensor cores read x through the async
+//    proxy, which TMA writes: cp.async writes would need a fence.proxy.async in each writing
+//    thread, which compiles to MEMBAR.ALL.CTA and emptied the ring every chunk (a first
+//    version). Weights by per-thread cp.async were a fifth of the compute warps' instructions.
+//  * Two A register sets, even and odd k-blocks: each k-block's decode runs while the previous
+//    k-block's products are on the tensor cores (see the main loop).
 //  * K is split across the CTAs of a thread-block cluster (ks ranks, each a k-range) where the
 //    output tiles alone would leave SMs idle; the ranks' f32 tiles are added through distributed
 //    shared memory in the epilogue (each rank sums and stores every ks-th row): no workspace.
@@ -66,7 +68,7 @@ constexpr int kMaxSmemBytes = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 
 template <int BITS, int BM>
 struct WgConfig {
-  static constexpr int kThreads = 256;  // two warpgroups; every thread copies and computes
+  static constexpr int kThreads = 256;  // two warpgroups: decode and products (warp 0 copies too)
   static constexpr int kBN = 256;       // weight columns per CTA: 2 warpgroups x 2 m64 tiles
   static constexpr int kKCH = 2;        // k-blocks (32 k each) per ring stage
   static constexpr int kXBytes = BM * kKCH * 64;           // [row][64 k] (128 bytes), swizzled
@@ -78,12 +80,14 @@ struct WgConfig {
   static constexpr int kLutBytes = fused::WeightPath<BITS>::kLutBytes;
   static constexpr int kTileStride = kBN + 4;              // floats per row of the epilogue tile
   static constexpr int kTileBytes = BM * kTileStride * 4;  // overlays table and ring at the end
-  // S - 1 chunks in flight: 4 stages where they fit, 3 with bits 5's 128 KiB table. (6 stages
-  // were timed only with the wgmma_wait<1> loop, which was slower; see the kernel's loop.)
-  static constexpr int pick_stages() { return kLutBytes + 4 * kStageBytes + 1024 + 32 <= kMaxSmemBytes ? 4 : 3; }
+  // Up to S - 2 chunks in flight beyond the one being computed (a slot is refilled once the
+  // products of the chunk before are done): 6 stages where they fit (bits 2-4), else 4 or 3
+  // (bits 5's 128 KiB table).
+  static constexpr int fits(int s) { return kLutBytes + s * kStageBytes + 1024 + 16 * s <= kMaxSmemBytes; }
+  static constexpr int pick_stages() { return fits(6) ? 6 : fits(4) ? 4 : 3; }
   static constexpr int kStages = pick_stages();
   static constexpr int kBarOffset = std::max(kLutBytes + kStages * kStageBytes + 1024, kTileBytes);
-  static constexpr int kSmemBytes = kBarOffset + 8 * kStages;  // + one mbarrier per stage (x)
+  static constexpr int kSmemBytes = kBarOffset + 16 * kStages;  // + a "full" and an "empty" mbarrier per stage
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory budget");
   static_assert(kStageBytes % 16 == 0 && kLutBytes % 16 == 0, "16-byte copies");
 };
@@ -116,14 +120,16 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 }
 
 template <int BITS, int BM>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
     kbit_matmul_wgmma_kernel(const WgParams p, const __grid_constant__ CUtensorMap xmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = WgConfig<BITS, BM>;
   using WP = fused::WeightPath<BITS>;
   constexpr int S = Cfg::kStages, KCH = Cfg::kKCH, BN = Cfg::kBN, NACC = BM / 2;
   extern __shared__ __align__(128) uint8_t smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // (the warp index through a shuffle: ptxas then knows it is warp-uniform, and the branch on it
+  // below is no divergent path around the wgmma pipeline)
+  const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
   const int wg = warp >> 2, wq = warp & 3, g = lane >> 2, t = lane & 3;
 
   const int ks = p.ks, rank = blockIdx.x % ks, tile = blockIdx.x / ks;
@@ -134,58 +140,38 @@ __global__ void __launch_bounds__(256, 1)
   const int kbA = rank * p.kps, kbE = min(p.KB, kbA + p.kps);
   const int nch = kbE > kbA ? (kbE - kbA + KCH - 1) / KCH : 0;
 
-  const uint32_t s_lut = smem_u32(smem), s_bar = s_lut + Cfg::kBarOffset;
+  const uint32_t s_lut = smem_u32(smem), s_full = s_lut + Cfg::kBarOffset, s_empty = s_full + 8 * S;
   const uint32_t s_ring = (s_lut + Cfg::kLutBytes + 1023u) & ~1023u;  // 1024-byte aligned stages
   if (tid == 0) {
-    for (int s = 0; s < S; ++s) fused::mbar_init(s_bar + 8 * s, 1);
+    for (int s = 0; s < S; ++s) {
+      fused::mbar_init(s_full + 8 * s, 1);               // the copying lane's arrival + the bytes
+      fused::mbar_init(s_empty + 8 * s, Cfg::kThreads);  // every thread, done with the slot
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   }
   fused::build_table<WP, ActBF16>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, Cfg::kThreads);
   __syncthreads();  // the barriers are initialized before any copy arrives on them
 
-  // ---- copies of chunk c (k-blocks kbA + KCH c ..) into ring slot c % S. Weights and scales:
-  // past K nothing is copied (the compute skips those k-blocks), past N zeros. Each thread's
-  // pieces are fixed for the whole k loop (offsets computed here, once): a chunk only moves the
-  // k offset. (Written per chunk, the address arithmetic was ~1000 SASS instructions per thread
-  // and chunk.)
+  // ---- copies of chunk c (k-blocks kbA + KCH c ..) into ring slot c % S, issued by warp 0's lane
+  // 0 (the whole warp runs this, see the main loop), completing on the slot's "full" barrier: x
+  // by one TMA tensor copy (rows past B * M and k past K arrive as zeros), each k-block's weight
+  // cells and scale bytes of the CTA's columns by one bulk copy each (contiguous runs of
+  // BN * bits * 4 and BN bytes). Past K nothing is copied (the compute skips those k-blocks),
+  // past N neither (those columns' sums are never stored).
   const uint8_t* w_src = reinterpret_cast<const uint8_t*>(p.planes) + (int64_t(b) * p.KB * p.N + n0) * (BITS * 4);
   const uint8_t* s_src = p.scales + int64_t(b) * p.KB * p.N + n0;
   const int64_t w_row = int64_t(p.N) * BITS * 4;  // bytes of one k-block row of the weight
-  // weights: 16-byte pieces of the chunk's KCH k-block rows of BN cells
-  constexpr int kWPieces = Cfg::kWRowBytes / 16, kWPer = (KCH * kWPieces + Cfg::kThreads - 1) / Cfg::kThreads;
-  const int w_valid = min(BN, p.N - n0) * BITS * 4;  // bytes of a k-block row inside N
-  int w_kbl[kWPer];
-  uint32_t w_soff[kWPer];
-  int64_t w_goff[kWPer];
-  bool w_in[kWPer];
-#pragma unroll
-  for (int j = 0; j < kWPer; ++j) {
-    const int i = tid + Cfg::kThreads * j, off = (i % kWPieces) * 16;
-    w_kbl[j] = i < KCH * kWPieces ? i / kWPieces : KCH;  // KCH (never < kbl_end): no piece
-    w_soff[j] = uint32_t(Cfg::kXBytes + (i / kWPieces) * Cfg::kWRowBytes + off);
-    w_goff[j] = (i / kWPieces) * w_row + off;
-    w_in[j] = off < w_valid;
-  }
-  // scale bytes: one 16-byte piece of a k-block row for the first KCH * BN / 16 threads
-  constexpr int kSPieces = BN / 16;
-  const int s_kbl = tid < KCH * kSPieces ? tid / kSPieces : KCH, s_off = (tid % kSPieces) * 16;
-  const bool s_in = s_off < min(BN, p.N - n0);
-  const uint32_t s_soff = uint32_t(Cfg::kXBytes + Cfg::kWBytes + (tid / kSPieces) * BN + s_off);
-  const int64_t s_goff = int64_t(tid / kSPieces) * p.N + s_off;
-
+  const uint32_t n_in = uint32_t(min(BN, p.N - n0)), w_bytes = n_in * BITS * 4;  // (N % 16 == 0)
   auto issue = [&](int c) {
-    const uint32_t st = s_ring + (c % S) * Cfg::kStageBytes;
+    const uint32_t st = s_ring + (c % S) * Cfg::kStageBytes, full = s_full + 8 * (c % S);
     const int kb0 = kbA + c * KCH, kbl_end = min(KCH, kbE - kb0);  // k-blocks kbl < kbl_end exist
-    if (tid == 0) {  // x: rows m0.. of batch entry b, k from 32 kb0; past B * M or K zeros
-      mbar_arrive_expect_tx(s_bar + 8 * (c % S), Cfg::kXBytes);
-      tma_load_2d(st, &xmap, 32 * kb0, int(int64_t(b) * p.M + m0), s_bar + 8 * (c % S));
+    const bool me = lane == 0;
+    mbar_arrive_expect_tx_if(me, full, Cfg::kXBytes + uint32_t(kbl_end) * (w_bytes + n_in));
+    tma_load_2d_if(me, st, &xmap, 32 * kb0, int(int64_t(b) * p.M + m0), full);
+    for (int kbl = 0; kbl < kbl_end; ++kbl) {
+      bulk_load_if(me, st + Cfg::kXBytes + kbl * Cfg::kWRowBytes, w_src + (kb0 + kbl) * w_row, w_bytes, full);
+      bulk_load_if(me, st + Cfg::kXBytes + Cfg::kWBytes + kbl * BN, s_src + int64_t(kb0 + kbl) * p.N, n_in, full);
     }
-    const uint8_t* w_chunk = w_src + int64_t(kb0) * w_row;
-#pragma unroll
-    for (int j = 0; j < kWPer; ++j)
-      if (w_kbl[j] < kbl_end) cp_async16_zfill(st + w_soff[j], w_in[j] ? w_chunk + w_goff[j] : w_src, w_in[j] ? 16u : 0u);
-    if (s_kbl < kbl_end)
-      cp_async16_zfill(st + s_soff, s_in ? s_src + int64_t(kb0) * p.N + s_goff : s_src, s_in ? 16u : 0u);
   };
 
   float acc[2][NACC];  // [m64 tile j][wgmma accumulator]
@@ -196,59 +182,80 @@ __global__ void __launch_bounds__(256, 1)
   const typename WP::Lane L = WP::lane_consts(lane);
   const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
 
+
+  // The decode of k-block kbl of the chunk in slot `st` into one A register set: per warp, its
+  // 16 columns of both m64 tiles, scaled by their E4M4 block scales.
+  auto decode = [&](uint32_t (&a)[2][2][4], uint32_t st, int kbl) {
+    const uint32_t slab = st + Cfg::kXBytes + kbl * Cfg::kWRowBytes;
+    const uint32_t sc = st + Cfg::kXBytes + Cfg::kWBytes + kbl * BN;
 #pragma unroll
-  for (int c = 0; c < S - 1; ++c) {
-    if (c < nch) issue(c);
-    cp_async_commit();
-  }
-  // One chunk at a time: its products are one wgmma group, waited for before the next chunk's
-  // barrier. Waiting only for the previous chunk's group (wgmma_wait<1>, 6 stages, copies two
-  // chunks back) was slower (Llama-3-70B gate/up, M = 4096: 4703 against 4321 us): the next
-  // decode writes the registers the group in flight reads, so ptxas has to finish it first
-  // (its SASS waits on the group's scoreboard; with one group per k-block it serialized every
-  // wgmma, warning C7513). Overlapping needs two register sets, i.e. a chunk loop unrolled by 2.
-  // Chunk c + S - 1 goes into chunk c - 1's slot, issued while chunk c's products run.
-  for (int c = 0; c < nch; ++c) {
-    cp_async_wait<S - 2>();  // this thread's copies of chunk c have landed
-    __syncthreads();         // everyone's; and chunk c - 1's slot is free (its group waited)
-    fused::mbar_wait(s_bar + 8 * (c % S), uint32_t(c / S) & 1u);  // and its x (TMA)
-    const uint32_t st = s_ring + (c % S) * Cfg::kStageBytes;
-    const int kb0 = kbA + c * KCH;
-#pragma unroll
-    for (int kbl = 0; kbl < KCH; ++kbl) {
-      if (kb0 + kbl >= kbE) break;  // CTA-uniform
-      uint32_t a[2][2][4];  // [m64 tile j][k16 half][register]
-      const uint32_t slab = st + Cfg::kXBytes + kbl * Cfg::kWRowBytes;
-      const uint32_t sc = st + Cfg::kXBytes + Cfg::kWBytes + kbl * BN;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int tile16 = 8 * wg + 4 * j + wq;  // the warp's 16 columns: rows 16 wq.. of tile j
-        typename WP::Raw raw;
-        WP::load(raw, slab, o0, o1, tile16);
-        WP::decode(raw, s_lut, L, a[j]);
-        const float s_lo = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g) << 19);
-        const float s_hi = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g + 8) << 19);
-        fused::scale_fragments(a[j], s_lo, s_hi);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        // the k16 slice at byte 64 kbl + 32 h of every 128-byte row (SWIZZLE_128B, see header)
-        const uint64_t desc = make_smem_desc_sw128(st + 64 * kbl + 32 * h);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) WgmmaBF16<BM>::mma(acc[j], a[j][h], desc);
-      }
+    for (int j = 0; j < 2; ++j) {
+      const int tile16 = 8 * wg + 4 * j + wq;  // the warp's 16 columns: rows 16 wq.. of tile j
+      typename WP::Raw raw;
+      WP::load(raw, slab, o0, o1, tile16);
+      WP::decode(raw, s_lut, L, a[j]);
+      const float s_lo = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g) << 19);
+      const float s_hi = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g + 8) << 19);
+      fused::scale_fragments(a[j], s_lo, s_hi);
     }
-    wgmma_commit();
-    if (c + S - 1 < nch) issue(c + S - 1);
-    cp_async_commit();
-    wgmma_wait<0>();
+  };
+  // That k-block's products: 2 k16 slices x 2 m64 tiles, committed as one group.
+  auto multiply = [&](const uint32_t (&a)[2][2][4], uint32_t st, int kbl) {
+    wgmma_fence();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // the k16 slice at byte 64 kbl + 32 h of every 128-byte row (SWIZZLE_128B, see header)
+      const uint64_t desc = make_smem_desc_sw128(st + 64 * kbl + 32 * h);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) WgmmaBF16<BM>::mma(acc[j], a[j][h], desc);
+    }
+  };
+
+  // Software pipeline over k-blocks, two A register sets (even and odd k-blocks of a chunk):
+  // each k-block's decode runs while the previous k-block's group is on the tensor cores.
+  // wgmma_wait<1> before a decode finishes only the group that last read that register set
+  // (rewriting registers of a group in flight would make ptxas serialize every wgmma, C7513).
+  // Three sets with wgmma_wait<2> (two groups queued during a decode) were tried: ptxas gave two
+  // of the sets the same physical registers, the forced-wgmma test failed, and it was no faster.
+  // Ring: every thread arrives on chunk c - 1's "empty" barrier once that chunk's groups are
+  // done (early in chunk c); warp 0 waits there, then copies chunk c + S - 1 into that slot. No
+  // CTA-wide barrier in the loop. (Warp 0 runs the copies whole, lane 0's instructions
+  // predicated: under a branch on the thread, ptxas serialized every wgmma, C7520; in a warp of
+  // their own, 288 threads, it capped the registers at 168 and spilled.)
+  static_assert(KCH == 2, "the pipeline alternates two register sets per chunk");
+  if (warp == 0)
+    for (int c = 0; c < min(S - 1, nch); ++c) issue(c);
+  uint32_t a_even[2][2][4], a_odd[2][2][4];
+  if (nch > 0) {
+    fused::mbar_wait(s_full, 0u);
+    decode(a_even, s_ring, 0);
+  }
+  for (int c = 0; c < nch; ++c) {
+    const uint32_t st = s_ring + (c % S) * Cfg::kStageBytes;
+    multiply(a_even, st, 0);
+    wgmma_commit();   // group 2c
+    wgmma_wait<1>();  // group 2c - 1 (a_odd, chunk c - 1) is done
+    if (c > 0) fused::mbar_arrive(s_empty + 8 * ((c - 1) % S));
+    if (kbA + c * KCH + 1 < kbE) {  // CTA-uniform
+      decode(a_odd, st, 1);
+      multiply(a_odd, st, 1);
+    }
+    wgmma_commit();  // group 2c + 1 (empty past K)
+    if (warp == 0 && c + S - 1 < nch) {  // refill chunk c - 1's slot (at c = 0: the unused one)
+      if (c > 0) fused::mbar_wait(s_empty + 8 * ((c - 1) % S), uint32_t((c - 1) / S) & 1u);
+      issue(c + S - 1);
+    }
+    if (c + 1 < nch) {
+      fused::mbar_wait(s_full + 8 * ((c + 1) % S), uint32_t((c + 1) / S) & 1u);
+      wgmma_wait<1>();  // group 2c (a_even) is done
+      decode(a_even, s_ring + ((c + 1) % S) * Cfg::kStageBytes, 0);
+    }
   }
   wgmma_wait<0>();
 #pragma unroll
   for (int j = 0; j < 2; ++j) fence_operands(acc[j]);
-  cp_async_wait<0>();  // (only empty groups can be pending here)
-  __syncthreads();     // every warp is done with the table and the ring: the tile overlays them
+  __syncthreads();  // every warp is done with the table and the ring (and every copy has landed): the
+                    // tile overlays them
 
   // ---- epilogue: this rank's f32 tile into shared memory ([m][n], padded rows) ----
   float* tile_f = reinterpret_cast<float*>(smem);
