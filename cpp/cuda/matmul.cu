@@ -22,7 +22,9 @@ std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
 // matmul_fused.cuh's. Measured on an H200 (bits 4, the ten benchmark shapes;
 // benchmarks/results/matmul_wgmma_h200_s22.md): at M = 128 it takes 0.64-0.88x the time of the
 // mma.sync kernels on 9 of 10 shapes (Llama-3-70B gate/up 148 against 231 us), at M = 64 it wins
-// on half of them, and at M = 512 and 4096 dequantize + cuBLAS is faster on most. The environment
+// on half of them, and at M = 512 and 4096 dequantize + cuBLAS is faster on most (session 23 made
+// the kernel 0.89-0.97x faster again at M = 128, matmul_wgmma_h200_s23.md; M = 64 and 512 not
+// compared with the other paths since). The environment
 // overrides the range (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read once per process; MIN_M=0: never).
 constexpr int kWgmmaMinRows = 65, kWgmmaMaxRows = 128;
 int env_or(const char* name, int fallback) {

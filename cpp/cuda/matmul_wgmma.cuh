@@ -35,15 +35,15 @@
 //    accumulator stores are conflict-free), then each thread writes 8 consecutive outputs (16
 //    bytes): coalesced rows of y. A GLU gates there, on the f32 sums (glu.h, accurate form).
 //
-// ---- Where it stands (H200, bench_matmul.py, bits 4; benchmarks/results/matmul_wgmma_h200_s22.md) ----
-//  M = 128: 0.64-0.88x the time of the mma.sync kernels on 9 of the 10 benchmark shapes
-//  (Llama-3-70B gate/up 148 against 231 us, 0.83-0.88x the dense bf16 dot in two runs; 8B gate/up
-//  47 against 65), hence matmul.cu's dispatch at M = 65..128. M = 4096: Llama-3-70B gate/up 4061 us against
-//  cuBLAS's 2880 (~470 TFLOP/s, half of the tensor cores' rate): each chunk's decode, barrier and
-//  group wait run outside the products (one group in flight per warpgroup, both warpgroups in
-//  step). Next: two register sets (chunk loop unrolled by 2) or warpgroups out of step
-//  (ping-pong), a persistent grid (M = 512: 3.4 waves of tiles), then a wider tile for less x
-//  traffic from L2.
+// ---- Where it stands (H200, bench_matmul.py, bits 4; benchmarks/results/matmul_wgmma_h200_s2{2,3}.md) ----
+//  M = 128: Llama-3-70B gate/up 137 us (the session-22 version 147 in the same run, the
+//  mma.sync kernels ~231, the dense bf16 dot 131-135), 8B gate/up 42.5 (dense 38), hence
+//  matmul.cu's dispatch at M = 65..128. The tensor cores are busy ~57 % of the time on the active
+//  SMs: a k-block's decode (~100 instructions per warp, two warps per scheduler, bound by
+//  dependent latencies) takes longer than the products it runs under (without it: 0.70x the
+//  time), the weight copies cost ~12 %, and 112-tile shapes leave 20 SMs idle. Next: a shorter
+//  decode per k-block or warpgroups specialised by role (setmaxnreg), then a persistent grid or
+//  stream-K (also for M = 512's 3.4 waves of tiles).
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
