@@ -216,7 +216,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
   // wgmma_wait<1> before a decode finishes only the group that last read that register set
   // (rewriting registers of a group in flight would make ptxas serialize every wgmma, C7513).
   // Three sets with wgmma_wait<2> (two groups queued during a decode) were tried: ptxas gave two
-  // of the sets the same physical registers, the forced-wgmma test failed, and it was no faster.
+  // of the sets the same physical registers, the forced-wgmma test failed (cause not found),
+  // and it was no faster.
   // Ring: every thread arrives on chunk c - 1's "empty" barrier once that chunk's groups are
   // done (early in chunk c); warp 0 waits there, then copies chunk c + S - 1 into that slot. No
   // CTA-wide barrier in the loop. (Warp 0 runs the copies whole, lane 0's instructions
