@@ -10,6 +10,7 @@ import sass_loops  # noqa: E402
 
 WS = "_ZN4kbit4cuda5fused21kbit_matmul_ws_kernelILi4ENS0_7ActBF16ELi1ELi1EEEvNS1_6ParamsE14CUtensorMap_stS5_S5_"
 CP = "_ZN4kbit4cuda5fused24kbit_matmul_fused_kernelILi2ENS0_6ActF16ELi8ELi0EEEvNS1_6ParamsE"
+WG = "_ZN4kbit4cuda5wgmma24kbit_matmul_wgmma_kernelILi4ELi128EEEvNS1_8WgParamsE14CUtensorMap_st"
 
 
 def line(addr, ins):
@@ -41,12 +42,20 @@ SASS = "\n".join([
         (0x20, "@P0 BRA 0x10"),
         (0x30, "EXIT"),
     ]),
+    function(WG, [
+        (0x00, "WARPGROUP.ARRIVE"),                  # chunk loop: 0x00 .. 0x40
+        (0x10, "HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR4], R24"),
+        (0x20, "@P2 BRA.U.ANY 0x20"),                # a copy's tiny loop, no HGMMA in it
+        (0x30, "WARPGROUP.DEPBAR.LE gsb0, 0x1"),
+        (0x40, "@!P0 BRA 0x0"),
+        (0x50, "EXIT"),
+    ]),
 ])
 
 
 def test_functions_splits_the_dump_by_kernel():
     fns = sass_loops.functions(SASS)
-    assert list(fns) == [WS, CP]
+    assert list(fns) == [WS, CP, WG]
     assert fns[WS][2] == (0x20, "LDS R4, [R2]") and len(fns[WS]) == 10 and len(fns[CP]) == 4
 
 
@@ -54,12 +63,14 @@ def test_hot_loop_is_the_shortest_loop_around_an_mma():
     fns = sass_loops.functions(SASS)
     assert sass_loops.hot_loop_size(fns[WS]) == 4      # 0x20 .. 0x50, not the outer 0x10 .. 0x70
     assert sass_loops.hot_loop_size(fns[CP]) is None   # no HMMA at all
+    assert sass_loops.hot_loop_size(fns[WG]) == 5      # wgmma's HGMMA counts: 0x00 .. 0x40
     assert sass_loops.hot_loop_size([]) is None
 
 
 def test_labels_name_the_template_arguments():
     assert sass_loops.label(WS) == "ws bits 4 ActBF16 MT 1 V1"
     assert sass_loops.label(CP) == "cp.async bits 2 ActF16  MT 8 V0"
+    assert sass_loops.label(WG) == "wgmma bits 4 BM 128"
     assert sass_loops.label("_Z8quantizev") == "_Z8quantizev"
 
 

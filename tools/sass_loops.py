@@ -6,12 +6,13 @@ computing the first work cursor once at kernel scope grew the warp-specialized k
 from 256 to 320 instructions: its address arithmetic left the uniform datapath. The harness then
 measured 1.02x the time. That is visible here, on any machine with nvcc, before a GPU run.
 
-For every kernel in the compiled `cpp/cuda/matmul_fused_b*.cu` of both trees, the hot loop is
-taken as the shortest loop that contains an HMMA instruction: the instructions from a backward
-branch's target to the branch. Each kernel gets one line, with the loop's instruction count in
-REF and in the working tree.
+For every kernel in the compiled `cpp/cuda/matmul_fused_b*.cu` and `matmul_wgmma_b*.cu` of both
+trees, the hot loop is taken as the shortest loop that contains an HMMA (mma.sync) or HGMMA
+(wgmma) instruction: the instructions from a backward branch's target to the branch. Each kernel
+gets one line, with the loop's instruction count in REF and in the working tree. (The wgmma
+kernel's loop is one chunk, two k-blocks, and includes warp 0's copy code.)
 
-    python3 tools/sass_loops.py [REF] [--only b4] [--max-growth N]
+    python3 tools/sass_loops.py [REF] [--only b4] [--max-growth N]   (b4: both kernels' bits 4)
 
 REF defaults to HEAD. `--max-growth N` exits with status 1 when a loop grew by more than N
 instructions.
@@ -46,6 +47,8 @@ _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 # kbit_matmul_{ws,fused}_kernel<BITS, Act, MT, V> (warp-specialized / cp.async kernel)
 _MATMUL_KERNEL = re.compile(r"kbit_matmul_(ws|fused)_kernelILi(\d)ENS0_\d+(\w+?)ELi(\d)ELi(\d)E")
+# kbit_matmul_wgmma_kernel<BITS, BM>
+_WGMMA_KERNEL = re.compile(r"kbit_matmul_wgmma_kernelILi(\d)ELi(\d+)E")
 
 
 def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
@@ -64,8 +67,9 @@ def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
 
 
 def hot_loop_size(code: list[tuple[int, str]]) -> int | None:
-    """Instructions in the shortest backward-branch loop that contains an HMMA (None: none)."""
-    mma = [a for a, i in code if "HMMA" in i]
+    """Instructions in the shortest backward-branch loop that contains an HMMA or HGMMA (None:
+    none)."""
+    mma = [a for a, i in code if "HMMA" in i or "HGMMA" in i]
     best = None
     for addr, ins in code:
         m = _BRANCH_TARGET.search(ins)
@@ -83,6 +87,9 @@ def label(mangled: str) -> str:
     if m:
         kind, bits, act, mt, v = m.groups()
         return f"{'ws' if kind == 'ws' else 'cp.async'} bits {bits} {act:7s} MT {mt} V{v}"
+    m = _WGMMA_KERNEL.search(mangled)
+    if m:
+        return f"wgmma bits {m.group(1)} BM {m.group(2)}"
     return mangled[:60]
 
 
@@ -174,11 +181,13 @@ def main(argv=None) -> int:
     if shutil.which(args.cuobjdump) is None and not os.path.exists(args.cuobjdump):
         print(f"sass_loops: no cuobjdump at '{args.cuobjdump}' (see --cuobjdump)", file=sys.stderr)
         return 2
-    pattern = "cpp/cuda/*.cu" if args.identical else "cpp/cuda/matmul_fused_b*.cu"
-    units = sorted(glob.glob(os.path.join(ROOT, pattern)))
+    kinds = ("fused", "wgmma")  # the mma.sync and the wgmma kernels' translation units
+    patterns = ["*.cu"] if args.identical else [f"matmul_{kind}_b*.cu" for kind in kinds]
+    units = sorted(u for p in patterns for u in glob.glob(os.path.join(ROOT, "cpp", "cuda", p)))
     if args.only:
-        wanted = {f"{u.strip()}.cu" if args.identical else f"matmul_fused_{u.strip()}.cu"
-                  for u in args.only.split(",")}
+        names = [u.strip() for u in args.only.split(",")]
+        wanted = ({f"{n}.cu" for n in names} if args.identical else
+                  {f"matmul_{kind}_{n}.cu" for n in names for kind in kinds})
         units = [u for u in units if os.path.basename(u) in wanted]
     with tempfile.TemporaryDirectory() as work:
         sass = disassemble(units, args.ref, work, args.cuobjdump)
