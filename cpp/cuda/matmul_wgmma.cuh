@@ -151,6 +151,11 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
   }
   fused::build_table<WP, ActBF16>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, Cfg::kThreads);
   __syncthreads();  // the barriers are initialized before any copy arrives on them
+  // Chunk c's ring slot, its barriers, and the parity of its use of them (the slot's (c / S)-th)
+  auto slot = [&](int c) { return s_ring + uint32_t(c % S) * Cfg::kStageBytes; };
+  auto full_bar = [&](int c) { return s_full + 8u * uint32_t(c % S); };
+  auto empty_bar = [&](int c) { return s_empty + 8u * uint32_t(c % S); };
+  auto parity = [&](int c) { return uint32_t(c / S) & 1u; };
 
   // ---- copies of chunk c (k-blocks kbA + KCH c ..) into ring slot c % S, issued by warp 0's lane
   // 0 (the whole warp runs this, see the main loop), completing on the slot's "full" barrier: x
@@ -163,7 +168,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
   const int64_t w_row = int64_t(p.N) * BITS * 4;  // bytes of one k-block row of the weight
   const uint32_t n_in = uint32_t(min(BN, p.N - n0)), w_bytes = n_in * BITS * 4;  // (N % 16 == 0)
   auto issue = [&](int c) {
-    const uint32_t st = s_ring + (c % S) * Cfg::kStageBytes, full = s_full + 8 * (c % S);
+    const uint32_t st = slot(c), full = full_bar(c);
     const int kb0 = kbA + c * KCH, kbl_end = min(KCH, kbE - kb0);  // k-blocks kbl < kbl_end exist
     const bool me = lane == 0;
     mbar_arrive_expect_tx_if(me, full, Cfg::kXBytes + uint32_t(kbl_end) * (w_bytes + n_in));
@@ -181,7 +186,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
     for (int i = 0; i < NACC; ++i) acc[j][i] = 0.f;
   const typename WP::Lane L = WP::lane_consts(lane);
   const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
-
 
   // The decode of k-block kbl of the chunk in slot `st` into one A register set: per warp, its
   // 16 columns of both m64 tiles, scaled by their E4M4 block scales.
@@ -228,28 +232,28 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
     for (int c = 0; c < min(S - 1, nch); ++c) issue(c);
   uint32_t a_even[2][2][4], a_odd[2][2][4];
   if (nch > 0) {
-    fused::mbar_wait(s_full, 0u);
-    decode(a_even, s_ring, 0);
+    fused::mbar_wait(full_bar(0), parity(0));
+    decode(a_even, slot(0), 0);
   }
   for (int c = 0; c < nch; ++c) {
-    const uint32_t st = s_ring + (c % S) * Cfg::kStageBytes;
+    const uint32_t st = slot(c);
     multiply(a_even, st, 0);
     wgmma_commit();   // group 2c
     wgmma_wait<1>();  // group 2c - 1 (a_odd, chunk c - 1) is done
-    if (c > 0) fused::mbar_arrive(s_empty + 8 * ((c - 1) % S));
+    if (c > 0) fused::mbar_arrive(empty_bar(c - 1));
     if (kbA + c * KCH + 1 < kbE) {  // CTA-uniform
       decode(a_odd, st, 1);
       multiply(a_odd, st, 1);
     }
     wgmma_commit();  // group 2c + 1 (empty past K)
     if (warp == 0 && c + S - 1 < nch) {  // refill chunk c - 1's slot (at c = 0: the unused one)
-      if (c > 0) fused::mbar_wait(s_empty + 8 * ((c - 1) % S), uint32_t((c - 1) / S) & 1u);
+      if (c > 0) fused::mbar_wait(empty_bar(c - 1), parity(c - 1));
       issue(c + S - 1);
     }
     if (c + 1 < nch) {
-      fused::mbar_wait(s_full + 8 * ((c + 1) % S), uint32_t((c + 1) / S) & 1u);
+      fused::mbar_wait(full_bar(c + 1), parity(c + 1));
       wgmma_wait<1>();  // group 2c (a_even) is done
-      decode(a_even, s_ring + ((c + 1) % S) * Cfg::kStageBytes, 0);
+      decode(a_even, slot(c + 1), 0);
     }
   }
   wgmma_wait<0>();
