@@ -87,3 +87,20 @@ def test_identity_ignores_anonymous_namespace_hashes_only(capsys):
     assert sass_loops.report_identity(changed) == 1
     assert capsys.readouterr().out.splitlines() == ["quantize: identical SASS",
                                                     "quantize: SASS differs (2 lines)"]
+
+
+def test_loops_pair_kernels_by_template_arguments(capsys):
+    # the wgmma kernel's parameter list changed (two more tensor maps), a BM = 256 kernel is new,
+    # and a cp.async kernel without a loop around its MMA is in neither column
+    wg_new_params = WG.replace("CUtensorMap_st", "CUtensorMap_stS3_S3_")
+    wg256 = WG.replace("Li128E", "Li256E")
+    body = [(0x00, "HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR4], R24"), (0x10, "@!P0 BRA 0x0")]
+    longer = [(0x00, "LDS R4, [R2]")] + [(a + 0x10, i) for a, i in body]
+    sass = {"matmul_wgmma_b4": {"ref": "\n".join([function(WG, body), function(CP, [(0, "EXIT")])]),
+                                "new": "\n".join([function(wg_new_params, longer), function(wg256, body)])}}
+    assert sass_loops.report_loops(sass, "HEAD", max_growth=0) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "hot loop (instructions), HEAD -> working tree"
+    assert [ln.split() for ln in lines[1:]] == [
+        ["matmul_wgmma_b4:", "wgmma", "bits", "4", "BM", "128", "2", "->", "3", "(+1)"],
+        ["matmul_wgmma_b4:", "wgmma", "bits", "4", "BM", "256", "-", "->", "2", "(new)"]]

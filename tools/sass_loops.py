@@ -144,25 +144,35 @@ def report_identity(sass: dict[str, dict[str, str]]) -> int:
     return status
 
 
+def _natural(text: str) -> list:
+    """Sort key: numbers by value ("BM 64" before "BM 128")."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
+
+
 def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | None) -> int:
+    """One line per kernel, paired across the trees by its label (the template arguments), so a
+    kernel whose parameter list changed still meets its reference; kernels only in the working
+    tree are marked "(new)", those only in REF "(gone)"."""
     status = 0
     print(f"hot loop (instructions), {ref} -> working tree")
     for name, trees in sass.items():
-        code = {tree: functions(text) for tree, text in trees.items()}
-        for fn in sorted(code["ref"]):
-            before = hot_loop_size(code["ref"][fn])
-            if before is None:
-                continue
-            after = hot_loop_size(code["new"].get(fn, []))
-            grew = None if after is None else after - before
+        sizes = {tree: {label(fn): hot_loop_size(code) for fn, code in functions(text).items()}
+                 for tree, text in trees.items()}
+        for kernel in sorted(set(sizes["ref"]) | set(sizes["new"]), key=_natural):
+            before, after = sizes["ref"].get(kernel), sizes["new"].get(kernel)
+            if before is None and after is None:
+                continue  # no loop around an MMA in either tree
             mark = ""
-            if grew is None:
+            if before is None:
+                mark = "  (new)"
+            elif after is None:
                 mark = "  (gone)"
-            elif grew:
-                mark = f"  ({grew:+d})"
-                if max_growth is not None and grew > max_growth:
+            elif after != before:
+                mark = f"  ({after - before:+d})"
+                if max_growth is not None and after - before > max_growth:
                     status = 1
-            print(f"  {name}: {label(fn):34s} {before:5d} -> {after if after is not None else '-':>5}{mark}")
+            show = lambda v: "-" if v is None else v  # noqa: E731
+            print(f"  {name}: {kernel:34s} {show(before):>5} -> {show(after):>5}{mark}")
     return status
 
 
