@@ -2,9 +2,12 @@
 
     python benchmarks/render.py benchmarks/results/matmul.json
     python benchmarks/render.py --merge all.json part1.json part2.json   # runs split over calls
+    python benchmarks/render.py --compare base.json new.json             # an A/B, to stdout
 
 --merge joins the rows of runs made on one device (each row keeps the '% BW' of its own run's
-copy bandwidth) and records each part's header under "parts".
+copy bandwidth) and records each part's header under "parts". --compare sets each row of the
+second run beside the first run's row of the same shape, dtype, M and bits: two builds, or two
+settings of one build, measured one after the other on one device.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import statistics
 import sys
 
 
@@ -39,6 +43,39 @@ def merge(paths):
     merged["parts"] = [{k: v for k, v in r.items() if k != "rows"} for r in results]
     merged["rows"] = [row for r in results for row in r["rows"]]
     return merged
+
+
+def _row_key(r):
+    return r["shape"], r["k"], r["n"], r["dtype"], r["m"], r["bits"]
+
+
+def compare(base, new) -> str:
+    """Markdown: the kbit time of every row of `new` against `base`'s row of the same shape,
+    dtype, M and bits (rows without a partner are left out and counted), with the dense dot of
+    each run and the new run's speedup over its dense dot; then the median ratio."""
+    if base["device"] != new["device"]:
+        raise SystemExit(f"--compare: runs from different devices ({base['device']}, {new['device']})")
+    before = {_row_key(r): r for r in base["rows"]}
+    lines = ["| shape (K x N) | dtype | M | bits | base us | new us | new / base | dense us (base / new) "
+             "| new speedup over dense |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ratios, unpaired = [], 0
+    for r in new["rows"]:
+        b = before.get(_row_key(r))
+        if b is None:
+            unpaired += 1
+            continue
+        ratio = r["kbit_us"] / b["kbit_us"]
+        ratios.append(ratio)
+        lines.append(f"| {r['shape']} ({r['k']}x{r['n']}) | {r['dtype']} | {r['m']} | {r['bits']} | "
+                     f"{b['kbit_us']:.1f} | {r['kbit_us']:.1f} | {ratio:.3f} | "
+                     f"{b['dense_us']:.1f} / {r['dense_us']:.1f} | {r['speedup']:.2f}x |")
+    if ratios:
+        lines += ["", f"new / base: median {statistics.median(ratios):.3f} "
+                      f"({min(ratios):.3f} .. {max(ratios):.3f}) over {len(ratios)} rows"]
+    if unpaired:
+        lines.append(f"({unpaired} rows of the new run have no partner in the base run)")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(result) -> str:
@@ -94,6 +131,10 @@ def plot(result, path) -> None:
 
 
 def main(argv):
+    if argv[0] == "--compare":
+        base, new = (json.load(open(p)) for p in argv[1:3])
+        print(compare(base, new), end="")
+        return
     if argv[0] == "--merge":
         path = argv[1]
         result = merge(argv[2:])

@@ -11,6 +11,12 @@
 #   tools/gpu_check.sh tp-flags WEIGHTS FLAGS...   the TP-2 Llama-3-70B decode (WEIGHTS, e.g. 4 or
 #                               # bf16,4) once per XLA_FLAGS value given ("" = none): which XLA
 #                               # options shorten the step (e.g. the all-reduce implementation)
+#   tools/gpu_check.sh patch-ab "P1 P2..." [bench args...]   an A/B of prepared patches on one GPU:
+#                               # the benchmark on this tree, then the patches applied in order
+#                               # (git apply), rebuilt, pytest -m gpu tests/test_gpu.py and the
+#                               # benchmark again, both runs side by side (render.py --compare);
+#                               # the patches are reverted at the end. The environment (e.g.
+#                               # KBIT_JAX_WGMMA_MAX_M) holds for both runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -18,10 +24,13 @@ what=${1:-all}; shift || true
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}   # on the GPU machine python3 is the interpreter that has jax
 
-echo "== build"
-KBIT_JAX_CUDA=ON $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
-$PY -c "import kbit_jax; print(kbit_jax.build_info())"
+build() {
+  echo "== build"
+  KBIT_JAX_CUDA=ON $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log"; return 1; }
+  $PY -c "import kbit_jax; print(kbit_jax.build_info())"
+}
+build || exit 1
 
 if [[ $what == test || $what == verify || $what == all ]]; then
   echo "== pytest -m gpu"
@@ -69,4 +78,24 @@ if [[ $what == tp ]]; then
     --new-tokens 64 --reps 2 --out "$OUT/decode_tp" 2>&1 | grep "^| "
   echo "== sharded matmul"
   $PY benchmarks/bench_sharded.py --out "$OUT/sharded" 2>&1 | tail -20
+fi
+if [[ $what == patch-ab ]]; then
+  read -ra patches <<< "$1"; shift
+  applied=()
+  revert() {  # the applied patches, last first: the tree is as it came for the next call
+    for ((i = ${#applied[@]} - 1; i >= 0; i--)); do git apply -R "${applied[i]}" || echo "cannot revert ${applied[i]}"; done
+  }
+  trap revert EXIT
+  echo "== benchmark, base"
+  $PY benchmarks/bench_matmul.py --out "$OUT/base" "$@" > "$OUT/bench_base.log" 2>&1 || { tail -20 "$OUT/bench_base.log"; exit 1; }
+  for p in "${patches[@]}"; do
+    git apply "$p" || { echo "cannot apply $p"; exit 1; }
+    applied+=("$p")
+  done
+  build || exit 1
+  echo "== pytest -m gpu tests/test_gpu.py, patched"
+  $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu_patched.log" | tail -8
+  echo "== benchmark, patched"
+  $PY benchmarks/bench_matmul.py --out "$OUT/new" "$@" > "$OUT/bench_new.log" 2>&1 || { tail -20 "$OUT/bench_new.log"; exit 1; }
+  $PY benchmarks/render.py --compare "$OUT/base/matmul.json" "$OUT/new/matmul.json" | tee "$OUT/patch_ab.md"
 fi

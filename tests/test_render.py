@@ -1,0 +1,55 @@
+"""benchmarks/render.py on synthetic bench_matmul results: --merge and --compare (no GPU)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import render  # noqa: E402
+
+
+def row(shape, m, kbit_us, dense_us, bits=4):
+    return {"shape": shape, "k": 4096, "n": 1024, "m": m, "bits": bits, "dtype": "bfloat16",
+            "kbit_us": kbit_us, "dense_us": dense_us, "speedup": dense_us / kbit_us,
+            "bw_fraction": 0.5, "floor_us": 1.0, "dense_other_us": dense_us}
+
+
+def result(rows, device="NVIDIA H200", bw=4.2):
+    return {"device": device, "jax": "0.11.2", "date": "2026-11-25", "copy_bandwidth_tbs": bw,
+            "method": "auto", "rows": rows}
+
+
+def test_compare_pairs_rows_and_reports_the_median_ratio():
+    base = result([row("a", 1, 10.0, 20.0), row("a", 16, 20.0, 25.0), row("b", 1, 8.0, 9.0)])
+    new = result([row("a", 16, 15.0, 25.0), row("a", 1, 11.0, 20.0), row("a", 1, 9.0, 20.0, bits=2)])
+    text = render.compare(base, new)
+    lines = text.splitlines()
+    assert lines[2] == "| a (4096x1024) | bfloat16 | 16 | 4 | 20.0 | 15.0 | 0.750 | 25.0 / 25.0 | 1.67x |"
+    assert lines[3] == "| a (4096x1024) | bfloat16 | 1 | 4 | 10.0 | 11.0 | 1.100 | 20.0 / 20.0 | 1.82x |"
+    assert "median 0.925 (0.750 .. 1.100) over 2 rows" in text
+    assert "(1 rows of the new run have no partner in the base run)" in text  # the bits-2 row
+
+
+def test_compare_refuses_runs_of_two_devices():
+    with pytest.raises(SystemExit, match="different devices"):
+        render.compare(result([], device="NVIDIA H200"), result([], device="NVIDIA H100 80GB HBM3"))
+
+
+def test_merge_keeps_every_row_and_each_part_header(tmp_path):
+    paths = []
+    for i, rows in enumerate([[row("a", 1, 10.0, 20.0)], [row("b", 1, 8.0, 9.0)]]):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(result(rows, bw=(4.1, 4.2)[i])))
+    merged = render.merge([str(p) for p in paths])
+    assert [r["shape"] for r in merged["rows"]] == ["a", "b"]
+    assert [p["copy_bandwidth_tbs"] for p in merged["parts"]] == [4.1, 4.2]
+    assert "2 runs merged" in render.markdown(merged)
+
+
+def test_main_compare_prints_the_table(tmp_path, capsys):
+    for name, t in (("base", 10.0), ("new", 5.0)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(result([row("a", 1, t, 20.0)])))
+    render.main(["--compare", str(tmp_path / "base.json"), str(tmp_path / "new.json")])
+    assert "| 10.0 | 5.0 | 0.500 |" in capsys.readouterr().out
