@@ -149,6 +149,10 @@ def _natural(text: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
 
 
+def _count(size: int | None) -> str:
+    return "-" if size is None else str(size)
+
+
 def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | None) -> int:
     """One line per kernel, paired across the trees by its label (the template arguments), so a
     kernel whose parameter list changed still meets its reference; kernels only in the working
@@ -171,8 +175,7 @@ def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | No
                 mark = f"  ({after - before:+d})"
                 if max_growth is not None and after - before > max_growth:
                     status = 1
-            show = lambda v: "-" if v is None else v  # noqa: E731
-            print(f"  {name}: {kernel:34s} {show(before):>5} -> {show(after):>5}{mark}")
+            print(f"  {name}: {kernel:34s} {_count(before):>5} -> {_count(after):>5}{mark}")
     return status
 
 
