@@ -30,12 +30,15 @@ def copy_bandwidths(result) -> str:
     return f"{len(parts)} runs merged: " + "; ".join(one(r) for r in parts)
 
 
+def load(path):
+    """One bench_matmul result (matmul.json)."""
+    with open(path) as f:
+        return json.load(f)
+
+
 def merge(paths):
     """One result from bench_matmul runs split over several calls (same device and build)."""
-    results = []
-    for path in paths:
-        with open(path) as f:
-            results.append(json.load(f))
+    results = [load(path) for path in paths]
     devices = {r["device"] for r in results}
     if len(devices) != 1:
         raise SystemExit(f"--merge: runs from different devices {sorted(devices)}")
@@ -132,8 +135,7 @@ def plot(result, path) -> None:
 
 def main(argv):
     if argv[0] == "--compare":
-        base, new = (json.load(open(p)) for p in argv[1:3])
-        print(compare(base, new), end="")
+        print(compare(load(argv[1]), load(argv[2])), end="")
         return
     if argv[0] == "--merge":
         path = argv[1]
@@ -142,8 +144,7 @@ def main(argv):
             json.dump(result, f, indent=1)
     else:
         path = argv[0]
-        with open(path) as f:
-            result = json.load(f)
+        result = load(path)
     stem = os.path.splitext(path)[0]
     with open(stem + ".md", "w") as f:
         f.write(markdown(result))

@@ -86,8 +86,13 @@ if [[ $what == patch-ab ]]; then
     for ((i = ${#applied[@]} - 1; i >= 0; i--)); do git apply -R "${applied[i]}" || echo "cannot revert ${applied[i]}"; done
   }
   trap revert EXIT
-  echo "== benchmark, base"
-  $PY benchmarks/bench_matmul.py --out "$OUT/base" "$@" > "$OUT/bench_base.log" 2>&1 || { tail -20 "$OUT/bench_base.log"; exit 1; }
+  bench_to() {  # bench_to NAME [bench args]: $OUT/NAME/matmul.json, log $OUT/bench_NAME.log
+    local name=$1; shift
+    echo "== benchmark, $name"
+    $PY benchmarks/bench_matmul.py --out "$OUT/$name" "$@" > "$OUT/bench_$name.log" 2>&1 \
+      || { tail -20 "$OUT/bench_$name.log"; return 1; }
+  }
+  bench_to base "$@" || exit 1
   for p in "${patches[@]}"; do
     git apply "$p" || { echo "cannot apply $p"; exit 1; }
     applied+=("$p")
@@ -95,7 +100,6 @@ if [[ $what == patch-ab ]]; then
   build || exit 1
   echo "== pytest -m gpu tests/test_gpu.py, patched"
   $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu_patched.log" | tail -8
-  echo "== benchmark, patched"
-  $PY benchmarks/bench_matmul.py --out "$OUT/new" "$@" > "$OUT/bench_new.log" 2>&1 || { tail -20 "$OUT/bench_new.log"; exit 1; }
+  bench_to new "$@" || exit 1
   $PY benchmarks/render.py --compare "$OUT/base/matmul.json" "$OUT/new/matmul.json" | tee "$OUT/patch_ab.md"
 fi
