@@ -121,7 +121,8 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 
 template <int BITS, int BM>
 __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
-    kbit_matmul_wgmma_kernel(const WgParams p, const __grid_constant__ CUtensorMap xmap) {
+    kbit_matmul_wgmma_kernel(const WgParams p, const __grid_constant__ CUtensorMap xmap,
+                             const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap smap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = WgConfig<BITS, BM>;
   using WP = fused::WeightPath<BITS>;
@@ -158,25 +159,21 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
   auto parity = [&](int c) { return uint32_t(c / S) & 1u; };
 
   // ---- copies of chunk c (k-blocks kbA + KCH c ..) into ring slot c % S, issued by warp 0's lane
-  // 0 (the whole warp runs this, see the main loop), completing on the slot's "full" barrier: x
-  // by one TMA tensor copy (rows past B * M and k past K arrive as zeros), each k-block's weight
-  // cells and scale bytes of the CTA's columns by one bulk copy each (contiguous runs of
-  // BN * bits * 4 and BN bytes). Past K nothing is copied (the compute skips those k-blocks),
-  // past N neither (those columns' sums are never stored).
-  const uint8_t* w_src = reinterpret_cast<const uint8_t*>(p.planes) + (int64_t(b) * p.KB * p.N + n0) * (BITS * 4);
-  const uint8_t* s_src = p.scales + int64_t(b) * p.KB * p.N + n0;
-  const int64_t w_row = int64_t(p.N) * BITS * 4;  // bytes of one k-block row of the weight
-  const uint32_t n_in = uint32_t(min(BN, p.N - n0)), w_bytes = n_in * BITS * 4;  // (N % 16 == 0)
+  // 0 (the whole warp runs this, see the main loop), completing on the slot's "full" barrier: one
+  // TMA tensor copy each for x (rows past B * M and k past K arrive as zeros), the chunk's two
+  // k-block rows of the CTA's weight cells and of its scale bytes (columns past N and rows past
+  // B * KB arrive as zeros; a rank's last chunk may bring a k-block it skips). Their operands are
+  // uniform (tensor maps, chunk coordinates): bulk copies of computed addresses cost warp 0 ~240
+  // instructions per chunk.
+  const int w_row0 = b * p.KB;  // the weight's first k-block row of batch entry b
   auto issue = [&](int c) {
     const uint32_t st = slot(c), full = full_bar(c);
-    const int kb0 = kbA + c * KCH, kbl_end = min(KCH, kbE - kb0);  // k-blocks kbl < kbl_end exist
+    const int kb0 = kbA + c * KCH;
     const bool me = lane == 0;
-    mbar_arrive_expect_tx_if(me, full, Cfg::kXBytes + uint32_t(kbl_end) * (w_bytes + n_in));
+    mbar_arrive_expect_tx_if(me, full, Cfg::kXBytes + Cfg::kWBytes + Cfg::kSBytes);
     tma_load_2d_if(me, st, &xmap, 32 * kb0, int(int64_t(b) * p.M + m0), full);
-    for (int kbl = 0; kbl < kbl_end; ++kbl) {
-      bulk_load_if(me, st + Cfg::kXBytes + kbl * Cfg::kWRowBytes, w_src + (kb0 + kbl) * w_row, w_bytes, full);
-      bulk_load_if(me, st + Cfg::kXBytes + Cfg::kWBytes + kbl * BN, s_src + int64_t(kb0 + kbl) * p.N, n_in, full);
-    }
+    tma_load_3d_if(me, st + Cfg::kXBytes, &wmap, 0, n0 / 16, w_row0 + kb0, full);
+    tma_load_2d_if(me, st + Cfg::kXBytes + Cfg::kWBytes, &smap, n0, w_row0 + kb0, full);
   };
 
   float acc[2][NACC];  // [m64 tile j][wgmma accumulator]
@@ -381,15 +378,30 @@ std::string launch_wgmma(const MatmulArgs& a, cudaStream_t stream, const MatmulT
   }
   // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
   // row's 16-byte pieces swizzled by the row's index mod 8 (see the header).
-  CUtensorMap xmap;
+  CUtensorMap xmap, wmap, smap;
   const uint64_t x_dims[2] = {uint64_t(a.k), uint64_t(a.batch * a.m)};
   const uint64_t x_strides[1] = {uint64_t(a.k) * 2};
   const uint32_t x_box[2] = {uint32_t(32 * Cfg::kKCH), uint32_t(BM)};
-  const std::string bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_box,
-                                            CU_TENSOR_MAP_SWIZZLE_128B);
+  std::string bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_box,
+                                      CU_TENSOR_MAP_SWIZZLE_128B);
+  // The weight cells as {16 bits words of a 16-column piece, N / 16 pieces, B * KB k-block rows}
+  // (uint32): a box of {16 bits, BN / 16, KCH} lands as the stage's KCH rows of BN cells, each
+  // row contiguous, as the decode reads them. The scale bytes as {N, B * KB rows}.
+  const uint64_t rows = uint64_t(a.batch) * (a.k / 32), n = uint64_t(a.n);
+  const uint64_t w_dims[3] = {uint64_t(16 * BITS), n / 16, rows};
+  const uint64_t w_strides[2] = {uint64_t(16 * BITS * 4), n * BITS * 4};
+  const uint32_t w_box[3] = {uint32_t(16 * BITS), uint32_t(Cfg::kBN / 16), uint32_t(Cfg::kKCH)};
+  const uint64_t s_dims[2] = {n, rows}, s_strides[1] = {n};
+  const uint32_t s_box[2] = {uint32_t(Cfg::kBN), uint32_t(Cfg::kKCH)};
+  if (bad.empty())
+    bad = encode_tensor_map(&wmap, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, a.planes, w_dims, w_strides, w_box,
+                            CU_TENSOR_MAP_SWIZZLE_NONE);
+  if (bad.empty())
+    bad = encode_tensor_map(&smap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.scales, s_dims, s_strides, s_box,
+                            CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!bad.empty()) return "kbit_matmul_wgmma_kernel: " + bad + " (" + shape() + ")";
   const ClusterLaunch launch(static_cast<unsigned>(tiles * ks), Cfg::kThreads, Cfg::kSmemBytes, stream, ks);
-  cudaLaunchKernelEx(&launch.cfg, kernel, p, xmap);
+  cudaLaunchKernelEx(&launch.cfg, kernel, p, xmap, wmap, smap);
   if (cudaPeekAtLastError() == cudaSuccess) return std::string();
   return check_launch("kbit_matmul_wgmma_kernel", shape());
 }
