@@ -101,11 +101,11 @@ _WGMMA_SCRIPT = textwrap.dedent("""
     assert wgmma_rows() == (1, 1 << 30), wgmma_rows()
     rng = np.random.default_rng(int(sys.argv[1]))
     worst = 0.0
-    # (K, N, M values): K = 544 ends in a partial ring stage; N = 400 in a partial 256-column
-    # tile; K = 4096 with N = 256 is one tile, so K splits over 8-CTA clusters; M crosses the
-    # 64- and 128-row tiles.
+    # (K, N, M values): K = 544 ends in a partial ring stage; N = 400 in a partial 256- (128-)
+    # column tile; K = 4096 with N = 256 is one or two tiles, so K splits over 8-CTA clusters; M
+    # crosses the 64-, 128- and 256-row tiles (M > 128: BM = 256 and 128-column tiles, bits 2-4).
     for bits in (2, 3, 4, 5):
-        for k, n, ms in [(544, 400, (1, 17, 64, 65, 129)), (4096, 256, (1, 33, 128)), (256, 4096, (100, 300))]:
+        for k, n, ms in [(544, 400, (1, 17, 64, 65, 129)), (4096, 256, (1, 33, 128, 200)), (256, 4096, (100, 300))]:
             q = kj.quantize(random_weight(rng, (k, n)), bits)
             w64 = dense64(q)
             for m in ms:

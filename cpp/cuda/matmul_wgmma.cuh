@@ -13,10 +13,15 @@
 //  * The E4M4 block scale multiplies the decoded weights (exact in bf16; each weight rounded
 //    once to bf16, as in the N-split tiling), so the wgmma accumulates straight into the f32
 //    sums: no per-k-block work on the BM / 2 accumulators per thread.
-//  * Work per CTA: BN = 256 weight columns (two warpgroups x two 64-column A tiles) x BM rows
-//    of x. The weights (bits / 8 bytes per element) are the cheap operand, so the tile is wide
-//    in N: per k, the CTA reads 256 bits/8 bytes of weights and 2 BM bytes of x (from L2) for
-//    512 BM flops.
+//  * Work per CTA: BN weight columns (two warpgroups x J 64-column A tiles) x BM rows of x.
+//    The weights (bits / 8 bytes per element) are the cheap operand, so the tile is wide in N
+//    where the accumulators allow: BM = 64 and 128 take J = 2 (BN = 256; per k the CTA reads
+//    256 bits/8 bytes of weights and 2 BM bytes of x from L2 for 512 BM flops). BM = 256 (M >
+//    128, bits 2-4) takes J = 1 (BN = 128): the same 128 accumulators per thread, and each
+//    decoded weight feeds 256 rows instead of 128, so the decode per flop halves (it costs ~30 %
+//    of the BM = 128 kernel's time, matmul_wgmma_h200_s23.md); x's L2 traffic per flop doubles,
+//    which cost nothing measurable at BM = 128 (ibid.). Bits 5's 128 KiB table leaves no room
+//    for three 38 KiB stages, so bits 5 keeps BM = 128.
 //  * Copies: a kStages-deep ring of chunks (KCH = 2 k-blocks), each slot with a "full" and an
 //    "empty" mbarrier; warp 0 issues every copy of a chunk from one lane: x by one TMA tensor
 //    copy, as wgmma's K-major operand with the 128-byte swizzle (each row of x holds the
@@ -69,7 +74,8 @@ constexpr int kMaxSmemBytes = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 template <int BITS, int BM>
 struct WgConfig {
   static constexpr int kThreads = 256;  // two warpgroups: decode and products (warp 0 copies too)
-  static constexpr int kBN = 256;       // weight columns per CTA: 2 warpgroups x 2 m64 tiles
+  static constexpr int kTiles = BM == 256 ? 1 : 2;  // m64 A tiles per warpgroup (J, see header)
+  static constexpr int kBN = 128 * kTiles;          // weight columns per CTA: 2 warpgroups x J tiles
   static constexpr int kKCH = 2;        // k-blocks (32 k each) per ring stage
   static constexpr int kXBytes = BM * kKCH * 64;           // [row][64 k] (128 bytes), swizzled
   static constexpr int kWRowBytes = kBN * BITS * 4;        // one k-block of the CTA's cells
@@ -81,14 +87,15 @@ struct WgConfig {
   static constexpr int kTileStride = kBN + 4;              // floats per row of the epilogue tile
   static constexpr int kTileBytes = BM * kTileStride * 4;  // overlays table and ring at the end
   // Up to S - 2 chunks in flight beyond the one being computed (a slot is refilled once the
-  // products of the chunk before are done): 6 stages where they fit (bits 2-4), else 4 or 3
-  // (bits 5's 128 KiB table).
+  // products of the chunk before are done): 6 stages where they fit (bits 2-4 at BM <= 128, bits
+  // 3 at 256), else 4 or 3 (bits 5's 128 KiB table; bits 2 and 4 at BM = 256); 0: this BM does
+  // not fit (bits 5 at BM = 256).
   static constexpr int fits(int s) { return kLutBytes + s * kStageBytes + 1024 + 16 * s <= kMaxSmemBytes; }
-  static constexpr int pick_stages() { return fits(6) ? 6 : fits(4) ? 4 : 3; }
+  static constexpr int pick_stages() { return fits(6) ? 6 : fits(4) ? 4 : fits(3) ? 3 : 0; }
   static constexpr int kStages = pick_stages();
   static constexpr int kBarOffset = std::max(kLutBytes + kStages * kStageBytes + 1024, kTileBytes);
   static constexpr int kSmemBytes = kBarOffset + 16 * kStages;  // + a "full" and an "empty" mbarrier per stage
-  static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory budget");
+  static_assert(kStages == 0 || kSmemBytes <= kMaxSmemBytes, "shared memory budget");
   static_assert(kStageBytes % 16 == 0 && kLutBytes % 16 == 0, "16-byte copies");
 };
 
@@ -126,7 +133,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = WgConfig<BITS, BM>;
   using WP = fused::WeightPath<BITS>;
-  constexpr int S = Cfg::kStages, KCH = Cfg::kKCH, BN = Cfg::kBN, NACC = BM / 2;
+  constexpr int S = Cfg::kStages, KCH = Cfg::kKCH, BN = Cfg::kBN, J = Cfg::kTiles, NACC = BM / 2;
+  static_assert(S >= 3, "a tile that fits shared memory");
   extern __shared__ __align__(128) uint8_t smem[];
   // (the warp index through a shuffle: ptxas then knows it is warp-uniform, and the branch on it
   // below is no divergent path around the wgmma pipeline)
@@ -176,22 +184,22 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
     tma_load_2d_if(me, st + Cfg::kXBytes + Cfg::kWBytes, &smap, n0, w_row0 + kb0, full);
   };
 
-  float acc[2][NACC];  // [m64 tile j][wgmma accumulator]
+  float acc[J][NACC];  // [m64 tile j][wgmma accumulator]
 #pragma unroll
-  for (int j = 0; j < 2; ++j)
+  for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[j][i] = 0.f;
   const typename WP::Lane L = WP::lane_consts(lane);
   const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
 
   // The decode of k-block kbl of the chunk in slot `st` into one A register set: per warp, its
-  // 16 columns of both m64 tiles, scaled by their E4M4 block scales.
-  auto decode = [&](uint32_t (&a)[2][2][4], uint32_t st, int kbl) {
+  // 16 columns of each of its J m64 tiles, scaled by their E4M4 block scales.
+  auto decode = [&](uint32_t (&a)[J][2][4], uint32_t st, int kbl) {
     const uint32_t slab = st + Cfg::kXBytes + kbl * Cfg::kWRowBytes;
     const uint32_t sc = st + Cfg::kXBytes + Cfg::kWBytes + kbl * BN;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int tile16 = 8 * wg + 4 * j + wq;  // the warp's 16 columns: rows 16 wq.. of tile j
+    for (int j = 0; j < J; ++j) {
+      const int tile16 = 4 * J * wg + 4 * j + wq;  // the warp's 16 columns: rows 16 wq.. of tile j
       typename WP::Raw raw;
       WP::load(raw, slab, o0, o1, tile16);
       WP::decode(raw, s_lut, L, a[j]);
@@ -200,15 +208,15 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
       fused::scale_fragments(a[j], s_lo, s_hi);
     }
   };
-  // That k-block's products: 2 k16 slices x 2 m64 tiles, committed as one group.
-  auto multiply = [&](const uint32_t (&a)[2][2][4], uint32_t st, int kbl) {
+  // That k-block's products: 2 k16 slices x J m64 tiles, committed as one group.
+  auto multiply = [&](const uint32_t (&a)[J][2][4], uint32_t st, int kbl) {
     wgmma_fence();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // the k16 slice at byte 64 kbl + 32 h of every 128-byte row (SWIZZLE_128B, see header)
       const uint64_t desc = make_smem_desc_sw128(st + 64 * kbl + 32 * h);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) WgmmaBF16<BM>::mma(acc[j], a[j][h], desc);
+      for (int j = 0; j < J; ++j) WgmmaBF16<BM>::mma(acc[j], a[j][h], desc);
     }
   };
 
@@ -227,7 +235,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
   static_assert(KCH == 2, "the pipeline alternates two register sets per chunk");
   if (warp == 0)
     for (int c = 0; c < min(S - 1, nch); ++c) issue(c);
-  uint32_t a_even[2][2][4], a_odd[2][2][4];
+  uint32_t a_even[J][2][4], a_odd[J][2][4];
   if (nch > 0) {
     fused::mbar_wait(full_bar(0), parity(0));
     decode(a_even, slot(0), 0);
@@ -255,18 +263,18 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int j = 0; j < 2; ++j) fence_operands(acc[j]);
+  for (int j = 0; j < J; ++j) fence_operands(acc[j]);
   __syncthreads();  // every warp is done with the table and the ring (and every copy has landed): the
                     // tile overlays them
 
   // ---- epilogue: this rank's f32 tile into shared memory ([m][n], padded rows) ----
   float* tile_f = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int j = 0; j < 2; ++j)
+  for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int i = 0; i < NACC; ++i) {
       const int m = 8 * (i >> 2) + 2 * t + (i & 1);
-      const int n = 128 * wg + 64 * j + 16 * wq + g + 8 * ((i >> 1) & 1);
+      const int n = 64 * J * wg + 64 * j + 16 * wq + g + 8 * ((i >> 1) & 1);
       tile_f[m * Cfg::kTileStride + n] = acc[j][i];
     }
   namespace cg = cooperative_groups;
@@ -406,10 +414,13 @@ std::string launch_wgmma(const MatmulArgs& a, cudaStream_t stream, const MatmulT
   return check_launch("kbit_matmul_wgmma_kernel", shape());
 }
 
-// The BM tile by M: 64 rows up to 64, else 128.
+// The BM tile by M: 64 rows up to 64, 128 up to 128, else 256 where it fits (bits 2-4; see
+// WgConfig::pick_stages) and 128 for bits 5.
 template <int BITS>
 std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
   if (a.m <= 64) return launch_wgmma<BITS, 64>(a, stream, tuning);
+  if constexpr (WgConfig<BITS, 256>::kStages > 0)
+    if (a.m > 128) return launch_wgmma<BITS, 256>(a, stream, tuning);
   return launch_wgmma<BITS, 128>(a, stream, tuning);
 }
 
