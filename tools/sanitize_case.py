@@ -41,10 +41,11 @@ for (k, n), ms in (((256, 136), (1, 12)), ((256, 256), (5, 33)), ((256, 8192), (
         for dtype in (jnp.bfloat16, jnp.float32):
             x = jax.random.normal(jax.random.key(m), (m, k), dtype)
             jax.block_until_ready(kj.matmul(x, q, method="fused", glu="silu"))
-# The wgmma kernel (bf16, N % 16 == 0, M = 65..128 by default): K = 544 ends in a partial ring
+# The wgmma kernel (bf16, N % 16 == 0, M = 65..512 by default): K = 544 ends in a partial ring
 # stage, N = 400 in a partial 256-column tile; K = 4096, N = 256 splits K over a cluster; a GLU.
+# M = 200 takes the 256-row tile (bits 2-4; partial rows and, at N = 400, a partial column tile).
 for bits in (2, 3, 4, 5):
-    for (k, n), ms in (((544, 400), (65, 128)), ((4096, 256), (100,))):
+    for (k, n), ms in (((544, 400), (65, 128, 200)), ((4096, 256), (100, 200))):
         q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)

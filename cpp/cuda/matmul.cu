@@ -23,10 +23,13 @@ std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
 // benchmarks/results/matmul_wgmma_h200_s22.md): at M = 128 it takes 0.64-0.88x the time of the
 // mma.sync kernels on 9 of 10 shapes (Llama-3-70B gate/up 148 against 231 us), at M = 64 it wins
 // on half of them, and at M = 512 and 4096 dequantize + cuBLAS is faster on most (session 23 made
-// the kernel 0.89-0.97x faster again at M = 128, matmul_wgmma_h200_s23.md; M = 64 and 512 not
-// compared with the other paths since). The environment
+// the kernel 0.89-0.97x faster again at M = 128, matmul_wgmma_h200_s23.md). Session 25 (H100,
+// benchmarks/results/wgmma_bm256_h100_s25.md) gave it copies by TMA and a 256-row tile above 128
+// rows: at M = 256 and 512 it then takes 0.52-0.79x the time of dequantize + cuBLAS on the five
+// shapes measured (bits 4; Llama-3-70B gate/up, M = 512: 451 against 570 us), at M = 1024
+// 0.93-0.99x, at M = 4096 1.1-1.2x, so it stops at 512. The environment
 // overrides the range (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read once per process; MIN_M=0: never).
-constexpr int kWgmmaMinRows = 65, kWgmmaMaxRows = 128;
+constexpr int kWgmmaMinRows = 65, kWgmmaMaxRows = 512;
 int env_or(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return v != nullptr ? std::atoi(v) : fallback;

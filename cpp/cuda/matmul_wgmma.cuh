@@ -43,12 +43,15 @@
 // ---- Where it stands (H200, bench_matmul.py, bits 4; benchmarks/results/matmul_wgmma_h200_s2{2,3}.md) ----
 //  M = 128: Llama-3-70B gate/up 137 us (the session-22 version 147 in the same run, the
 //  mma.sync kernels ~231, the dense bf16 dot 131-135), 8B gate/up 42.5 (dense 38), hence
-//  matmul.cu's dispatch at M = 65..128. The tensor cores are busy ~57 % of the time on the active
+//  the dispatch at M = 65..128. The tensor cores are busy ~57 % of the time on the active
 //  SMs: a k-block's decode (~100 instructions per warp, two warps per scheduler, bound by
 //  dependent latencies) takes longer than the products it runs under (without it: 0.70x the
-//  time), the weight copies cost ~12 %, and 112-tile shapes leave 20 SMs idle. Next: a shorter
-//  decode per k-block or warpgroups specialised by role (setmaxnreg), then a persistent grid or
-//  stream-K (also for M = 512's 3.4 waves of tiles).
+//  time), the weight copies cost ~12 %, and 112-tile shapes leave 20 SMs idle.
+//  Session 25 (H100, benchmarks/results/wgmma_bm256_h100_s25.md): copies by TMA tensor maps
+//  (0.90-0.99x at M = 128) and BM = 256 above 128 rows (0.80-0.84x at M = 256 and 512), which
+//  moved matmul.cu's dispatch to M = 65..512; there it is still 0.80-0.98x as fast as the dense
+//  dot on the Llama shapes (bits 4). Next: a shorter decode per k-block or warpgroups
+//  specialised by role (setmaxnreg), then a persistent grid or stream-K (M = 512's waves of tiles).
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
