@@ -39,11 +39,16 @@ def median_call_seconds(fn, args, repeats: int, calls: int = 10, warmup_seconds:
 
 
 def queue_seconds(fn, args, calls: int = 10) -> float:
-    """Seconds the host takes to queue one call of fn(*args) (the calls are awaited afterwards)."""
+    """Seconds the host takes to queue one call of fn(*args) (the last call is awaited afterwards).
+
+    Only the last call's outputs are kept: holding all of them adds 10 calls' outputs to the peak
+    (Llama-3-70B gate/up at M = 4096: 10 x 4 weights x 224 MiB), and it was there that a
+    three-bits run of bench_matmul.py ran an 80 GB H100 out of memory."""
     start = time.perf_counter()
-    outs = [fn(*args) for _ in range(calls)]
+    for _ in range(calls):
+        out = fn(*args)
     seconds = (time.perf_counter() - start) / calls
-    jax.block_until_ready(outs)
+    jax.block_until_ready(out)
     return seconds
 
 

@@ -13,8 +13,8 @@
 #                               # options shorten the step (e.g. the all-reduce implementation)
 #   tools/gpu_check.sh patch-ab "P1 P2..." [bench args...]   an A/B of prepared patches on one GPU:
 #                               # the benchmark on this tree, then the patches applied in order
-#                               # (git apply), rebuilt, pytest -m gpu tests/test_gpu.py and the
-#                               # benchmark again, both runs side by side (render.py --compare);
+#                               # (git apply), rebuilt, the benchmark again, both runs side by
+#                               # side (render.py --compare), then pytest -m gpu tests/test_gpu.py;
 #                               # the patches are reverted at the end. The environment (e.g.
 #                               # KBIT_JAX_WGMMA_MAX_M) holds for both runs.
 set -uo pipefail
@@ -98,8 +98,9 @@ if [[ $what == patch-ab ]]; then
     applied+=("$p")
   done
   build || exit 1
-  echo "== pytest -m gpu tests/test_gpu.py, patched"
-  $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu_patched.log" | tail -8
   bench_to new "$@" || exit 1
   $PY benchmarks/render.py --compare "$OUT/base/matmul.json" "$OUT/new/matmul.json" | tee "$OUT/patch_ab.md"
+  # the tests last: a slow test run then cannot cost the call its A/B
+  echo "== pytest -m gpu tests/test_gpu.py, patched"
+  $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu_patched.log" | tail -8
 fi
