@@ -2,6 +2,9 @@
 # On the GPU machine: build, run the GPU tests, compute-sanitizer (memcheck + racecheck) on a
 # representative workload, then the benchmark. Logs and results go to $OUT (or ./gpu_out).
 #   tools/gpu_check.sh [build|test|sanitize|verify|bench|all] [bench args...]   (verify: test + sanitize)
+#     PYTEST_WORKERS=N: the GPU tests in N processes (pytest-xdist, on the GPU machine; untried);
+#     SANITIZE_PARTS="wgmma ...": only those parts of tools/sanitize_case.py (racecheck over all
+#     of them ran past 105 s in session 25); SANITIZE_TIMEOUT (240 s) per tool
 #   tools/gpu_check.sh decode   # Llama-3-8B table (bf16, K=2..5) + Llama-3-70B K=4/K=2 on GPU 0
 #   tools/gpu_check.sh tp       # Llama-3-70B tensor-parallel decode over 2 (and 4) GPUs + the
 #                               # sharded matmul microbenchmark (a multi-GPU machine)
@@ -34,12 +37,14 @@ build || exit 1
 
 if [[ $what == test || $what == verify || $what == all ]]; then
   echo "== pytest -m gpu"
-  $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  $PY -m pytest -q -p no:cacheprovider ${PYTEST_WORKERS:+-n "$PYTEST_WORKERS"} -m gpu tests 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -25
 fi
 if [[ $what == sanitize || $what == verify || $what == all ]]; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
-    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 $PY tools/sanitize_case.py \
+    timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+      $PY tools/sanitize_case.py ${SANITIZE_PARTS:-} \
       > "$OUT/sanitize_$tool.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/sanitize_$tool.log"
   done
 fi

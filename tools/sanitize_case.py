@@ -1,54 +1,86 @@
-"""A small workload for compute-sanitizer (tools/gpu_check.sh): every CUDA kernel once per bits."""
+"""A small workload for compute-sanitizer (tools/gpu_check.sh): every CUDA kernel once per bits.
+
+    python tools/sanitize_case.py [PART ...]   the named parts (default: all): small, clusters,
+                                               glu, wgmma (racecheck over all of them takes minutes)
+"""
+
+import sys
 
 import jax
 import jax.numpy as jnp
 
 import kbit_jax as kj
 
-# (K, N): N = 136 and 257 end inside a tile (257 at M = 33 once read past the scales), N = 256
-# takes the warp-specialized (TMA) kernel at M <= 128 (M = 1, 5: one n8 tile; 12: two; 17, 33,
-# 64: several blocks of 16 rows, the last one partial at 17 and 33), K = 320 ends in a partial
-# chunk.
-for bits, (k, n) in [(b, s) for b in (2, 3, 4, 5) for s in ((256, 136), (320, 257), (256, 256))]:
-    w = jax.random.normal(jax.random.key(bits), (k, n))
-    for layout in ("planes", "fragment"):
-        q = kj.quantize(w, bits, layout=layout)
-        jax.block_until_ready(kj.dequantize(q, jnp.bfloat16))
-        for m in (1, 5, 12, 17, 33, 64):
-            for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+
+def small():
+    # (K, N): N = 136 and 257 end inside a tile (257 at M = 33 once read past the scales), N = 256
+    # takes the warp-specialized (TMA) kernel at M <= 128 (M = 1, 5: one n8 tile; 12: two; 17, 33,
+    # 64: several blocks of 16 rows, the last one partial at 17 and 33), K = 320 ends in a partial
+    # chunk.
+    shapes = ((256, 136), (320, 257), (256, 256))
+    for bits, (k, n) in [(b, s) for b in (2, 3, 4, 5) for s in shapes]:
+        w = jax.random.normal(jax.random.key(bits), (k, n))
+        for layout in ("planes", "fragment"):
+            q = kj.quantize(w, bits, layout=layout)
+            jax.block_until_ready(kj.dequantize(q, jnp.bfloat16))
+            for m in (1, 5, 12, 17, 33, 64):
+                for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+                    x = jax.random.normal(jax.random.key(m), (m, k), dtype)
+                    jax.block_until_ready(kj.matmul(x, q, method="fused"))
+
+
+def clusters():
+    # Larger products on the launcher's own plan (bf16 and f16): N = 8192 at M = 17, 33, 64 takes
+    # the N-split tiling (blocks of 32 or 64 rows, the last one partial at 17 and 33), mostly with
+    # 2-CTA k-split clusters, whose warps add their sums across the cluster (item_reduce.cuh:
+    # WarpClusterReducer); K = 4096, N = 256 at M = 1 and 12 has 4 column groups, so the launcher
+    # splits K over clusters of up to 8 CTAs, whose ranks send their sums to rank 0
+    # (ItemReducer); K = 2048, N = 256 takes chunk-balanced clusters of 4 CTAs (ItemWalk), each
+    # item's owner adding three ranks' pieces (ItemReducer::finish_piece). (Longer walks of
+    # pieces, e.g. K = 8192, N = 5120, run in the harness's test; under racecheck they take
+    # minutes.)
+    for (k, n), ms in (((256, 8192), (17, 33, 64)), ((4096, 256), (1, 12)), ((2048, 256), (1, 12))):
+        for bits in (2, 3, 4, 5):
+            q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
+            for m in ms:
+                for dtype in (jnp.bfloat16, jnp.float16):
+                    x = jax.random.normal(jax.random.key(m), (m, k), dtype)
+                    jax.block_until_ready(kj.matmul(x, q, method="fused"))
+
+
+def glu():
+    # The GLU epilogue (shuffled gate/up pairs, N / 2 columns stored): every path above once, bits
+    # 4.
+    for (k, n), ms in (((256, 136), (1, 12)), ((256, 256), (5, 33)), ((256, 8192), (17,)),
+                       ((4096, 256), (1,)), ((2048, 256), (12,))):
+        q = kj.quantize(jax.random.normal(jax.random.key(k + n), (k, n)), 4)
+        for m in ms:
+            for dtype in (jnp.bfloat16, jnp.float32):
                 x = jax.random.normal(jax.random.key(m), (m, k), dtype)
-                jax.block_until_ready(kj.matmul(x, q, method="fused"))
-# Larger products on the launcher's own plan (bf16 and f16): N = 8192 at M = 17, 33, 64 takes the
-# N-split tiling (blocks of 32 or 64 rows, the last one partial at 17 and 33), mostly with 2-CTA
-# k-split clusters, whose warps add their sums across the cluster (item_reduce.cuh:
-# WarpClusterReducer); K = 4096, N = 256 at M = 1 and 12 has 4 column groups, so the launcher
-# splits K over clusters of up to 8 CTAs, whose ranks send their sums to rank 0 (ItemReducer);
-# K = 2048, N = 256 takes chunk-balanced clusters of 4 CTAs (ItemWalk), each item's owner adding
-# three ranks' pieces (ItemReducer::finish_piece). (Longer walks of pieces, e.g. K = 8192, N =
-# 5120, run in the harness's test; under racecheck they take minutes.)
-for (k, n), ms in (((256, 8192), (17, 33, 64)), ((4096, 256), (1, 12)), ((2048, 256), (1, 12))):
+                jax.block_until_ready(kj.matmul(x, q, method="fused", glu="silu"))
+
+
+def wgmma():
+    # The wgmma kernel (bf16, N % 16 == 0, M = 65..512 by default): K = 544 ends in a partial
+    # ring stage, N = 400 in a partial 256-column tile; K = 4096, N = 256 splits K over a
+    # cluster; a GLU. M = 200 takes the 256-row tile (bits 2-4; partial rows and, at N = 400, a
+    # partial column tile).
     for bits in (2, 3, 4, 5):
-        q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
-        for m in ms:
-            for dtype in (jnp.bfloat16, jnp.float16):
-                x = jax.random.normal(jax.random.key(m), (m, k), dtype)
-                jax.block_until_ready(kj.matmul(x, q, method="fused"))
-# The GLU epilogue (shuffled gate/up pairs, N / 2 columns stored): every path above once, bits 4.
-for (k, n), ms in (((256, 136), (1, 12)), ((256, 256), (5, 33)), ((256, 8192), (17,)), ((4096, 256), (1,)),
-                   ((2048, 256), (12,))):
-    q = kj.quantize(jax.random.normal(jax.random.key(k + n), (k, n)), 4)
-    for m in ms:
-        for dtype in (jnp.bfloat16, jnp.float32):
-            x = jax.random.normal(jax.random.key(m), (m, k), dtype)
-            jax.block_until_ready(kj.matmul(x, q, method="fused", glu="silu"))
-# The wgmma kernel (bf16, N % 16 == 0, M = 65..512 by default): K = 544 ends in a partial ring
-# stage, N = 400 in a partial 256-column tile; K = 4096, N = 256 splits K over a cluster; a GLU.
-# M = 200 takes the 256-row tile (bits 2-4; partial rows and, at N = 400, a partial column tile).
-for bits in (2, 3, 4, 5):
-    for (k, n), ms in (((544, 400), (65, 128, 200)), ((4096, 256), (100, 200))):
-        q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
-        for m in ms:
-            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            jax.block_until_ready(kj.matmul(x, q))
-            jax.block_until_ready(kj.matmul(x, q, glu="silu"))
-print("sanitize case done")
+        for (k, n), ms in (((544, 400), (65, 128, 200)), ((4096, 256), (100, 200))):
+            q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
+            for m in ms:
+                x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+                jax.block_until_ready(kj.matmul(x, q))
+                jax.block_until_ready(kj.matmul(x, q, glu="silu"))
+
+
+PARTS = {"small": small, "clusters": clusters, "glu": glu, "wgmma": wgmma}
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(PARTS)
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        sys.exit(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    for name in names:
+        PARTS[name]()
+    print("sanitize case done:", " ".join(names))
