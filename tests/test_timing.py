@@ -1,14 +1,15 @@
 """kbit_jax.timing: the warm-up runs before the timed samples, and only for the time asked; host-bound
-product timings get more passes."""
+product timings get more passes; queueing calls does not hold every call's outputs."""
 
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
 
 import pytest
 
-from kbit_jax.timing import more_passes, passes_function, products_seconds, median_call_seconds
+from kbit_jax.timing import more_passes, passes_function, products_seconds, median_call_seconds, queue_seconds
 
 
 def counted(sleep_s=0.0):
@@ -35,6 +36,21 @@ def test_warmup_runs_whole_batches_for_at_least_the_time_asked():
     warm = len(calls) - 1 - 2 * 4
     assert warm >= 4 and warm % 4 == 0  # whole batches of `calls`
     assert calls[1 + warm - 1] - calls[1] >= 0.05 - 0.01  # the warm-up lasted about that long
+
+
+def test_queue_seconds_holds_at_most_the_previous_calls_outputs():
+    # Holding every call's outputs raised bench_matmul.py's peak (an 80 GB H100 ran out of memory
+    # at Llama-3-70B gate/up, M = 4096, there).
+    outs, alive_at_call = [], []
+
+    def fn(x):
+        alive_at_call.append(sum(r() is not None for r in outs))
+        y = x + len(outs)
+        outs.append(weakref.ref(y))
+        return y
+
+    assert queue_seconds(fn, (jnp.ones(4),), calls=6) >= 0
+    assert len(alive_at_call) == 6 and max(alive_at_call) <= 1, alive_at_call
 
 
 @pytest.mark.parametrize("passes, queue_s, call_s, cap, expected", [
