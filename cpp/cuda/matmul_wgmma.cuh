@@ -26,11 +26,11 @@
 //    "empty" mbarrier; warp 0 issues every copy of a chunk from one lane: x by one TMA tensor
 //    copy, as wgmma's K-major operand with the 128-byte swizzle (each row of x holds the
 //    chunk's 64 k in 128 bytes, its 16-byte pieces XORed with the row index mod 8, 8-row atoms
-//    1024 bytes apart), and each k-block's weights and scale bytes by one 1-D bulk copy (the
-//    CTA's cells of a k-block row are contiguous). The tensor cores read x through the async
-//    proxy, which TMA writes: cp.async writes would need a fence.proxy.async in each writing
-//    thread, which compiles to MEMBAR.ALL.CTA and emptied the ring every chunk (a first
-//    version). Weights by per-thread cp.async were a fifth of the compute warps' instructions.
+//    1024 bytes apart), and the chunk's weight cells and scale bytes by one TMA tensor copy each
+//    (see the launcher's maps). The tensor cores read x through the async proxy, which TMA
+//    writes: cp.async writes would need a fence.proxy.async in each writing thread, which
+//    compiles to MEMBAR.ALL.CTA and emptied the ring every chunk (a first version). Weights by
+//    per-thread cp.async were a fifth of the compute warps' instructions.
 //  * Two A register sets, even and odd k-blocks: each k-block's decode runs while the previous
 //    k-block's products are on the tensor cores (see the main loop).
 //  * K is split across the CTAs of a thread-block cluster (ks ranks, each a k-range) where the

@@ -80,15 +80,6 @@ __device__ __forceinline__ void tma_load_3d_if(bool on, uint32_t dst, const CUte
       "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
-// Copy `bytes` (a multiple of 16; both addresses 16-byte aligned) from global `src` to shared
-// `dst`, completing them on mbarrier `bar` (a 1-D bulk copy: no tensor map, no bounds), where `on`.
-__device__ __forceinline__ void bulk_load_if(bool on, uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n"
-      "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%1], [%2], %3, [%4];\n}\n" ::"r"(int(on)),
-      "r"(dst), "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
 
 // Bring the box at (c0, c1[, c2]) of `map` into L2 only (no shared memory, no barrier): the
 // kernel's first chunks, requested before it may read them (dependent_launch.cuh).
