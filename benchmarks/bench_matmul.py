@@ -111,6 +111,8 @@ def main(argv=None):
                         "y[..., 1::2]; kbit gates inside its kernel (kbit_jax.matmul(glu=...)), the "
                         "dense dots and 'kbit_xla_gate_us' (the same kbit product, gated by XLA) after")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=float, default=0.2,
+                   help="seconds of untimed calls before each measurement's samples (clocks ramp up)")
     p.add_argument("--out", default=None, help="directory for matmul.json (+ .md)")
     args = p.parse_args(argv)
 
@@ -126,7 +128,7 @@ def main(argv=None):
     result = dict(device=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                   copy_bandwidth_tbs=bw / 1e12, xla_copy_bandwidth_tbs=xla_bw / 1e12,
                   memcpy_bandwidth_tbs=None if memcpy_bw is None else memcpy_bw / 1e12,
-                  build=kj.build_info(), method=args.method, glu=args.glu, rows=[])
+                  build=kj.build_info(), method=args.method, glu=args.glu, warmup_s=args.warmup, rows=[])
     rows = result["rows"]
     shapes = {f"{args.kn[0]}x{args.kn[1]}": tuple(args.kn)} if args.kn else {s: SHAPES[s] for s in args.shapes}
     for name, (k, n) in shapes.items():
@@ -145,19 +147,22 @@ def main(argv=None):
                 dot = jnp.dot          # what a user writes: XLA picks the GEMM (cuBLAS)
                 if args.glu:
                     dot = lambda x, w: xla_gate(jnp.dot(x, w))  # noqa: E731
-                t_dense, dense_passes, dense_host_bound = products_seconds(dot, x, dense_ws, args.repeats)
+                t_dense, dense_passes, dense_host_bound = products_seconds(dot, x, dense_ws, args.repeats,
+                                                                           warmup_seconds=args.warmup)
                 t_dense_call = t_dense
                 if dense_host_bound and on_gpu:
                     t_dense = busy_seconds(dot, x, dense_ws)
                 # the other 16-bit dense baseline (fp16 for bf16 runs and vice versa)
                 other = jnp.float16 if dtype == jnp.bfloat16 else jnp.bfloat16
                 t_dense_other = products_seconds(dot, x.astype(other), [d.astype(other) for d in dense_ws[:4]],
-                                                 args.repeats)[0] if len(dense_ws) >= 4 else float("nan")
+                                                 args.repeats, warmup_seconds=args.warmup)[0] \
+                    if len(dense_ws) >= 4 else float("nan")
                 passes = 1  # each bits value starts from the passes the previous one needed
                 for bits in args.bits:
                     ws = quantized[bits]
                     product = lambda x, w: kj.matmul(x, w, method=args.method, glu=args.glu)  # noqa: E731
-                    t, passes, host_bound = products_seconds(product, x, ws, args.repeats, passes=passes)
+                    t, passes, host_bound = products_seconds(product, x, ws, args.repeats, passes=passes,
+                                                                  warmup_seconds=args.warmup)
                     t_call = t
                     if host_bound and on_gpu:
                         t = busy_seconds(product, x, ws)
@@ -178,7 +183,7 @@ def main(argv=None):
                         unfused = lambda x, w: xla_gate(kj.matmul(x, w, method=args.method))  # noqa: E731
                         row["glu"] = args.glu
                         row["kbit_xla_gate_us"] = products_seconds(unfused, x, ws, args.repeats,
-                                                                   passes=passes)[0] * 1e6
+                                                                   passes=passes, warmup_seconds=args.warmup)[0] * 1e6
                     rows.append(row)
                     if args.out:  # after every row, so that a run cut short keeps what it measured
                         write_json(result, args.out)
