@@ -5,7 +5,8 @@
     python benchmarks/render.py --compare base.json new.json             # an A/B, to stdout
 
 --merge joins the rows of runs made on one device (each row keeps the '% BW' of its own run's
-copy bandwidth) and records each part's header under "parts". --compare sets each row of the
+copy bandwidth; a later run's row replaces an earlier one of the same shape, dtype, M and bits)
+and records each part's header under "parts". --compare sets each row of the
 second run beside the first run's row of the same shape, dtype, M and bits: two builds, or two
 settings of one build, measured one after the other on one device.
 """
@@ -37,14 +38,20 @@ def load(path):
 
 
 def merge(paths):
-    """One result from bench_matmul runs split over several calls (same device and build)."""
+    """One result from bench_matmul runs split over several calls (same device and build). A
+    row of a later part replaces an earlier part's row of the same shape, dtype, M and bits, in
+    its place (a re-measurement of some rows); each kept row is marked with its part's index."""
     results = [load(path) for path in paths]
     devices = {r["device"] for r in results}
     if len(devices) != 1:
         raise SystemExit(f"--merge: runs from different devices {sorted(devices)}")
     merged = {k: v for k, v in results[0].items() if k != "rows"}
     merged["parts"] = [{k: v for k, v in r.items() if k != "rows"} for r in results]
-    merged["rows"] = [row for r in results for row in r["rows"]]
+    rows = {}  # insertion order: a replaced row keeps its first place
+    for part, r in enumerate(results):
+        for row in r["rows"]:
+            rows[_row_key(row)] = dict(row, part=part)
+    merged["rows"] = list(rows.values())
     return merged
 
 

@@ -48,6 +48,18 @@ def test_merge_keeps_every_row_and_each_part_header(tmp_path):
     assert "2 runs merged" in render.markdown(merged)
 
 
+def test_merge_lets_a_later_part_replace_a_row_in_its_place(tmp_path):
+    parts = [[row("a", 1, 10.0, 20.0), row("a", 16, 30.0, 40.0), row("b", 1, 8.0, 9.0)],
+             [row("a", 16, 25.0, 39.0), row("c", 1, 5.0, 6.0)]]
+    paths = []
+    for i, rows in enumerate(parts):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(result(rows)))
+    merged = render.merge([str(p) for p in paths])
+    assert [(r["shape"], r["m"], r["kbit_us"], r["part"]) for r in merged["rows"]] == [
+        ("a", 1, 10.0, 0), ("a", 16, 25.0, 1), ("b", 1, 8.0, 0), ("c", 1, 5.0, 1)]
+
+
 def test_main_compare_prints_the_table(tmp_path, capsys):
     for name, t in (("base", 10.0), ("new", 5.0)):
         (tmp_path / f"{name}.json").write_text(json.dumps(result([row("a", 1, t, 20.0)])))
