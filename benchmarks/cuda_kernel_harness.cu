@@ -20,7 +20,8 @@
 //                                                 case launched REPS times, each run checked and
 //                                                 failing runs described (intermittent failures)
 // Environment: KBIT_HARNESS_VERBOSE=1 prints each matmul test case before it runs (a case that
-// hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel".
+// hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel";
+// KBIT_HARNESS_SWEEP_M="256 384 512" sets the M of "sweep" (default 1 16).
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
 // Correctness: quantize (both layouts, three input dtypes) bit-exact against a host quantizer
@@ -805,12 +806,34 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 }
 
 // The launcher's k-split choice against every cluster size: for each shape (the ten above and
-// a Llama-3-70B layer's products per device at TP 2 and 4), bits 2, 4, 5 and M 1, 16, one line
+// a Llama-3-70B layer's products per device at TP 2 and 4), bits 2, 4, 5 and M 1, 16 (KBIT_HARNESS_SWEEP_M), one line
 //   SWEEP <shape> K N bits M  <default us> <default k_split> <ctas>  then per forced size
 //   1..8: <us>/<k_split launched>/<ctas>   (a size the launcher rejects runs as another)
 // Fewer repetitions than "sel" (5 batches of 10 launches): it is for choosing, not reporting.
+// KBIT_HARNESS_SWEEP_M="256 512" sweeps other M (up to 4096); above 128 rows it times the wgmma
+// kernel (launch_wgmma splits K by its own rule). Session 26's run of 256/384/512 timed the
+// warp-specialized kernel instead (forced by time_variants' variant 0; 8x slower), before this.
 static void bench_sweep() {
-  BenchEnv env(16);
+  std::vector<int> ms;
+  {
+    const char* env_m = getenv("KBIT_HARNESS_SWEEP_M");
+    for (const char* s = env_m ? env_m : "1 16"; *s;) {
+      char* end;
+      const long m = strtol(s, &end, 10);
+      if (end == s) break;
+      if (m < 1 || m > 4096) {
+        fprintf(stderr, "KBIT_HARNESS_SWEEP_M: M = %ld is outside 1..4096\n", m);
+        exit(2);
+      }
+      ms.push_back(int(m));
+      s = end;
+    }
+    if (ms.empty()) {
+      fprintf(stderr, "KBIT_HARNESS_SWEEP_M: no M in '%s'\n", env_m);
+      exit(2);
+    }
+  }
+  BenchEnv env(std::max<size_t>(16, *std::max_element(ms.begin(), ms.end())));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
   std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
@@ -821,8 +844,18 @@ static void bench_sweep() {
   for (const Shape& s : shapes)
     for (int bits : {2, 4, 5}) {
       const WeightCopies w(env, s, bits);
-      for (int M : {1, 16}) {
+      for (int M : ms) {
         auto time = [&](int ks, kbit::cuda::MatmulTuning& tune) {
+          if (M > 128) {  // variant 3: the wgmma kernel, which the module takes at these M (time_variants'
+                          // variants 0 and 1 would force matmul_fused.cuh's tilings)
+            kbit::cuda::MatmulTuning t;
+            t.variant = 3;
+            t.k_split = ks;
+            const double us = time_tuned(tm, env.matmul_args(s, bits, M), w, t, 5, 10);
+            tune.launched_k_split = t.launched_k_split;
+            tune.launched_ctas = t.launched_ctas;
+            return us;
+          }
           double us_v[2];
           return time_variants(tm, env.matmul_args(s, bits, M), w, ks, us_v, 5, 10, &tune);
         };
