@@ -46,3 +46,12 @@ def test_choose_skips_sizes_that_leave_a_rank_empty(tmp_path):
                    " ".join(f"{10 - ks}.00/{ks if ks != 8 else 1}/{ks * 32}" for ks in range(1, 9)) + "\n")
     cases, res = ksplit_fit.parse(str(log))
     assert 8 not in cases[0][6] and cases[0][6][7] == 3.0 and res[4] == 32
+
+
+def test_parse_leaves_out_rows_above_the_mirrored_launcher(tmp_path):
+    # a sweep at M = 256 (KBIT_HARNESS_SWEEP_M) times the wgmma kernel, which the mirror does not model
+    sizes = " ".join(f"{10.0 + ks:.2f}/{ks}/{132 // ks * ks}" for ks in range(1, 9))
+    log = tmp_path / "sweep.log"
+    log.write_text(f"SWEEP a 4096 4096 4 16 9.00 2 128 {sizes}\nSWEEP a 4096 4096 4 256 90.00 1 64 {sizes}\n")
+    cases, _ = ksplit_fit.parse(str(log))
+    assert [c[3] for c in cases] == [16]

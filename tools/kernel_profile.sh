@@ -21,6 +21,8 @@
 #                                                 against the cp.async kernel
 #   tools/kernel_profile.sh sweep                every cluster size (k-split) against the launcher's
 #                                                 choice; benchmarks/ksplit_fit.py scores its cost model
+#                                                 (M <= 16). KBIT_HARNESS_SWEEP_M="128 256 512" sweeps
+#                                                 those M instead (above 128: the wgmma kernel)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
