@@ -182,8 +182,8 @@ def main(argv=None):
                     if args.glu:   # the same product with XLA's gate after it: what the fusion saves
                         unfused = lambda x, w: xla_gate(kj.matmul(x, w, method=args.method))  # noqa: E731
                         row["glu"] = args.glu
-                        row["kbit_xla_gate_us"] = products_seconds(unfused, x, ws, args.repeats,
-                                                                   passes=passes, warmup_seconds=args.warmup)[0] * 1e6
+                        row["kbit_xla_gate_us"] = products_seconds(unfused, x, ws, args.repeats, passes=passes,
+                                                                   warmup_seconds=args.warmup)[0] * 1e6
                     rows.append(row)
                     if args.out:  # after every row, so that a run cut short keeps what it measured
                         write_json(result, args.out)

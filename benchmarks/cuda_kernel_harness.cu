@@ -806,7 +806,8 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 }
 
 // The launcher's k-split choice against every cluster size: for each shape (the ten above and
-// a Llama-3-70B layer's products per device at TP 2 and 4), bits 2, 4, 5 and M 1, 16 (KBIT_HARNESS_SWEEP_M), one line
+// a Llama-3-70B layer's products per device at TP 2 and 4), bits 2, 4, 5 and M 1, 16 (or
+// KBIT_HARNESS_SWEEP_M), one line
 //   SWEEP <shape> K N bits M  <default us> <default k_split> <ctas>  then per forced size
 //   1..8: <us>/<k_split launched>/<ctas>   (a size the launcher rejects runs as another)
 // Fewer repetitions than "sel" (5 batches of 10 launches): it is for choosing, not reporting.

@@ -1,5 +1,6 @@
 """kbit_jax.timing: the warm-up runs before the timed samples, and only for the time asked; host-bound
-product timings get more passes; queueing calls does not hold every call's outputs; of two medians the smaller stands."""
+product timings get more passes; queueing calls does not hold every call's outputs; of two medians
+the smaller stands."""
 
 import time
 import weakref
