@@ -90,6 +90,9 @@ def main():
     args = p.parse_args()
     cases, resident = parse(args.log)
     print(f"{len(cases)} cases; resident clusters per size: {resident}")
+    if not cases:  # e.g. a sweep of KBIT_HARNESS_SWEEP_M above MAX_M only: nothing to score
+        print(f"no SWEEP rows with M <= {MAX_M} in {args.log}")
+        return
     grid = []
     for a in (0.5, 1.0, 1.5, 2.0, 3.0):
         for b in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5):

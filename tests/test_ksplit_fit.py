@@ -55,3 +55,13 @@ def test_parse_leaves_out_rows_above_the_mirrored_launcher(tmp_path):
     log.write_text(f"SWEEP a 4096 4096 4 16 9.00 2 128 {sizes}\nSWEEP a 4096 4096 4 256 90.00 1 64 {sizes}\n")
     cases, _ = ksplit_fit.parse(str(log))
     assert [c[3] for c in cases] == [16]
+
+
+def test_main_without_rows_it_models(tmp_path, monkeypatch, capsys):
+    # a sweep of larger M only (the wgmma kernel's) leaves nothing to score: a message, no error
+    sizes = " ".join(f"{10.0 + ks:.2f}/{ks}/{132 // ks * ks}" for ks in range(1, 9))
+    log = tmp_path / "sweep.log"
+    log.write_text(f"SWEEP a 4096 4096 4 128 30.00 2 64 {sizes} fused 40.00 tiles 2\n")
+    monkeypatch.setattr("sys.argv", ["ksplit_fit.py", str(log)])
+    ksplit_fit.main()
+    assert "no SWEEP rows with M <= 16" in capsys.readouterr().out
