@@ -71,6 +71,8 @@ def test_labels_name_the_template_arguments():
     assert sass_loops.label(WS) == "ws bits 4 ActBF16 MT 1 V1"
     assert sass_loops.label(CP) == "cp.async bits 2 ActF16  MT 8 V0"
     assert sass_loops.label(WG) == "wgmma bits 4 BM 128"
+    # since session 27 the kernel also takes J, the weight tiles per warpgroup
+    assert sass_loops.label(WG.replace("Li128E", "Li128ELi1E")) == "wgmma bits 4 BM 128 J 1"
     assert sass_loops.label("_Z8quantizev") == "_Z8quantizev"
 
 

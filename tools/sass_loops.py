@@ -48,7 +48,7 @@ _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 # kbit_matmul_{ws,fused}_kernel<BITS, Act, MT, V> (warp-specialized / cp.async kernel)
 _MATMUL_KERNEL = re.compile(r"kbit_matmul_(ws|fused)_kernelILi(\d)ENS0_\d+(\w+?)ELi(\d)ELi(\d)E")
 # kbit_matmul_wgmma_kernel<BITS, BM>
-_WGMMA_KERNEL = re.compile(r"kbit_matmul_wgmma_kernelILi(\d)ELi(\d+)E")
+_WGMMA_KERNEL = re.compile(r"kbit_matmul_wgmma_kernelILi(\d)ELi(\d+)E(?:Li(\d)E)?")  # bits, BM, J (session 27+)
 
 
 def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
@@ -89,7 +89,7 @@ def label(mangled: str) -> str:
         return f"{'ws' if kind == 'ws' else 'cp.async'} bits {bits} {act:7s} MT {mt} V{v}"
     m = _WGMMA_KERNEL.search(mangled)
     if m:
-        return f"wgmma bits {m.group(1)} BM {m.group(2)}"
+        return f"wgmma bits {m.group(1)} BM {m.group(2)}" + (f" J {m.group(3)}" if m.group(3) else "")
     return mangled[:60]
 
 
