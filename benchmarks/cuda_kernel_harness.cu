@@ -371,7 +371,10 @@ static void test_dequantize(bool quick) {
   printf("dequantize: %d / %d cases bit-exact\n", n_ok, n_total);
 }
 
-struct MMCase { int B, M, K, N; int k_split; bool force_generic; int variant = -1; int balance = -1; };
+struct MMCase {
+  int B, M, K, N; int k_split; bool force_generic; int variant = -1; int balance = -1;
+  int wg_tiles = 0;  // variant 3 (the wgmma kernel; bf16 and the fragment layout only): 1 or 2 tiles
+};
 
 // One matmul check; returns the relative Frobenius error (or +inf on failure to run).
 // Runs one case; returns the relative Frobenius error against the float64 reference and sets
@@ -447,6 +450,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   tune.force_generic = c.force_generic;
   tune.variant = c.variant;
   tune.balance = c.balance;
+  tune.wg_tiles = c.wg_tiles;
   *path_out = c.force_generic ? "generic (forced)" : kbit::cuda::matmul_path(a);
   const double u32 = std::ldexp(1.0, -24);
   const double u_act = dt == DType::kBF16 ? std::ldexp(1.0, -8) : dt == DType::kF16 ? std::ldexp(1.0, -11) : u32;
@@ -583,6 +587,22 @@ static void test_matmul(bool quick) {
           cases.push_back(c);
         }
   }
+  // The wgmma kernel (variant 3) with both weight tiles (128 and 256 columns per CTA) at every
+  // row tile (BM 64, 128; 256 takes 128 columns): partial column tiles (N % 128 != 0), k-split
+  // clusters, partial k-range of the last rank, batch entries.
+  if (!quick)
+    for (const MMCase& w : {MMCase{1, 100, 1024, 512, 0, false}, MMCase{2, 65, 2048, 272, 3, false},
+                            MMCase{1, 128, 4096, 384, 0, false}, MMCase{1, 33, 1056, 144, 4, false},
+                            MMCase{1, 300, 2048, 208, 2, false}})
+      for (int tiles : {1, 2}) {
+        MMCase c = w;
+        c.variant = 3;
+        c.wg_tiles = tiles;
+        cases.push_back(c);
+      }
+  if (getenv("KBIT_HARNESS_TEST_WGMMA") != nullptr)  // only the wgmma kernel's cases (a short run)
+    cases.erase(std::remove_if(cases.begin(), cases.end(), [](const MMCase& c) { return c.variant != 3; }),
+                cases.end());
   int n_ok = 0, n_total = 0;
   uint32_t seed = 9000;
   const bool verbose = getenv("KBIT_HARNESS_VERBOSE") != nullptr;
@@ -592,11 +612,12 @@ static void test_matmul(bool quick) {
       for (int layout = 1; layout >= 0; --layout)
         for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
           if (c.M * size_t(c.K) * c.N > 20000000 && (layout == 0 || dt == DType::kF32)) continue;
+          if (c.variant == 3 && (layout == 0 || dt != DType::kBF16)) continue;  // (the wgmma kernel's inputs)
           double bound_ratio = 0;
           std::string path;
           if (verbose)  // the case about to run, for a case that does not return
-            printf("case B=%d M=%d K=%d N=%d k_split=%d variant=%d bits=%d layout=%d dtype=%s\n", c.B, c.M, c.K,
-                   c.N, c.k_split, c.variant, bits, layout, kbit::cuda::dtype_name(dt));
+            printf("case B=%d M=%d K=%d N=%d k_split=%d variant=%d wg_tiles=%d bits=%d layout=%d dtype=%s\n", c.B,
+                   c.M, c.K, c.N, c.k_split, c.variant, c.wg_tiles, bits, layout, kbit::cuda::dtype_name(dt));
           const double rel = run_matmul_case(c, bits, layout, dt, seed++, &bound_ratio, &path);
           const bool ok = bound_ratio <= 1.0;
           ++n_total;
@@ -811,9 +832,14 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 //   SWEEP <shape> K N bits M  <default us> <default k_split> <ctas>  then per forced size
 //   1..8: <us>/<k_split launched>/<ctas>   (a size the launcher rejects runs as another)
 // Fewer repetitions than "sel" (5 batches of 10 launches): it is for choosing, not reporting.
-// KBIT_HARNESS_SWEEP_M="256 512" sweeps other M (up to 4096); above 128 rows it times the wgmma
-// kernel (launch_wgmma splits K by its own rule). Session 26's run of 256/384/512 timed the
-// warp-specialized kernel instead (forced by time_variants' variant 0; 8x slower), before this.
+// KBIT_HARNESS_SWEEP_M="128 256 512" sweeps other M (up to 4096). From 65 rows (the module's
+// wgmma range; from any M with KBIT_HARNESS_SWEEP_WGMMA=1) it times the wgmma kernel, and a
+// line ends with " fused <us>" (M <= 128): matmul_fused.cuh's time at that M (the module's
+// choice below 65 rows, its 16-row tilings above), and " tiles <J>": the weight tiles per
+// warpgroup the launcher chose. At M <= 128 the forced sizes of the SWEEP line run the 256-column
+// tile, and a second line, "BN128 ..." (same fields), the 128-column tile (tuning.wg_tiles).
+// (Session 26's run of 256/384/512 timed the warp-specialized kernel instead: time_variants
+// forces matmul_fused.cuh's variant 0.)
 static void bench_sweep() {
   std::vector<int> ms;
   {
@@ -834,6 +860,7 @@ static void bench_sweep() {
       exit(2);
     }
   }
+  const bool wgmma_everywhere = getenv("KBIT_HARNESS_SWEEP_WGMMA") != nullptr;
   BenchEnv env(std::max<size_t>(16, *std::max_element(ms.begin(), ms.end())));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
@@ -846,29 +873,50 @@ static void bench_sweep() {
     for (int bits : {2, 4, 5}) {
       const WeightCopies w(env, s, bits);
       for (int M : ms) {
-        auto time = [&](int ks, kbit::cuda::MatmulTuning& tune) {
-          if (M > 128) {  // variant 3: the wgmma kernel, which the module takes at these M (time_variants'
-                          // variants 0 and 1 would force matmul_fused.cuh's tilings)
+        const bool wgmma = M >= 65 || wgmma_everywhere;
+        // (variants 0 and 1 of time_variants would force matmul_fused.cuh's tilings)
+        auto time = [&](int ks, int wg_tiles, kbit::cuda::MatmulTuning& tune) {
+          if (wgmma) {
             kbit::cuda::MatmulTuning t;
             t.variant = 3;
             t.k_split = ks;
+            t.wg_tiles = wg_tiles;
             const double us = time_tuned(tm, env.matmul_args(s, bits, M), w, t, 5, 10);
             tune.launched_k_split = t.launched_k_split;
             tune.launched_ctas = t.launched_ctas;
+            tune.launched_wg_tiles = t.launched_wg_tiles;
             return us;
           }
           double us_v[2];
           return time_variants(tm, env.matmul_args(s, bits, M), w, ks, us_v, 5, 10, &tune);
         };
-        kbit::cuda::MatmulTuning tune;
-        const double us = time(0, tune);
-        printf("SWEEP %-18s %5d %6d %d %2d %8.2f %d %3d ", s.name, s.K, s.N, bits, M, us, tune.launched_k_split,
-               tune.launched_ctas);
-        for (int ks = 1; ks <= 8; ++ks) {
-          const double t = time(ks, tune);
-          printf(" %.2f/%d/%d", t, tune.launched_k_split, tune.launched_ctas);
+        double fused_us = 0;
+        if (wgmma && M <= 128) {
+          if (M < 65) {  // the module's own choice at this M (matmul_fused.cuh, any tiling)
+            kbit::cuda::MatmulTuning t;
+            fused_us = time_tuned(tm, env.matmul_args(s, bits, M), w, t, 5, 10);
+          } else {  // (variant -1 would pick the wgmma kernel here)
+            double us_v[2];
+            fused_us = time_variants(tm, env.matmul_args(s, bits, M), w, 0, us_v, 5, 10);
+          }
         }
-        printf("\n");
+        const bool two_tiles = wgmma && M <= 128;  // the wgmma kernel's 256- and 128-column tiles
+        for (int wg_tiles : {2, 1}) {
+          if (wg_tiles == 1 && !two_tiles) break;
+          // the line's first time: the launcher's own choice (on the SWEEP line, of the tile too)
+          kbit::cuda::MatmulTuning tune;
+          const double us = time(0, wg_tiles == 1 ? 1 : 0, tune);
+          const int chosen_tiles = tune.launched_wg_tiles;
+          printf("%s %-18s %5d %6d %d %2d %8.2f %d %3d ", wg_tiles == 1 ? "BN128" : "SWEEP", s.name, s.K, s.N, bits, M,
+                 us, tune.launched_k_split, tune.launched_ctas);
+          for (int ks = 1; ks <= 8; ++ks) {
+            const double t = time(ks, two_tiles ? wg_tiles : 0, tune);
+            printf(" %.2f/%d/%d", t, tune.launched_k_split, tune.launched_ctas);
+          }
+          if (fused_us > 0) printf(" fused %.2f", fused_us);
+          if (wgmma) printf(" tiles %d", chosen_tiles);
+          printf("\n");
+        }
       }
     }
 }
@@ -1093,9 +1141,17 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
     chunks_min.push_back(*std::min_element(ch.begin(), ch.end()));
     chunks_max.push_back(maxv(ch));
   }
+  // The wgmma kernel (M >= 33 or 65, matmul.cu) marks its own milestones under the same slots.
+  if (tune.launched_wg_tiles > 0) {
+    const char* wg_names[kTlMarks] = {"entry", "setup (table, barriers)", "-", "first copies issued",
+                                      "table built", "first chunk arrived", "products done",
+                                      "tiles staged (cluster)", "-", "reduced and stored", "exit"};
+    std::copy(std::begin(wg_names), std::end(wg_names), std::begin(names));
+  }
   Timer tm;
   double us_v[2];
-  const double us = time_variants(tm, a, w, 0, us_v);
+  kbit::cuda::MatmulTuning plain;  // (variants 0 and 1 would force matmul_fused.cuh's tilings)
+  const double us = tune.launched_wg_tiles > 0 ? time_tuned(tm, a, w, plain, 7, 20) : time_variants(tm, a, w, 0, us_v);
   const double bytes = w.plane_bytes + w.scale_bytes;
   printf("TIMELINE bits %d K %d N %d M %d: %d CTAs, chunks per CTA %.0f..%.0f, clock %.2f GHz; back-to-back "
          "launches %.2f us (%.1f %% of copy), DRAM time at copy rate %.2f us\n", bits, K, N, M, ctas,

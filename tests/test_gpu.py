@@ -104,8 +104,11 @@ _WGMMA_SCRIPT = textwrap.dedent("""
     # (K, N, M values): K = 544 ends in a partial ring stage; N = 400 in a partial 256- (128-)
     # column tile; K = 4096 with N = 256 is one or two tiles, so K splits over 8-CTA clusters; M
     # crosses the 64-, 128- and 256-row tiles (M > 128: BM = 256 and 128-column tiles, bits 2-4).
+    # The launcher takes 128-column tiles on these small layers at M <= 128, and 256-column ones
+    # on N = 20480 (80 tiles in one wave, where 128-column tiles would take two).
     for bits in (2, 3, 4, 5):
-        for k, n, ms in [(544, 400, (1, 17, 64, 65, 129)), (4096, 256, (1, 33, 128, 200)), (256, 4096, (100, 300))]:
+        for k, n, ms in [(544, 400, (1, 17, 64, 65, 129)), (4096, 256, (1, 33, 128, 200)), (256, 4096, (100, 300)),
+                         (512, 20480, (48, 100))]:
             q = kj.quantize(random_weight(rng, (k, n)), bits)
             w64 = dense64(q)
             for m in ms:

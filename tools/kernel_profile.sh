@@ -3,7 +3,9 @@
 # matmul. Logs, reports and CSV exports go to $OUT (or ./gpu_out).
 #   tools/kernel_profile.sh test                 the harness's correctness checks (every kernel
 #                                                 against a float64 reference; each case named
-#                                                 before it runs, so a hang names itself)
+#                                                 before it runs, so a hang names itself;
+#                                                 KBIT_HARNESS_TEST_WGMMA=1: of the matmul cases
+#                                                 only the wgmma kernel's, a short run)
 #   tools/kernel_profile.sh sel                  harness timings (ten shapes x bits x M 1, 4, 16)
 #   tools/kernel_profile.sh layers               a Llama-3-70B layer's products per device at
 #                                                 TP 1, 2, 4 (M = 1): the decode step's matmul time
@@ -72,7 +74,7 @@ fi
 run_mode() {  # MODE [ARGS...]
 local mode=$1; shift
 case $mode in
-  test) KBIT_HARNESS_VERBOSE=1 timeout 300 "$bin" test > "$OUT/harness_test.log" 2>&1; echo "harness test rc=$?"
+  test) KBIT_HARNESS_VERBOSE=1 timeout ${HARNESS_TEST_TIMEOUT:-300} "$bin" test > "$OUT/harness_test.log" 2>&1; echo "harness test rc=$?"
         grep -E "^TESTS|^matmul:|FAIL" "$OUT/harness_test.log" | tail -5 ;;
   sel) "$bin" sel | tee "$OUT/sel${TAG:-}.log" | grep -E "^SEL|copy" ;;
   layers) "$bin" layers | tee "$OUT/layers${TAG:-}.log" ;;

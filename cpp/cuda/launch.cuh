@@ -60,14 +60,17 @@ struct MatmulTuning {
                                // of 32 or 64 rows, warp-specialized kernel only), 3 (the wgmma kernel, bf16
                                // and N % 16 == 0 on sm_90a only); -1 = the launcher picks
   int ws_max_rows = -1;        // M up to which the warp-specialized kernel runs; -1 = default
+  int wg_tiles = 0;            // wgmma kernel, M <= 128: m64 weight tiles per warpgroup, 2 (256 columns
+                               // per CTA) or 1 (128); 0 = the launcher picks (WgLauncher::cost)
   int balance = -1;            // chunk-balanced clusters: 1 = wherever possible (at k_split if set), 0 =
                                // never (uniform k-split), -1 = the launcher picks (KBIT_JAX_BALANCE=0: never)
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline = nullptr;  // cuda/timeline.cuh: [CTAs, kTlSlots] milestone clocks
 #endif
   // Written by the fused kernel's launcher (for benchmarks): the cluster size and CTA count it
-  // launched with, and whether its clusters were chunk-balanced.
-  mutable int launched_k_split = 0, launched_ctas = 0, launched_balanced = 0;
+  // launched with, whether its clusters were chunk-balanced, and the wgmma kernel's weight tiles
+  // per warpgroup (0: another kernel).
+  mutable int launched_k_split = 0, launched_ctas = 0, launched_balanced = 0, launched_wg_tiles = 0;
 };
 
 // Which kernel launch_matmul would use, for logs: "fused" or "generic" plus the reason.
@@ -78,11 +81,14 @@ std::string launch_dequantize(const DequantizeArgs& a, cudaStream_t stream);
 std::string launch_matmul(const MatmulArgs& a, cudaStream_t stream,
                           const MatmulTuning* tuning = nullptr);
 
-// The rows of x (min..max) for which bf16 products take the wgmma kernel on this device (0, 0:
-// not compiled, not a compute capability 9.0 device, or KBIT_JAX_WGMMA_MIN_M=0), for the
-// JAX-side dispatch.
-int wgmma_min_rows_here();
+// The rows of x (min..max) for which bf16 products of N columns and `bits` take the wgmma kernel
+// on this device (0, 0: not compiled, not a compute capability 9.0 device, or
+// KBIT_JAX_WGMMA_MIN_M=0), for the JAX-side dispatch; the minimum is lower from N =
+// wgmma_wide_n() and from bits = wgmma_wide_bits() up.
+int wgmma_min_rows_here(int64_t n, int bits);
 int wgmma_max_rows_here();
+int wgmma_wide_n();
+int wgmma_wide_bits();
 
 // The architectures the device code was compiled for (from nvcc's __CUDA_ARCH_LIST__),
 // e.g. "90", and the CUDA toolkit version the module was built with, e.g. "13.0".

@@ -1,5 +1,6 @@
 // kbit_matmul dispatch: the fused tensor-core kernels where they apply (matmul_wgmma.cuh for
-// bf16 at kWgmmaMinRows..kWgmmaMaxRows rows, matmul_fused.cuh otherwise), the generic SIMT kernel
+// bf16 at kWgmmaMinRows..kWgmmaMaxRows rows, from kWgmmaWideMinRows where N >= kWgmmaWideN or
+// bits >= kWgmmaWideBits; matmul_fused.cuh otherwise), the generic SIMT kernel
 // (matmul_generic.cu) elsewhere; plus the build information of the module.
 #include <algorithm>
 #include <cstdlib>
@@ -27,16 +28,27 @@ std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
 // benchmarks/results/wgmma_bm256_h100_s25.md) gave it copies by TMA and a 256-row tile above 128
 // rows: at M = 256 and 512 it then takes 0.52-0.79x the time of dequantize + cuBLAS on the five
 // shapes measured (bits 4; Llama-3-70B gate/up, M = 512: 451 against 570 us), at M = 1024
-// 0.93-0.99x, at M = 4096 1.1-1.2x, so it stops at 512. The environment
-// overrides the range (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read once per process; MIN_M=0: never).
+// 0.93-0.99x, at M = 4096 1.1-1.2x, so it stops at 512. Session 27 (H100, C++ harness sweep,
+// benchmarks/results/wgmma_tiles_h100_s27.md) gave it a 128-column tile for small layers and
+// timed it against matmul_fused.cuh's own choice at 32, 48 and 64 rows, 13 shapes x bits 2, 4, 5:
+// on N >= 4096 it takes a median 0.87x the time at 48 rows (slower on 7 of 39, at most 1.14x:
+// Qwen3 gate/up) and 0.86x at 64 (slower on 2, 1.03x), but 1.18x at 32 (the N-split tiling's
+// 32-row block); on N = 2048-2560 (Qwen3 down and o, GLM-4.7 down, Llama-3-70B qkv at TP 4)
+// it is slower on 7 of 12 at 48 rows and 5 of 12 at 64 (up to 1.29x), except at bits 5, where
+// it is faster on all four (0.79-0.94x; matmul_fused.cuh's 128 KiB bits-5 table leaves its
+// N-split tiling few stages). So bf16 products of N >= 4096, and of bits 5, take it from 33
+// rows, others from 65. The environment overrides the range for every N and bits
+// (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read once per process; MIN_M=0: never).
 constexpr int kWgmmaMinRows = 65, kWgmmaMaxRows = 512;
+constexpr int kWgmmaWideMinRows = 33, kWgmmaWideN = 4096, kWgmmaWideBits = 5;
 int env_or(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return v != nullptr ? std::atoi(v) : fallback;
 }
-int wgmma_min_rows() {
-  static const int rows = env_or("KBIT_JAX_WGMMA_MIN_M", kWgmmaMinRows);
-  return rows;
+int wgmma_min_rows(int64_t n, int bits) {
+  static const int forced = env_or("KBIT_JAX_WGMMA_MIN_M", -1);
+  if (forced >= 0) return forced;
+  return n >= kWgmmaWideN || bits >= kWgmmaWideBits ? kWgmmaWideMinRows : kWgmmaMinRows;
 }
 int wgmma_max_rows() {
   static const int rows = env_or("KBIT_JAX_WGMMA_MAX_M", kWgmmaMaxRows);
@@ -63,15 +75,20 @@ bool wgmma_available() {
 #endif
 }
 
-int wgmma_min_rows_here() { return wgmma_available() ? std::max(wgmma_min_rows(), 0) : 0; }
-int wgmma_max_rows_here() { return wgmma_min_rows_here() > 0 ? wgmma_max_rows() : 0; }
+int wgmma_min_rows_here(int64_t n, int bits) {
+  return wgmma_available() ? std::max(wgmma_min_rows(n, bits), 0) : 0;
+}
+int wgmma_max_rows_here() { return wgmma_min_rows_here(0, 0) > 0 ? wgmma_max_rows() : 0; }
+int wgmma_wide_n() { return kWgmmaWideN; }
+int wgmma_wide_bits() { return kWgmmaWideBits; }
 
 // bf16 activations, the fragment layout and 16-byte rows (N % 16 == 0); tuning->variant 3 forces
 // it where it applies, 0..2 keep matmul_fused.cuh's tilings.
 bool use_wgmma(const MatmulArgs& a, const MatmulTuning* tuning) {
   if (a.dtype != DType::kBF16 || a.layout != kbit::kFragment || a.n % 16 != 0 || !wgmma_available()) return false;
   if (tuning && tuning->variant >= 0) return tuning->variant == 3;
-  return wgmma_min_rows() > 0 && a.m >= wgmma_min_rows() && a.m <= wgmma_max_rows();
+  const int lo = wgmma_min_rows(a.n, a.bits);
+  return lo > 0 && a.m >= lo && a.m <= wgmma_max_rows();
 }
 
 // The fused kernel needs 16-bit activations (float32 activations keep float32 accuracy on the

@@ -16,12 +16,14 @@
 //  * Work per CTA: BN weight columns (two warpgroups x J 64-column A tiles) x BM rows of x.
 //    The weights (bits / 8 bytes per element) are the cheap operand, so the tile is wide in N
 //    where the accumulators allow: BM = 64 and 128 take J = 2 (BN = 256; per k the CTA reads
-//    256 bits/8 bytes of weights and 2 BM bytes of x from L2 for 512 BM flops). BM = 256 (M >
-//    128, bits 2-4) takes J = 1 (BN = 128): the same 128 accumulators per thread, and each
-//    decoded weight feeds 256 rows instead of 128, so the decode per flop halves (it costs ~30 %
-//    of the BM = 128 kernel's time, matmul_wgmma_h200_s23.md); x's L2 traffic per flop doubles,
-//    which cost nothing measurable at BM = 128 (ibid.). Bits 5's 128 KiB table leaves no room
-//    for three 38 KiB stages, so bits 5 keeps BM = 128.
+//    256 bits/8 bytes of weights and 2 BM bytes of x from L2 for 512 BM flops), or J = 1 where
+//    that gives a small layer enough tiles to fill the GPU with shorter k-splits (the launcher's
+//    cost model, WgLauncher::cost). BM = 256 (M > 128, bits 2-4) takes J = 1 (BN = 128): the
+//    same 128 accumulators per thread, and each decoded weight feeds 256 rows instead of 128,
+//    so the decode per flop halves (it costs ~30 % of the BM = 128 kernel's time,
+//    matmul_wgmma_h200_s23.md); x's L2 traffic per flop doubles, which cost nothing measurable
+//    at BM = 128 (ibid.). Bits 5's 128 KiB table leaves no room for three 38 KiB stages, so
+//    bits 5 keeps BM = 128.
 //  * Copies: a kStages-deep ring of chunks (KCH = 2 k-blocks), each slot with a "full" and an
 //    "empty" mbarrier; warp 0 issues every copy of a chunk from one lane: x by one TMA tensor
 //    copy, as wgmma's K-major operand with the 128-byte swizzle (each row of x holds the
@@ -65,6 +67,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/item_reduce.cuh"  // mbar_init, mbar_wait
+#include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
 #include "cuda/weight_path.cuh"
 #include "cuda/wgmma.cuh"
@@ -74,10 +77,12 @@ namespace kbit::cuda::wgmma {
 
 constexpr int kMaxSmemBytes = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 
-template <int BITS, int BM>
+// J: m64 A tiles per warpgroup (see the header); BM = 256 takes only J = 1 (its accumulators).
+template <int BITS, int BM, int J>
 struct WgConfig {
+  static_assert(J == 1 || (J == 2 && BM <= 128), "accumulators: BM / 2 x J floats per thread, at most 128");
   static constexpr int kThreads = 256;  // two warpgroups: decode and products (warp 0 copies too)
-  static constexpr int kTiles = BM == 256 ? 1 : 2;  // m64 A tiles per warpgroup (J, see header)
+  static constexpr int kTiles = J;
   static constexpr int kBN = 128 * kTiles;          // weight columns per CTA: 2 warpgroups x J tiles
   static constexpr int kKCH = 2;        // k-blocks (32 k each) per ring stage
   static constexpr int kXBytes = BM * kKCH * 64;           // [row][64 k] (128 bytes), swizzled
@@ -114,6 +119,9 @@ struct WgParams {
   int ks, kps;             // cluster size along K, k-blocks per rank
   int n_tiles, m_tiles;    // output tiles: (b, nt, mt), mt fastest (neighbours share weights in L2)
   int glu;
+#ifdef KBIT_TIMELINE
+  unsigned long long* timeline;  // timeline.cuh: per-CTA milestone clocks, or null (thread 0's view)
+#endif
 };
 
 __device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
@@ -129,14 +137,14 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <int BITS, int BM>
-__global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
+template <int BITS, int BM, int J>
+__global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
     kbit_matmul_wgmma_kernel(const WgParams p, const __grid_constant__ CUtensorMap xmap,
                              const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap smap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = WgConfig<BITS, BM>;
+  using Cfg = WgConfig<BITS, BM, J>;
   using WP = fused::WeightPath<BITS>;
-  constexpr int S = Cfg::kStages, KCH = Cfg::kKCH, BN = Cfg::kBN, J = Cfg::kTiles, NACC = BM / 2;
+  constexpr int S = Cfg::kStages, KCH = Cfg::kKCH, BN = Cfg::kBN, NACC = BM / 2;
   static_assert(S >= 3, "a tile that fits shared memory");
   extern __shared__ __align__(128) uint8_t smem[];
   // (the warp index through a shuffle: ptxas then knows it is warp-uniform, and the branch on it
@@ -152,6 +160,9 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
   const int kbA = rank * p.kps, kbE = min(p.KB, kbA + p.kps);
   const int nch = kbE > kbA ? (kbE - kbA + KCH - 1) / KCH : 0;
 
+  KBIT_TL_MARK(p, kTlEntry, tid == 0);
+  KBIT_TL_GLOBAL(p, kTlGlobalEntry, tid == 0);
+  KBIT_TL_VALUE(p, kTlChunks, nch, tid == 0);
   const uint32_t s_lut = smem_u32(smem), s_full = s_lut + Cfg::kBarOffset, s_empty = s_full + 8 * S;
   const uint32_t s_ring = (s_lut + Cfg::kLutBytes + 1023u) & ~1023u;  // 1024-byte aligned stages
   if (tid == 0) {
@@ -162,7 +173,9 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   }
   fused::build_table<WP, ActBF16>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, Cfg::kThreads);
+  KBIT_TL_MARK(p, kTlTable, tid == 0);
   __syncthreads();  // the barriers are initialized before any copy arrives on them
+  KBIT_TL_MARK(p, kTlSetup, tid == 0);
   // Chunk c's ring slot, its barriers, and the parity of its use of them (the slot's (c / S)-th)
   auto slot = [&](int c) { return s_ring + uint32_t(c % S) * Cfg::kStageBytes; };
   auto full_bar = [&](int c) { return s_full + 8u * uint32_t(c % S); };
@@ -238,9 +251,11 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
   static_assert(KCH == 2, "the pipeline alternates two register sets per chunk");
   if (warp == 0)
     for (int c = 0; c < min(S - 1, nch); ++c) issue(c);
+  KBIT_TL_MARK(p, kTlFirstCopy, tid == 0);
   uint32_t a_even[J][2][4], a_odd[J][2][4];
   if (nch > 0) {
     fused::mbar_wait(full_bar(0), parity(0));
+    KBIT_TL_MARK(p, kTlFirstChunk, tid == 0);
     decode(a_even, slot(0), 0);
   }
   for (int c = 0; c < nch; ++c) {
@@ -267,6 +282,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
   wgmma_wait<0>();
 #pragma unroll
   for (int j = 0; j < J; ++j) fence_operands(acc[j]);
+  KBIT_TL_MARK(p, kTlFirstItemEnd, tid == 0);  // (the products are done)
   __syncthreads();  // every warp is done with the table and the ring (and every copy has landed): the
                     // tile overlays them
 
@@ -283,6 +299,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   if (ks > 1) cluster.sync(); else __syncthreads();
+  KBIT_TL_MARK(p, kTlFirstStored, tid == 0);  // (every rank's tile is staged)
 
   // ---- each rank sums every ks-th row over the ranks, scales, rounds and stores it: a thread
   // takes E consecutive tile columns (8, or 16 with a GLU: 8 outputs, one 16-byte store) ----
@@ -318,113 +335,185 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM>::kThreads, 1)
     const int col = p.glu != kGluNone ? (n0 + c0) / 2 : n0 + c0;
     *reinterpret_cast<uint4*>(y + int64_t(r) * n_out + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   }
+  KBIT_TL_MARK(p, kTlLoopEnd, tid == 0);
   if (ks > 1) cluster.sync();  // no rank leaves while another reads its tile
+  KBIT_TL_MARK(p, kTlExit, tid == 0);
+  KBIT_TL_GLOBAL(p, kTlGlobalExit, tid == 0);
 #endif
 }
 
-template <int BITS, int BM>
-std::string launch_wgmma(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
-  using Cfg = WgConfig<BITS, BM>;
-  constexpr auto kernel = &kbit_matmul_wgmma_kernel<BITS, BM>;
-  auto shape = [&] {  // (built only for messages: the launcher runs on every call)
+// How one launch divides its work: output tiles (b, n tile, m tile), the cluster size along K
+// (ks ranks of kps k-blocks each) and the rounds of CTAs the GPU runs them in.
+struct WgPlan {
+  int64_t tiles = 0;
+  int ks = 1, kps = 0;
+  int64_t waves = 1;
+};
+
+// One instantiation's launcher: its shared-memory reservation and resident-cluster counts are
+// cached per device (function statics, one set per template instance).
+template <int BITS, int BM, int J>
+struct WgLauncher {
+  using Cfg = WgConfig<BITS, BM, J>;
+  static constexpr auto kernel = &kbit_matmul_wgmma_kernel<BITS, BM, J>;
+
+  static std::string shape(const MatmulArgs& a) {  // (built only for messages)
     return "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" + std::to_string(a.k) +
            " N=" + std::to_string(a.n) + " bits=" + std::to_string(BITS) + " BM=" + std::to_string(BM) +
-           " glu=" + std::to_string(a.glu);
-  };
-  const int dev = current_device();
-  static std::atomic<bool> smem_set[kMaxDevices];
-  static std::atomic<int> fits[kMaxDevices][9];  // resident clusters per cluster size (cached)
-  auto max_clusters = [&](int c) {
+           " BN=" + std::to_string(Cfg::kBN) + " glu=" + std::to_string(a.glu);
+  }
+
+  // The dynamic shared memory above the 48 KB default, once per device.
+  static std::string reserve(const MatmulArgs& a, int dev) {
+    static std::atomic<bool> smem_set[kMaxDevices];
+    if (smem_set[dev].load(std::memory_order_relaxed)) return std::string();
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (err != cudaSuccess)
+      return std::string("kbit_matmul_wgmma_kernel: cannot reserve ") + std::to_string(Cfg::kSmemBytes) +
+             " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape(a) + ")";
+    smem_set[dev].store(true, std::memory_order_relaxed);
+    return std::string();
+  }
+
+  // Clusters of c CTAs resident at once (cudaOccupancyMaxActiveClusters, cached).
+  static int max_clusters(int c, int dev) {
+    static std::atomic<int> fits[kMaxDevices][9];
     int n = fits[dev][c].load(std::memory_order_relaxed);
     if (n == 0) {
       n = query_max_active_clusters(kernel, Cfg::kThreads, Cfg::kSmemBytes, c, dev);
       fits[dev][c].store(n, std::memory_order_relaxed);
     }
     return n;
-  };
-  if (!smem_set[dev].load(std::memory_order_relaxed)) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    if (err != cudaSuccess)
-      return std::string("kbit_matmul_wgmma_kernel: cannot reserve ") + std::to_string(Cfg::kSmemBytes) +
-             " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape() + ")";
-    smem_set[dev].store(true, std::memory_order_relaxed);
   }
-  WgParams p;
-  p.x = a.x;
-  p.planes = a.planes;
-  p.scales = a.scales;
-  p.codebook = a.codebook;
-  p.tensor_scale = a.tensor_scale;
-  p.y = a.y;
-  p.M = a.m;
-  p.N = static_cast<int>(a.n);
-  p.K = static_cast<int>(a.k);
-  p.KB = static_cast<int>(a.k / 32);
-  p.glu = a.glu;
-  p.n_tiles = ceil_div(a.n, Cfg::kBN);
-  p.m_tiles = ceil_div(a.m, BM);
-  const int64_t tiles = int64_t(p.n_tiles) * p.m_tiles * a.batch;
+
   // Split K over a cluster where the tiles leave SMs idle: the largest cluster size whose
-  // clusters all fit on the GPU at once (cudaOccupancyMaxActiveClusters: at ~170 KB of shared
-  // memory per CTA, 4-CTA clusters fit 120 CTAs, not 132, and a second wave doubled the time of
-  // 128-CTA launches), with at least two chunks per rank.
-  int ks = 1;
-  if (tuning && tuning->k_split > 0) {
-    ks = std::min(tuning->k_split, 8);
-  } else {
-    for (int c = std::min(8, p.KB / (2 * Cfg::kKCH)); c > 1; --c)
-      if (tiles * c <= device_sm_count(dev) && tiles <= max_clusters(c)) {
-        ks = c;
-        break;
-      }
+  // clusters all fit on the GPU at once (at ~170 KB of shared memory per CTA, 4-CTA clusters fit
+  // 120 CTAs, not 132, and a second wave doubled the time of 128-CTA launches), with at least
+  // two chunks per rank. (reserve() first: the occupancy query needs the shared-memory size.)
+  static WgPlan plan(const MatmulArgs& a, const MatmulTuning* tuning, int dev) {
+    WgPlan w;
+    const int kb = static_cast<int>(a.k / 32);
+    w.tiles = ceil_div(a.n, Cfg::kBN) * ceil_div(a.m, BM) * a.batch;
+    int ks = 1;
+    if (tuning && tuning->k_split > 0) {
+      ks = std::min(tuning->k_split, 8);
+    } else {
+      for (int c = std::min(8, kb / (2 * Cfg::kKCH)); c > 1; --c)
+        if (w.tiles * c <= device_sm_count(dev) && w.tiles <= max_clusters(c, dev)) {
+          ks = c;
+          break;
+        }
+    }
+    w.kps = ceil_div(kb, ks);
+    w.ks = std::max(1, ceil_div(kb, w.kps));  // no rank without k-blocks
+    const int64_t resident = int64_t(std::max(1, max_clusters(w.ks, dev))) * w.ks;
+    w.waves = ceil_div(w.tiles * w.ks, resident);
+    return w;
   }
-  p.kps = ceil_div(p.KB, ks);
-  ks = std::max(1, ceil_div(p.KB, p.kps));  // no rank without k-blocks
-  p.ks = ks;
-  if (tiles * ks > 0x7fffffffLL) return "kbit_matmul_wgmma_kernel: too many tiles for " + shape();
-  if (tuning) {
-    tuning->launched_k_split = ks;
-    tuning->launched_ctas = static_cast<int>(tiles * ks);
-    tuning->launched_balanced = 0;
+
+  // The plan's time in units of one k-block of a 256-column tile, fitted to the session-27
+  // sweeps (H100, 14 shapes x bits 2, 4, 5 at M = 32, 48, 64, 128; every cluster size of both
+  // tiles; benchmarks/results/wgmma_tiles_h100_s27.md): time = c_J (35 + kps) waves, with c_2 = 1
+  // (0.40 us per k-block at BM = 128, bits 4) and c_1 = 0.7 at BM = 128, 0.8 at BM = 64 (half the
+  // columns, but x is read twice per weight column, a larger share at fewer rows). The 35
+  // k-blocks are the launch's fixed cost (~15 us at J = 2, ~9.5 at J = 1, BM = 128). Picking the
+  // tile by it loses 0-0.3 % on average against the faster tile at its best cluster size (worst
+  // case 7.5 %, at M = 32).
+  static double cost(const WgPlan& w) {
+    const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : 0.7;
+    return per_kblock * (35.0 + w.kps) * double(w.waves);
   }
-  // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
-  // row's 16-byte pieces swizzled by the row's index mod 8 (see the header).
-  CUtensorMap xmap, wmap, smap;
-  const uint64_t x_dims[2] = {uint64_t(a.k), uint64_t(a.batch * a.m)};
-  const uint64_t x_strides[1] = {uint64_t(a.k) * 2};
-  const uint32_t x_box[2] = {uint32_t(32 * Cfg::kKCH), uint32_t(BM)};
-  std::string bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_box,
-                                      CU_TENSOR_MAP_SWIZZLE_128B);
-  // The weight cells as {16 bits words of a 16-column piece, N / 16 pieces, B * KB k-block rows}
-  // (uint32): a box of {16 bits, BN / 16, KCH} lands as the stage's KCH rows of BN cells, each
-  // row contiguous, as the decode reads them. The scale bytes as {N, B * KB rows}.
-  const uint64_t rows = uint64_t(a.batch) * (a.k / 32), n = uint64_t(a.n);
-  const uint64_t w_dims[3] = {uint64_t(16 * BITS), n / 16, rows};
-  const uint64_t w_strides[2] = {uint64_t(16 * BITS * 4), n * BITS * 4};
-  const uint32_t w_box[3] = {uint32_t(16 * BITS), uint32_t(Cfg::kBN / 16), uint32_t(Cfg::kKCH)};
-  const uint64_t s_dims[2] = {n, rows}, s_strides[1] = {n};
-  const uint32_t s_box[2] = {uint32_t(Cfg::kBN), uint32_t(Cfg::kKCH)};
-  if (bad.empty())
-    bad = encode_tensor_map(&wmap, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, a.planes, w_dims, w_strides, w_box,
-                            CU_TENSOR_MAP_SWIZZLE_NONE);
-  if (bad.empty())
-    bad = encode_tensor_map(&smap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.scales, s_dims, s_strides, s_box,
-                            CU_TENSOR_MAP_SWIZZLE_NONE);
-  if (!bad.empty()) return "kbit_matmul_wgmma_kernel: " + bad + " (" + shape() + ")";
-  const ClusterLaunch launch(static_cast<unsigned>(tiles * ks), Cfg::kThreads, Cfg::kSmemBytes, stream, ks);
-  cudaLaunchKernelEx(&launch.cfg, kernel, p, xmap, wmap, smap);
-  if (cudaPeekAtLastError() == cudaSuccess) return std::string();
-  return check_launch("kbit_matmul_wgmma_kernel", shape());
+
+  static std::string launch(const MatmulArgs& a, const WgPlan& w, cudaStream_t stream, const MatmulTuning* tuning) {
+    WgParams p;
+    p.x = a.x;
+    p.planes = a.planes;
+    p.scales = a.scales;
+    p.codebook = a.codebook;
+    p.tensor_scale = a.tensor_scale;
+    p.y = a.y;
+    p.M = a.m;
+    p.N = static_cast<int>(a.n);
+    p.K = static_cast<int>(a.k);
+    p.KB = static_cast<int>(a.k / 32);
+    p.glu = a.glu;
+    p.n_tiles = ceil_div(a.n, Cfg::kBN);
+    p.m_tiles = ceil_div(a.m, BM);
+    p.ks = w.ks;
+    p.kps = w.kps;
+#ifdef KBIT_TIMELINE
+    p.timeline = tuning ? tuning->timeline : nullptr;
+#endif
+    if (w.tiles * w.ks > 0x7fffffffLL) return "kbit_matmul_wgmma_kernel: too many tiles for " + shape(a);
+    if (tuning) {
+      tuning->launched_k_split = w.ks;
+      tuning->launched_ctas = static_cast<int>(w.tiles * w.ks);
+      tuning->launched_balanced = 0;
+      tuning->launched_wg_tiles = J;
+    }
+    // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
+    // row's 16-byte pieces swizzled by the row's index mod 8 (see the header).
+    CUtensorMap xmap, wmap, smap;
+    const uint64_t x_dims[2] = {uint64_t(a.k), uint64_t(a.batch * a.m)};
+    const uint64_t x_strides[1] = {uint64_t(a.k) * 2};
+    const uint32_t x_box[2] = {uint32_t(32 * Cfg::kKCH), uint32_t(BM)};
+    std::string bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_box,
+                                        CU_TENSOR_MAP_SWIZZLE_128B);
+    // The weight cells as {16 bits words of a 16-column piece, N / 16 pieces, B * KB k-block rows}
+    // (uint32): a box of {16 bits, BN / 16, KCH} lands as the stage's KCH rows of BN cells, each
+    // row contiguous, as the decode reads them. The scale bytes as {N, B * KB rows}.
+    const uint64_t rows = uint64_t(a.batch) * (a.k / 32), n = uint64_t(a.n);
+    const uint64_t w_dims[3] = {uint64_t(16 * BITS), n / 16, rows};
+    const uint64_t w_strides[2] = {uint64_t(16 * BITS * 4), n * BITS * 4};
+    const uint32_t w_box[3] = {uint32_t(16 * BITS), uint32_t(Cfg::kBN / 16), uint32_t(Cfg::kKCH)};
+    const uint64_t s_dims[2] = {n, rows}, s_strides[1] = {n};
+    const uint32_t s_box[2] = {uint32_t(Cfg::kBN), uint32_t(Cfg::kKCH)};
+    if (bad.empty())
+      bad = encode_tensor_map(&wmap, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, a.planes, w_dims, w_strides, w_box,
+                              CU_TENSOR_MAP_SWIZZLE_NONE);
+    if (bad.empty())
+      bad = encode_tensor_map(&smap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.scales, s_dims, s_strides, s_box,
+                              CU_TENSOR_MAP_SWIZZLE_NONE);
+    if (!bad.empty()) return "kbit_matmul_wgmma_kernel: " + bad + " (" + shape(a) + ")";
+    const ClusterLaunch launch(static_cast<unsigned>(w.tiles * w.ks), Cfg::kThreads, Cfg::kSmemBytes, stream, w.ks);
+    cudaLaunchKernelEx(&launch.cfg, kernel, p, xmap, wmap, smap);
+    if (cudaPeekAtLastError() == cudaSuccess) return std::string();
+    return check_launch("kbit_matmul_wgmma_kernel", shape(a));
+  }
+};
+
+// The row tile (BM) by M: 64 rows up to 64, 128 up to 128, else 256 where it fits (bits 2-4; see
+// WgConfig::pick_stages) and 128 for bits 5. At BM <= 128 the weight tile is 256 columns (J = 2)
+// or 128 (J = 1), whichever WgLauncher::cost predicts faster (tuning->wg_tiles forces one): the
+// narrow tile gives small layers twice the tiles, so shorter k-splits (Qwen3 q at M = 128: 15.4
+// against 21.4 us), and loses on large ones (Llama-3-70B gate/up: 161 against 115 us).
+template <int BITS, int BM>
+std::string launch_wgmma_rows(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
+  using Wide = WgLauncher<BITS, BM, 2>;
+  using Narrow = WgLauncher<BITS, BM, 1>;
+  const int dev = current_device();
+  const int forced = tuning ? tuning->wg_tiles : 0;
+  std::string bad = forced == 1 ? std::string() : Wide::reserve(a, dev);
+  if (bad.empty() && forced != 2) bad = Narrow::reserve(a, dev);
+  if (!bad.empty()) return bad;
+  WgPlan wide, narrow;
+  if (forced != 1) wide = Wide::plan(a, tuning, dev);
+  if (forced != 2) narrow = Narrow::plan(a, tuning, dev);
+  const bool use_narrow = forced == 1 || (forced != 2 && Narrow::cost(narrow) < Wide::cost(wide));
+  return use_narrow ? Narrow::launch(a, narrow, stream, tuning) : Wide::launch(a, wide, stream, tuning);
 }
 
-// The BM tile by M: 64 rows up to 64, 128 up to 128, else 256 where it fits (bits 2-4; see
-// WgConfig::pick_stages) and 128 for bits 5.
 template <int BITS>
 std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
-  if (a.m <= 64) return launch_wgmma<BITS, 64>(a, stream, tuning);
-  if constexpr (WgConfig<BITS, 256>::kStages > 0)
-    if (a.m > 128) return launch_wgmma<BITS, 256>(a, stream, tuning);
-  return launch_wgmma<BITS, 128>(a, stream, tuning);
+  if (a.m <= 64) return launch_wgmma_rows<BITS, 64>(a, stream, tuning);
+  if constexpr (WgConfig<BITS, 256, 1>::kStages > 0)
+    if (a.m > 128) {
+      using Tall = WgLauncher<BITS, 256, 1>;
+      const int dev = current_device();
+      const std::string bad = Tall::reserve(a, dev);
+      return bad.empty() ? Tall::launch(a, Tall::plan(a, tuning, dev), stream, tuning) : bad;
+    }
+  return launch_wgmma_rows<BITS, 128>(a, stream, tuning);
 }
 
 }  // namespace kbit::cuda::wgmma
