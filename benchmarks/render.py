@@ -6,7 +6,7 @@
 
 --merge joins the rows of runs made on one device (each row keeps the '% BW' of its own run's
 copy bandwidth; a later run's row replaces an earlier one of the same shape, dtype, M and bits)
-and records each part's header under "parts". --compare sets each row of the
+and records each part's header under "parts" (a part that is itself a merge brings its parts). --compare sets each row of the
 second run beside the first run's row of the same shape, dtype, M and bits: two builds, or two
 settings of one build, measured one after the other on one device.
 """
@@ -45,12 +45,15 @@ def merge(paths):
     devices = {r["device"] for r in results}
     if len(devices) != 1:
         raise SystemExit(f"--merge: runs from different devices {sorted(devices)}")
-    merged = {k: v for k, v in results[0].items() if k != "rows"}
-    merged["parts"] = [{k: v for k, v in r.items() if k != "rows"} for r in results]
+    merged = {k: v for k, v in results[0].items() if k not in ("rows", "parts")}
+    merged["parts"] = []
     rows = {}  # insertion order: a replaced row keeps its first place
-    for part, r in enumerate(results):
+    for r in results:
+        # a part that is itself a merge brings its own parts (its rows keep their part indices)
+        offset = len(merged["parts"])
+        merged["parts"] += r.get("parts") or [{k: v for k, v in r.items() if k != "rows"}]
         for row in r["rows"]:
-            rows[_row_key(row)] = dict(row, part=part)
+            rows[_row_key(row)] = dict(row, part=offset + (row.get("part", 0) if r.get("parts") else 0))
     merged["rows"] = list(rows.values())
     return merged
 

@@ -60,6 +60,19 @@ def test_merge_lets_a_later_part_replace_a_row_in_its_place(tmp_path):
         ("a", 1, 10.0, 0), ("a", 16, 25.0, 1), ("b", 1, 8.0, 0), ("c", 1, 5.0, 1)]
 
 
+def test_merge_of_a_merge_keeps_its_parts(tmp_path):
+    paths = []
+    for i, rows in enumerate([[row("a", 1, 10.0, 20.0)], [row("b", 1, 8.0, 9.0)], [row("a", 1, 7.0, 19.0)]]):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(result(rows, bw=(4.1, 4.2, 4.3)[i])))
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps(render.merge([str(paths[0]), str(paths[1])])))
+    merged = render.merge([str(first), str(paths[2])])
+    assert [p["copy_bandwidth_tbs"] for p in merged["parts"]] == [4.1, 4.2, 4.3]
+    assert [(r["shape"], r["kbit_us"], r["part"]) for r in merged["rows"]] == [("a", 7.0, 2), ("b", 8.0, 1)]
+    assert "3 runs merged" in render.markdown(merged)
+
+
 def test_main_compare_prints_the_table(tmp_path, capsys):
     for name, t in (("base", 10.0), ("new", 5.0)):
         (tmp_path / f"{name}.json").write_text(json.dumps(result([row("a", 1, t, 20.0)])))
