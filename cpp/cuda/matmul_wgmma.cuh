@@ -52,8 +52,13 @@
 //  Session 25 (H100, benchmarks/results/wgmma_bm256_h100_s25.md): copies by TMA tensor maps
 //  (0.90-0.99x at M = 128) and BM = 256 above 128 rows (0.80-0.84x at M = 256 and 512), which
 //  moved matmul.cu's dispatch to M = 65..512; there it is still 0.80-0.98x as fast as the dense
-//  dot on the Llama shapes (bits 4). Next: a shorter decode per k-block or warpgroups
-//  specialised by role (setmaxnreg), then a persistent grid or stream-K (M = 512's waves of tiles).
+//  dot on the Llama shapes (bits 4). Session 27 (H100, benchmarks/results/wgmma_tiles_h100_s27.md):
+//  the 128-column tile at M <= 128 where WgLauncher::cost prefers it (Qwen3 q, M = 128: 15.1
+//  against 18.4 us), and products of N >= 4096 or bits 5 from 33 rows. A timeline (KBIT_TIMELINE)
+//  of small layers puts ~half the launch in the epilogue, 4-6.5 us in the cluster sum's remote
+//  shared-memory reads (batching the loads did not help). Next: a pushed cluster sum (bulk
+//  copies into the owning rank), a shorter decode per k-block or warpgroups specialised by role
+//  (setmaxnreg), then a persistent grid or stream-K (M = 512's waves of tiles).
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
