@@ -398,7 +398,7 @@ struct WgLauncher {
   static WgPlan plan(const MatmulArgs& a, const MatmulTuning* tuning, int dev) {
     WgPlan w;
     const int kb = static_cast<int>(a.k / 32);
-    w.tiles = ceil_div(a.n, Cfg::kBN) * ceil_div(a.m, BM) * a.batch;
+    w.tiles = int64_t(ceil_div(a.n, Cfg::kBN)) * ceil_div(a.m, BM) * a.batch;
     int ks = 1;
     if (tuning && tuning->k_split > 0) {
       ks = std::min(tuning->k_split, 8);
@@ -490,8 +490,8 @@ struct WgLauncher {
 // The row tile (BM) by M: 64 rows up to 64, 128 up to 128, else 256 where it fits (bits 2-4; see
 // WgConfig::pick_stages) and 128 for bits 5. At BM <= 128 the weight tile is 256 columns (J = 2)
 // or 128 (J = 1), whichever WgLauncher::cost predicts faster (tuning->wg_tiles forces one): the
-// narrow tile gives small layers twice the tiles, so shorter k-splits (Qwen3 q at M = 128: 15.4
-// against 21.4 us), and loses on large ones (Llama-3-70B gate/up: 161 against 115 us).
+// narrow tile gives small layers twice the tiles, so shorter k-splits (Qwen3 q at M = 128: 15.1
+// against 18.4 us), and loses on large ones (Llama-3-70B gate/up: 161 against 115 us).
 template <int BITS, int BM>
 std::string launch_wgmma_rows(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
   using Wide = WgLauncher<BITS, BM, 2>;
