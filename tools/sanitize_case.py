@@ -61,7 +61,7 @@ def glu():
 
 
 def wgmma():
-    # The wgmma kernel (bf16, N % 16 == 0, M = 65..512 by default): K = 544 ends in a partial
+    # The wgmma kernel (bf16, N % 16 == 0, M = 65..512 here): K = 544 ends in a partial
     # ring stage, N = 400 in a partial 256-column tile; K = 4096, N = 256 splits K over a
     # cluster; a GLU. M = 200 takes the 256-row tile (bits 2-4; partial rows and, at N = 400, a
     # partial column tile). At M <= 128 these small layers take 128-column tiles; N = 20480
