@@ -1,15 +1,17 @@
-"""How well the launcher's cost model picks between the tilings at M > 16, judged on a "rows" log.
+"""How well the launcher's cost model picks between the tilings, judged on a "rows" log.
 
     python benchmarks/rows_fit.py benchmarks/results/kernel_rows_nsplit_h200.log
 
 The log (``cuda_kernel_harness rows``) times each case on the warp-specialized kernel's 16-row
-tilings (the faster of V0 and V1) and on its N-split tiling (V2: 32-row blocks up to M = 32,
-64-row blocks above). This script mirrors ``Launcher::plan`` in ``cpp/cuda/matmul_fused.cuh``
-(column groups, chunks, and ``ksplit_fit.split_plan``'s k-split search with ``item_end`` 0.5 at
-size 1 and 1 + size / 2 above, the resident clusters per size of ``kernel_sweep_h200.log``),
-prices V2's chunk at ``c4`` (MT = 4) or ``c8`` (MT = 8) V0 chunks, times ``c5`` at bits 5, and
-scores each (c4, c8, c5) by the measured time of the tiling it picks against the faster of the
-two: geometric-mean and worst ratio. Prints the best few and the cases the best one gets wrong.
+tilings (the faster of V0 and V1) and on its N-split tiling (V2: 8-row blocks at M <= 8, 16-row
+blocks at M <= 16, 32-row blocks up to M = 32, 64-row blocks above). This script mirrors
+``Launcher::plan`` in ``cpp/cuda/matmul_fused.cuh`` (column groups, chunks, and
+``ksplit_fit.split_plan``'s k-split search with ``item_end`` 0.5 at size 1 and 1 + size / 2
+above, the resident clusters per size of ``kernel_sweep_h200.log``), prices V2's chunk at ``c1``,
+``c2``, ``c4`` or ``c8`` V0 chunks of the same block of rows (MT = 1, 2, 4, 8), times ``c5`` at
+bits 5, and scores each choice of the factors that the log's M need by the measured time of the
+tiling it picks against the faster of the two: geometric-mean and worst ratio. Prints the best
+few and the cases the best one gets wrong.
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ def item_end(ks: int) -> float:  # Launcher::plan, warp-specialized kernel
     return 0.5 if ks == 1 else 1 + 0.5 * ks
 
 
+def m_tiles(m: int) -> int:
+    """n8 tiles of the N-split tiling's block of rows (matmul_fused.cuh: with_nsplit)."""
+    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+
+
 def plan_cost(k: int, n: int, m: int, bits: int, tiling: str, resident) -> float:
     """The plan's critical path in the tiling's own chunks (before the chunk-cost factor)."""
-    if tiling == "v0":
-        kch, cols, rows = 16, 32, 16
-    elif tiling == "v1":
-        kch, cols, rows = 16, 32 if bits == 5 else 64, 16
+    if tiling in ("v0", "v1"):  # 16 k-blocks per chunk; 64 columns at 8 rows, and V1's at 16
+        wide = m <= 8 or tiling == "v1"
+        kch, cols, rows = 16, 32 if bits == 5 or not wide else 64, 8 if m <= 8 else 16
     else:  # v2: 8 warps x 16-column tiles (2 per warp, bits 5: 1), 2 k-blocks per chunk
-        kch, cols, rows = 2, 16 * (1 if bits == 5 else 2) * 8, 32 if m <= 32 else 64
+        kch, cols, rows = 2, 16 * (1 if bits == 5 else 2) * 8, 8 * m_tiles(m)
     items = math.ceil(n / cols) * math.ceil(m / rows)
     return ksplit_fit.split_plan(k // 32, kch, items, resident, item_end)[0]
 
@@ -50,29 +56,51 @@ def parse(path: str):
 
 
 def plan_costs(cases, resident):
-    """Per case: the 16-row tilings' cost (the launcher's V0/V1 choice) and V2's before its factor."""
+    """Per case: the 16-row tilings' cost (the launcher's V0/V1 choice; V1 alone at M <= 8) and
+    V2's before its factor."""
     costs = []
     for _, k, n, bits, m, _, _ in cases:
-        v1_factor = 1.0 if bits == 5 else 1.4
-        rows16 = min(plan_cost(k, n, m, bits, "v0", resident), plan_cost(k, n, m, bits, "v1", resident) * v1_factor)
+        v1 = plan_cost(k, n, m, bits, "v1", resident)
+        if m <= 8:
+            rows16 = v1
+        else:
+            rows16 = min(plan_cost(k, n, m, bits, "v0", resident), v1 * (1.0 if bits == 5 else 1.4))
         costs.append((rows16, plan_cost(k, n, m, bits, "v2", resident)))
     return costs
 
 
-def picks_nsplit(case, cost, c4: float, c8: float, c5: float) -> bool:
+#: The factors a fit may vary, by the n8 tiles of V2's block of rows, with their grids (tenths).
+FACTOR_GRID = {1: range(2, 21), 2: range(4, 31), 4: range(5, 31), 8: range(5, 41)}
+
+
+def picks_nsplit(case, cost, factors: dict, c5: float) -> bool:
+    """factors: {n8 tiles (1, 2, 4, 8): V2's chunk price in V0 chunks}."""
     _, _, _, bits, m, _, _ = case
     rows16, nsplit = cost
-    return nsplit * (c4 if m <= 32 else c8) * (c5 if bits == 5 else 1.0) < rows16
+    return nsplit * factors[m_tiles(m)] * (c5 if bits == 5 else 1.0) < rows16
 
 
-def score(cases, costs, c4, c8, c5):
+def score(cases, costs, factors, c5):
     logs, worst = [], (1.0, "")
     for case, cost in zip(cases, costs):
         name, k, n, bits, m, us16, us_ns = case
-        ratio = (us_ns if picks_nsplit(case, cost, c4, c8, c5) else us16) / min(us16, us_ns)
+        ratio = (us_ns if picks_nsplit(case, cost, factors, c5) else us16) / min(us16, us_ns)
         logs.append(math.log(ratio))
         worst = max(worst, (ratio, f"{name} bits={bits} M={m}"))
     return math.exp(sum(logs) / len(logs)), worst
+
+
+def fit(cases, costs):
+    """Every combination of the factors the cases need, best first: [((mean, (worst, where)),
+    factors, c5)]."""
+    tiles = sorted({m_tiles(c[4]) for c in cases})
+    grids = [[g / 10 for g in FACTOR_GRID[t]] for t in tiles]
+    scored = []
+    for combo in itertools.product(*grids, [g / 10 for g in range(4, 13)]):
+        factors = dict(zip(tiles, combo[:-1]))
+        scored.append((score(cases, costs, factors, combo[-1]), factors, combo[-1]))
+    scored.sort(key=lambda s: (s[0], sorted(s[1].items()), s[2]))
+    return scored
 
 
 def main():
@@ -81,16 +109,15 @@ def main():
     args = p.parse_args()
     cases = parse(args.log)
     costs = plan_costs(cases, ksplit_fit.parse(SWEEP_LOG)[1])
-    grid = [(c4 / 10, c8 / 10, c5 / 10) for c4, c8, c5 in
-            itertools.product(range(5, 31), range(5, 41), range(4, 13))]
-    scored = sorted((score(cases, costs, *c), c) for c in grid)
-    print(f"{len(cases)} cases; best (c4, c8, c5) by geometric-mean ratio to the faster tiling:")
-    for (mean, (worst, where)), c in scored[:6]:
-        print(f"  c4={c[0]:.1f} c8={c[1]:.1f} c5={c[2]:.1f}  mean {mean:.4f}  worst {worst:.3f} ({where})")
-    c = scored[0][1]
+    scored = fit(cases, costs)
+    print(f"{len(cases)} cases; best factors (c<n8 tiles>, c5) by geometric-mean ratio to the faster tiling:")
+    label = lambda f, c5: " ".join(f"c{t}={v:.1f}" for t, v in sorted(f.items())) + f" c5={c5:.1f}"
+    for (mean, (worst, where)), factors, c5 in scored[:6]:
+        print(f"  {label(factors, c5)}  mean {mean:.4f}  worst {worst:.3f} ({where})")
+    _, factors, c5 = scored[0]
     for case, cost in zip(cases, costs):
         name, k, n, bits, m, us16, us_ns = case
-        ns = picks_nsplit(case, cost, *c)
+        ns = picks_nsplit(case, cost, factors, c5)
         if (us_ns if ns else us16) > 1.03 * min(us16, us_ns):
             print(f"  miss: {name} bits={bits} M={m} picks {'N-split' if ns else '16-row'}: "
                   f"16-row {us16:.1f} us, N-split {us_ns:.1f} us")
