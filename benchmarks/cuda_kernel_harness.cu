@@ -14,14 +14,16 @@
 //   build/cuda_kernel_harness timeline BITS K N M ...   milestones of a launch (-DKBIT_TIMELINE builds)
 //   build/cuda_kernel_harness host               host time of a launch and of its parts
 //   build/cuda_kernel_harness sweep              every cluster size (k-split) vs the launcher's choice
-//   build/cuda_kernel_harness rows               M = 17..128: warp-specialized vs cp.async kernel
+//   build/cuda_kernel_harness rows               M = 17..128: the warp-specialized kernel's tilings vs
+//                                                the cp.async kernel
 //   build/cuda_kernel_harness one BITS K N M [reps] [variant]   one configuration (for ncu)
 //   build/cuda_kernel_harness repeat BITS DTYPE B M K N K_SPLIT VARIANT REPS [LAYOUT]   one test
 //                                                 case launched REPS times, each run checked and
 //                                                 failing runs described (intermittent failures)
 // Environment: KBIT_HARNESS_VERBOSE=1 prints each matmul test case before it runs (a case that
 // hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel";
-// KBIT_HARNESS_SWEEP_M="256 384 512" sets the M of "sweep" (default 1 16).
+// KBIT_HARNESS_SWEEP_M="256 384 512" sets the M of "sweep" (default 1 16), KBIT_HARNESS_ROWS_M
+// those of "rows"; KBIT_HARNESS_TEST_VARIANTS="2 3" runs only those tiling variants' matmul tests.
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
 // Correctness: quantize (both layouts, three input dtypes) bit-exact against a host quantizer
@@ -516,6 +518,37 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
   printf("%s\n", tiles.size() > 32 ? " ..." : "");
 }
 
+// The launcher's tiling choice where the harness's "rows" fitted it (Config::chunk_cost in
+// matmul_fused.cuh): bf16 at M = 9..16 on a wide, short layer (K 256, N 32768) takes the N-split
+// tiling in blocks of 16 rows, fp16 there and bf16 on a narrow layer (K 5120, N 2048) a 16-row
+// tiling (variant 0 or 1). Only the choice is checked (the data are zeros); the results of
+// these tilings are checked in test_matmul.
+static void test_dispatch() {
+  struct Want { int K, N, M; DType dt; bool nsplit; };
+  const Want wants[] = {{256, 32768, 9, DType::kBF16, true},  {256, 32768, 16, DType::kBF16, true},
+                        {256, 32768, 16, DType::kF16, false}, {5120, 2048, 16, DType::kBF16, false}};
+  for (const Want& w : wants)
+    for (int bits = 2; bits <= 5; ++bits) {
+      DevBuf<uint8_t> x(size_t(w.M) * w.K * 2), y(size_t(w.M) * w.N * 2), sc(size_t(w.K / 32) * w.N);
+      DevBuf<uint32_t> planes(size_t(w.K / 32) * w.N * bits);
+      DevBuf<float> cb(size_t(1) << bits), ts(1);
+      CK(cudaMemset(x.p, 0, x.n)); CK(cudaMemset(sc.p, 0, sc.n)); CK(cudaMemset(planes.p, 0, planes.n * 4));
+      CK(cudaMemset(cb.p, 0, cb.n * 4)); CK(cudaMemset(ts.p, 0, 4));
+      kbit::cuda::MatmulArgs a;
+      a.x = x.p; a.dtype = w.dt; a.planes = planes.p; a.scales = sc.p; a.codebook = cb.p; a.tensor_scale = ts.p;
+      a.y = y.p; a.batch = 1; a.m = w.M; a.k = w.K; a.n = w.N; a.bits = bits; a.layout = kbit::kFragment;
+      kbit::cuda::MatmulTuning tune;
+      const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
+      CK(cudaDeviceSynchronize());
+      EXPECT(err.empty(), "dispatch K=%d N=%d M=%d bits=%d: %s\n", w.K, w.N, w.M, bits, err.c_str());
+      const bool nsplit = tune.launched_variant == 2 && tune.launched_rows == 16;
+      EXPECT(nsplit == w.nsplit && (w.nsplit || tune.launched_variant == 0 || tune.launched_variant == 1),
+             "dispatch K=%d N=%d M=%d bits=%d dtype=%s: variant %d in blocks of %d rows (%s expected)\n", w.K,
+             w.N, w.M, bits, kbit::cuda::dtype_name(w.dt), tune.launched_variant, tune.launched_rows,
+             w.nsplit ? "the N-split tiling of 16 rows" : "a 16-row tiling");
+    }
+}
+
 // The warp-specialized kernel released ring stages while its reads of them were still in flight;
 // in the N-split tiling with 5-8 CTA clusters the producer's next copies overwrote them first.
 // Before the fix (H200) the first case failed in 43 of 100 launches, the second in 59 of 200.
@@ -600,8 +633,15 @@ static void test_matmul(bool quick) {
         c.wg_tiles = tiles;
         cases.push_back(c);
       }
-  if (getenv("KBIT_HARNESS_TEST_WGMMA") != nullptr)  // only the wgmma kernel's cases (a short run)
-    cases.erase(std::remove_if(cases.begin(), cases.end(), [](const MMCase& c) { return c.variant != 3; }),
+  // Only some variants' cases (a short run): KBIT_HARNESS_TEST_VARIANTS="2 3" keeps those of the
+  // N-split tiling and the wgmma kernel; KBIT_HARNESS_TEST_WGMMA=1 means "3".
+  std::string keep = getenv("KBIT_HARNESS_TEST_WGMMA") != nullptr ? "3" : "";
+  if (const char* v = getenv("KBIT_HARNESS_TEST_VARIANTS")) keep = v;
+  if (!keep.empty())
+    cases.erase(std::remove_if(cases.begin(), cases.end(),
+                               [&](const MMCase& c) {
+                                 return c.variant < 0 || keep.find(char('0' + c.variant)) == std::string::npos;
+                               }),
                 cases.end());
   int n_ok = 0, n_total = 0;
   uint32_t seed = 9000;
@@ -804,6 +844,30 @@ static double time_tuned(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCopies
   return us;
 }
 
+// The values (row counts, bits) a mode times: the environment variable `name` (numbers separated
+// by spaces), or `fallback`; exits with a message on a value outside lo..hi or a list without
+// numbers.
+static std::vector<int> env_int_list(const char* name, const char* fallback, int lo, int hi) {
+  const char* env = getenv(name);
+  std::vector<int> out;
+  for (const char* s = env ? env : fallback; *s;) {
+    char* end;
+    const long v = strtol(s, &end, 10);
+    if (end == s) break;
+    if (v < lo || v > hi) {
+      fprintf(stderr, "%s: %ld is outside %d..%d\n", name, v, lo, hi);
+      exit(2);
+    }
+    out.push_back(int(v));
+    s = end;
+  }
+  if (out.empty()) {
+    fprintf(stderr, "%s: no number in '%s'\n", name, env);
+    exit(2);
+  }
+  return out;
+}
+
 // time_tuned for tiling variants 0 and 1 (1 only at M <= 128, where the warp-specialized kernel
 // may run; us_v[1] stays 0 otherwise); returns the faster. `launched`, if given, receives the cluster size and CTA
 // count of the last variant's launches; `ws_max_rows` >= 0 overrides the launcher's limit for
@@ -841,25 +905,7 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 // (Session 26's run of 256/384/512 timed the warp-specialized kernel instead: time_variants
 // forces matmul_fused.cuh's variant 0.)
 static void bench_sweep() {
-  std::vector<int> ms;
-  {
-    const char* env_m = getenv("KBIT_HARNESS_SWEEP_M");
-    for (const char* s = env_m ? env_m : "1 16"; *s;) {
-      char* end;
-      const long m = strtol(s, &end, 10);
-      if (end == s) break;
-      if (m < 1 || m > 4096) {
-        fprintf(stderr, "KBIT_HARNESS_SWEEP_M: M = %ld is outside 1..4096\n", m);
-        exit(2);
-      }
-      ms.push_back(int(m));
-      s = end;
-    }
-    if (ms.empty()) {
-      fprintf(stderr, "KBIT_HARNESS_SWEEP_M: no M in '%s'\n", env_m);
-      exit(2);
-    }
-  }
+  const std::vector<int> ms = env_int_list("KBIT_HARNESS_SWEEP_M", "1 16", 1, 4096);
   const bool wgmma_everywhere = getenv("KBIT_HARNESS_SWEEP_WGMMA") != nullptr;
   BenchEnv env(std::max<size_t>(16, *std::max_element(ms.begin(), ms.end())));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
@@ -944,29 +990,36 @@ static void bench_sel() {
 }
 
 // M = 17..128 on the warp-specialized kernel: its 16-row tilings (the faster of variants 0 and
-// 1), its N-split tiling (variant 2, blocks of 32 or 64 rows), the launcher's choice, and the
-// cp.async kernel (32- and 64-row tilings); one line per case
+// 1), its N-split tiling (variant 2, blocks of 8, 16, 32 or 64 rows), the launcher's choice, and
+// the cp.async kernel (32- and 64-row tilings); one line per case
 //   ROWS <shape> K N bits M <16-row us> <N-split us> <default us> <cp.async us> <default / best>
+//        v<the default's variant>/<rows of its blocks>
+// KBIT_HARNESS_ROWS_M="1 4 16" times other M (1..128) instead, KBIT_HARNESS_ROWS_BITS="2 3 4 5"
+// other bits.
 static void bench_rows() {
+  const std::vector<int> ms = env_int_list("KBIT_HARNESS_ROWS_M", "17 32 48 64 128", 1, 128);
+  const std::vector<int> bits_list = env_int_list("KBIT_HARNESS_ROWS_BITS", "2 4 5", 2, 5);
   BenchEnv env(128);
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
+  kbit::cuda::MatmulTuning tune;  // (the last launch's choice)
   auto time_variant = [&](const kbit::cuda::MatmulArgs& a, const WeightCopies& w, int variant) {
-    kbit::cuda::MatmulTuning tune;
+    tune = kbit::cuda::MatmulTuning();
     tune.variant = variant;
     return time_tuned(tm, a, w, tune, 5, 10);
   };
   for (const Shape& s : kShapes)
-    for (int bits : {2, 4, 5}) {
+    for (int bits : bits_list) {
       const WeightCopies w(env, s, bits);
-      for (int M : {17, 32, 48, 64, 128}) {
+      for (int M : ms) {
         const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
         double us_v[2];
         const double ws = time_variants(tm, a, w, 0, us_v, 5, 10, nullptr, 1 << 30);
         const double nsplit = time_variant(a, w, 2), dflt = time_variant(a, w, -1);
+        const int dflt_variant = tune.launched_variant, dflt_rows = tune.launched_rows;
         const double cp = time_variants(tm, a, w, 0, us_v, 5, 10, nullptr, 0);
-        printf("ROWS %-18s %5d %6d %d %3d %8.2f %8.2f %8.2f %8.2f %6.3f\n", s.name, s.K, s.N, bits, M, ws, nsplit,
-               dflt, cp, dflt / std::min(std::min(ws, nsplit), cp));
+        printf("ROWS %-18s %5d %6d %d %3d %8.2f %8.2f %8.2f %8.2f %6.3f v%d/%d\n", s.name, s.K, s.N, bits, M, ws,
+               nsplit, dflt, cp, dflt / std::min(std::min(ws, nsplit), cp), dflt_variant, dflt_rows);
       }
     }
 }
@@ -1394,6 +1447,7 @@ int main(int argc, char** argv) {
     test_quantize(quick);
     test_dequantize(quick);
     test_matmul(quick);
+    test_dispatch();
     test_stage_release(quick);
     printf("\nTESTS: %d checks, %d failures\n", g_checks, g_failures);
   }

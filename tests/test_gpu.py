@@ -43,17 +43,19 @@ def test_matmul_m_sweep(n, bits, dtype, method, rng):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("bits", BITS)
-def test_matmul_nsplit_tiling(bits, dtype, rng):
+@pytest.mark.parametrize("n, rows", [(8192, (17, 33, 64, 100, 128)), (32768, (9, 16))], ids=["n8192", "n32768"])
+def test_matmul_nsplit_tiling(n, rows, bits, dtype, rng):
     """K = 256, N = 8192 at M = 17..128: the launcher's plan takes the N-split tiling (blocks of
     32 or 64 rows, partial at 17, 33 and 100; 2-CTA k-split clusters; bf16 at M = 100 and 128
     takes the wgmma kernel), which with bf16 rounds each scaled weight to bf16 (the bound counts
-    it); the same result twice (deterministic)."""
+    it); N = 32768 at M = 9 and 16 takes it in blocks of 16 rows with bf16 (fp16: the 16-row
+    tilings); the same result twice (deterministic)."""
     gpu = jax.devices("gpu")[0]
-    k, n = 256, 8192
+    k = 256
     q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
     w64 = dense64(q)
     f = jax.jit(kj.matmul)
-    for m in (17, 33, 64, 100, 128):
+    for m in rows:
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
         y = f(jax.device_put(x, gpu), q)
         y64, bound = matmul_error_bound(x, w64, dtype, dtype)

@@ -5,7 +5,9 @@
 #                                                 against a float64 reference; each case named
 #                                                 before it runs, so a hang names itself;
 #                                                 KBIT_HARNESS_TEST_WGMMA=1: of the matmul cases
-#                                                 only the wgmma kernel's, a short run)
+#                                                 only the wgmma kernel's, a short run;
+#                                                 KBIT_HARNESS_TEST_VARIANTS="2 3": only those
+#                                                 tiling variants')
 #   tools/kernel_profile.sh sel                  harness timings (ten shapes x bits x M 1, 4, 16)
 #   tools/kernel_profile.sh layers               a Llama-3-70B layer's products per device at
 #                                                 TP 1, 2, 4 (M = 1): the decode step's matmul time
@@ -19,8 +21,10 @@
 #                                                 REPS times, every run checked (the harness's
 #                                                 "repeat": a hunt for intermittent failures)
 #   tools/kernel_profile.sh host                 host time of one launch and of its parts
-#   tools/kernel_profile.sh rows                 M = 17..128: warp-specialized (blocks of 16 rows)
-#                                                 against the cp.async kernel
+#   tools/kernel_profile.sh rows                 M = 17..128: warp-specialized (blocks of 16 rows,
+#                                                 and the N-split tiling) against the cp.async kernel
+#                                                 (KBIT_HARNESS_ROWS_M="1 4 16", KBIT_HARNESS_ROWS_BITS:
+#                                                 those M, bits instead)
 #   tools/kernel_profile.sh sweep                every cluster size (k-split) against the launcher's
 #                                                 choice; benchmarks/ksplit_fit.py scores its cost model
 #                                                 (M <= 16). KBIT_HARNESS_SWEEP_M="128 256 512" sweeps

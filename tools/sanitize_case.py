@@ -36,10 +36,12 @@ def clusters():
     # WarpClusterReducer); K = 4096, N = 256 at M = 1 and 12 has 4 column groups, so the launcher
     # splits K over clusters of up to 8 CTAs, whose ranks send their sums to rank 0
     # (ItemReducer); K = 2048, N = 256 takes chunk-balanced clusters of 4 CTAs (ItemWalk), each
-    # item's owner adding three ranks' pieces (ItemReducer::finish_piece). (Longer walks of
+    # item's owner adding three ranks' pieces (ItemReducer::finish_piece); K = 128, N = 16384 at
+    # M = 9 and 16 takes the N-split tiling in blocks of 16 rows with bf16. (Longer walks of
     # pieces, e.g. K = 8192, N = 5120, run in the harness's test; under racecheck they take
     # minutes.)
-    for (k, n), ms in (((256, 8192), (17, 33, 64)), ((4096, 256), (1, 12)), ((2048, 256), (1, 12))):
+    for (k, n), ms in (((256, 8192), (17, 33, 64)), ((4096, 256), (1, 12)), ((2048, 256), (1, 12)),
+                       ((128, 16384), (9, 16))):
         for bits in (2, 3, 4, 5):
             q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
             for m in ms:

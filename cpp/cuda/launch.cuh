@@ -57,8 +57,8 @@ struct MatmulTuning {
   int k_split = 0;        // CTAs per thread-block cluster that split K (1..8); 0 = heuristic
   bool force_generic = false;  // use the slow SIMT kernel even where the fused one applies
   int variant = -1;            // fused tiling: 0 or 1 (the 8- and 16-row tilings), 2 (the N-split tiling
-                               // of 32 or 64 rows, warp-specialized kernel only), 3 (the wgmma kernel, bf16
-                               // and N % 16 == 0 on sm_90a only); -1 = the launcher picks
+                               // of 16, 32 or 64 rows, warp-specialized kernel only), 3 (the wgmma kernel,
+                               // bf16 and N % 16 == 0 on sm_90a only); -1 = the launcher picks
   int ws_max_rows = -1;        // M up to which the warp-specialized kernel runs; -1 = default
   int wg_tiles = 0;            // wgmma kernel, M <= 128: m64 weight tiles per warpgroup, 2 (256 columns
                                // per CTA) or 1 (128); 0 = the launcher picks (WgLauncher::cost)
@@ -67,10 +67,12 @@ struct MatmulTuning {
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline = nullptr;  // cuda/timeline.cuh: [CTAs, kTlSlots] milestone clocks
 #endif
-  // Written by the fused kernel's launcher (for benchmarks): the cluster size and CTA count it
-  // launched with, whether its clusters were chunk-balanced, and the wgmma kernel's weight tiles
-  // per warpgroup (0: another kernel).
+  // Written by the fused kernel's launcher (for benchmarks and tests): the cluster size and CTA
+  // count it launched with, whether its clusters were chunk-balanced, the wgmma kernel's weight
+  // tiles per warpgroup (0: another kernel), and the tiling variant (as `variant`) with the rows
+  // of its blocks of M.
   mutable int launched_k_split = 0, launched_ctas = 0, launched_balanced = 0, launched_wg_tiles = 0;
+  mutable int launched_variant = -1, launched_rows = 0;
 };
 
 // Which kernel launch_matmul would use, for logs: "fused" or "generic" plus the reason.

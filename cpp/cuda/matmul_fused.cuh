@@ -241,16 +241,17 @@ constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 // fewer warps to hide latency; the harness measures both. At MT = 2, V = 1 also doubles the
 // column group (bits 2..4: 64 columns, as at MT = 1): each chunk's activations (16 rows, as many
 // bytes as 64 columns of bits-4 weights) then serve twice the weights.
-// V = 2 (MT 4 and 8, warp-specialized kernel only): the warps split N instead of K. Each of the
-// 8 warps owns kTN = 2 16-column tiles (bits 5: 1) of a 256-column group for every k-block of
-// the chunk, so a weight is decoded once for all 8 MT rows of the block (V0/V1 split K over the
+// V = 2 (warp-specialized kernel only): the warps split N instead of K. Each of the 8 warps
+// owns kTN = 2 16-column tiles (bits 5: 1) of a 256-column group for every k-block of the
+// chunk, so a weight is decoded once for all 8 MT rows of the block (V0/V1 split K over the
 // warps, and 16 rows per decode is what their 32 accumulators allow), and the warps never add
 // partial sums. The price is the activations: every warp loads all rows of every k-block, 4 MT
 // shared-memory wavefronts per k-block against ~11 per decoded tile, hence two tiles per warp
-// (64 accumulators at MT = 8; bits 5's 128 KiB table leaves room for one).
+// (64 accumulators at MT = 8; bits 5's 128 KiB table leaves room for one). Blocks of 16 (M =
+// 9..16), 32 or 64 rows (MT 2, 4, 8).
 template <int BITS, int MT, int V = 0>
 struct Config {
-  static_assert(V != 2 || MT >= 4, "the N-split tiling serves blocks of 32 or 64 rows");
+  static_assert(V != 2 || MT >= 2, "the N-split tiling serves blocks of 16, 32 or 64 rows");
   // Warps per CTA (one CTA per SM). At MT >= 4 the activation chunk grows with the rows, so
   // 8 warps (smaller chunks) fit.
   static constexpr int kWarps = (MT >= 4 || V >= 1) ? 8 : 16;
@@ -279,8 +280,14 @@ struct Config {
   // per warp): the faster tiling's time within 0.6 % on (geometric) average, 22 % at worst (a
   // small N = 2048 shape at M = 128). fp16 activations take V2's slower scale path (see
   // mma_k_block_scaled_weights): 2.1 at MT = 8, fitted on kernel_rows_nsplit_h200_first.log, run
-  // before V2 had the bf16 one.
+  // before V2 had the bf16 one. At MT = 2 (M = 9..16, bf16 only, see launch_fused_bits) 0.6
+  // (bits 3: 0.8), fitted on the harness's "rows" at M = 1..16 (H100, 10 shapes x bits 2..5,
+  // benchmarks/results/nsplit_rows16_h100_s28.md): it takes V2 on the wide gate/up layers at
+  // bits 2 and 4 (0.88-0.98x the time of the 16-row tilings) and nowhere else; bits 3's decode
+  // is slower there (Llama-3-70B gate/up 1.10x). (Blocks of 8 rows were slower everywhere:
+  // 1.07-2.0x.)
   static constexpr double chunk_cost(bool scaled_weights) {
+    if constexpr (V == 2 && MT == 2) return BITS == 3 ? 0.8 : 0.6;
     if constexpr (V == 2) return (MT == 8 ? (scaled_weights ? 1.3 : 2.1) : 1.0) * (BITS == 5 ? 0.6 : 1.0);
     return (MT == 2 && V == 1 && BITS != 5) ? 1.4 : 1.0;
   }
@@ -295,7 +302,9 @@ struct Config {
   static constexpr int kRedBytes = (kWarps / 2) * kAcc * 32 * 4;  // tree reduction, level 1
   static constexpr int kPartBytes = kAcc * 32 * 4;                 // CTA partial for the cluster
   static_assert(kScaleItems <= kThreads, "one scale item per thread");
-  static_assert(kThreads % (kKCH * 4) == 0 && (8 * MT) % kXRowStep == 0, "x staging pattern");
+  // (the cp.async kernel's staging of x; V2 runs only on the warp-specialized kernel, whose
+  // activations come by tensor copy)
+  static_assert(V == 2 || (kThreads % (kKCH * 4) == 0 && (8 * MT) % kXRowStep == 0), "x staging pattern");
 
   static constexpr size_t fixed_bytes() {
     return size_t(WeightPath<BITS>::kLutBytes) + 2 * kSfChunk + kRedBytes + kPartBytes;
@@ -1562,6 +1571,8 @@ struct Launcher {
       tuning->launched_ctas = static_cast<int>(ncl * ks);
       tuning->launched_balanced = pl.balanced ? 1 : 0;
       tuning->launched_wg_tiles = 0;
+      tuning->launched_variant = V;
+      tuning->launched_rows = 8 * MT;
     }
 
     Params prm;
@@ -1664,15 +1675,17 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   // the cp.async kernel keeps V0, and the warp-specialized kernel takes the variant whose plan
   // (cluster size and critical path, Launcher::plan) is shorter: V1 wins where the columns are
   // plentiful (llama3 gate/up and down at M = 16: 0.72-0.88x the time of V0 at bits 2..4), V0
-  // where 64-column groups would leave too few items (N = 2048: V1 up to 1.11x). At M > 16 the
-  // N-split tiling (V2) joins the comparison (Config::chunk_cost puts the plans in one unit).
-  // Variant 2, the N-split tiling in blocks of 32 (M <= 32) or 64 rows, runs only on the
-  // warp-specialized kernel; a request for it elsewhere gets the default.
+  // where 64-column groups would leave too few items (N = 2048: V1 up to 1.11x). At M > 16, and
+  // at M = 9..16 with bf16, the N-split tiling (V2) joins the comparison (Config::chunk_cost puts
+  // the plans in one unit). Variant 2, the N-split tiling in blocks of 16 (M <= 16, and forced
+  // at M <= 8), 32 (M <= 32) or 64 rows, runs only on the warp-specialized kernel; a request for
+  // it elsewhere gets the default.
   const bool forced_variant = tuning && tuning->variant >= 0 && (tuning->variant != 2 || ws);
   constexpr int kDefaultV = (BITS == 3 || BITS == 5) ? 1 : 0;
   const int variant = forced_variant ? tuning->variant : mt > 1 ? 0 : ws ? 1 : kDefaultV;
   auto with_nsplit = [&](auto act_tag, auto&& use) -> std::string {
     using A = typename decltype(act_tag)::type;
+    if (a.m <= 16) return use(Launcher<BITS, A, 2, 2, true>{});
     if (a.m <= 32) return use(Launcher<BITS, A, 4, 2, true>{});
     return use(Launcher<BITS, A, 8, 2, true>{});
   };
@@ -1698,7 +1711,9 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
           const auto p0 = L0::plan(a, tuning);
           const auto p1 = L1::plan(a, tuning);
           const bool v1 = p1.error.empty() && (!p0.error.empty() || p1.cost <= p0.cost);
-          if (a.m > 16) {  // the N-split tiling where its plan is shorter (costs in the same unit)
+          // The N-split tiling where its plan is shorter (costs in the same unit); at M <= 16
+          // with bf16 only (fp16's slower scale path was not timed there).
+          if (a.m > 16 || std::is_same_v<A, ActBF16>) {
             const double best = v1 ? p1.cost : p0.error.empty() ? p0.cost : 1e300;
             bool taken = false;
             std::string out = with_nsplit(act_tag, [&](auto ln) {

@@ -455,6 +455,8 @@ struct WgLauncher {
       tuning->launched_ctas = static_cast<int>(w.tiles * w.ks);
       tuning->launched_balanced = 0;
       tuning->launched_wg_tiles = J;
+      tuning->launched_variant = 3;
+      tuning->launched_rows = BM;
     }
     // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
     // row's 16-byte pieces swizzled by the row's index mod 8 (see the header).
