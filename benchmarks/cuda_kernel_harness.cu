@@ -896,8 +896,9 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 //   SWEEP <shape> K N bits M  <default us> <default k_split> <ctas>  then per forced size
 //   1..8: <us>/<k_split launched>/<ctas>   (a size the launcher rejects runs as another)
 // Fewer repetitions than "sel" (5 batches of 10 launches): it is for choosing, not reporting.
-// KBIT_HARNESS_SWEEP_M="128 256 512" sweeps other M (up to 4096). From 65 rows (the module's
-// wgmma range; from any M with KBIT_HARNESS_SWEEP_WGMMA=1) it times the wgmma kernel, and a
+// KBIT_HARNESS_SWEEP_M="128 256 512" sweeps other M (up to 4096), KBIT_HARNESS_SWEEP_BITS="3"
+// other bits. From 65 rows (the module's wgmma range; from any M with KBIT_HARNESS_SWEEP_WGMMA=1)
+// it times the wgmma kernel, and a
 // line ends with " fused <us>" (M <= 128): matmul_fused.cuh's time at that M (the module's
 // choice below 65 rows, its 16-row tilings above), and " tiles <J>": the weight tiles per
 // warpgroup the launcher chose. At M <= 128 the forced sizes of the SWEEP line run the 256-column
@@ -906,6 +907,7 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 // forces matmul_fused.cuh's variant 0.)
 static void bench_sweep() {
   const std::vector<int> ms = env_int_list("KBIT_HARNESS_SWEEP_M", "1 16", 1, 4096);
+  const std::vector<int> bits_list = env_int_list("KBIT_HARNESS_SWEEP_BITS", "2 4 5", 2, 5);
   const bool wgmma_everywhere = getenv("KBIT_HARNESS_SWEEP_WGMMA") != nullptr;
   BenchEnv env(std::max<size_t>(16, *std::max_element(ms.begin(), ms.end())));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
@@ -916,7 +918,7 @@ static void bench_sweep() {
       if (std::none_of(shapes.begin(), shapes.end(), [&](const Shape& o) { return o.K == s.K && o.N == s.N; }))
         shapes.push_back(s);  // (TP 2's gate/up is llama3-70b.gate_up)
   for (const Shape& s : shapes)
-    for (int bits : {2, 4, 5}) {
+    for (int bits : bits_list) {
       const WeightCopies w(env, s, bits);
       for (int M : ms) {
         const bool wgmma = M >= 65 || wgmma_everywhere;

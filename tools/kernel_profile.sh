@@ -28,7 +28,8 @@
 #   tools/kernel_profile.sh sweep                every cluster size (k-split) against the launcher's
 #                                                 choice; benchmarks/ksplit_fit.py scores its cost model
 #                                                 (M <= 16). KBIT_HARNESS_SWEEP_M="128 256 512" sweeps
-#                                                 those M instead (above 128: the wgmma kernel)
+#                                                 those M instead (above 128: the wgmma kernel),
+#                                                 KBIT_HARNESS_SWEEP_BITS="3" those bits
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)

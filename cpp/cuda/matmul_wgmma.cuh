@@ -107,7 +107,14 @@ struct WgConfig {
   static constexpr int pick_stages() { return fits(6) ? 6 : fits(4) ? 4 : fits(3) ? 3 : 0; }
   static constexpr int kStages = pick_stages();
   static constexpr int kBarOffset = std::max(kLutBytes + kStages * kStageBytes + 1024, kTileBytes);
-  static constexpr int kSmemBytes = kBarOffset + 16 * kStages;  // + a "full" and an "empty" mbarrier per stage
+  // One CTA per SM: the launcher's plan (cluster sizes, waves) counts SMs, and two CTAs on one SM
+  // share its decode and tensor-core rate while other SMs idle. Bits 3's 8 KiB table leaves BM =
+  // 64 at ~99 KiB (and 104-125 registers per thread), so two fit an SM's 228 KiB; the
+  // reservation is padded past half of it. (Session 27's table: at M = 64 bits 3 took 1.1-1.4x
+  // the time of bits 2 and 4 on the Llama layers, e.g. Llama-3-70B down 161 against 114-117 us.)
+  static constexpr int kOneCtaPerSmBytes = 116 * 1024;
+  // + a "full" and an "empty" mbarrier per stage
+  static constexpr int kSmemBytes = std::max(kBarOffset + 16 * kStages, kOneCtaPerSmBytes);
   static_assert(kStages == 0 || kSmemBytes <= kMaxSmemBytes, "shared memory budget");
   static_assert(kStageBytes % 16 == 0 && kLutBytes % 16 == 0, "16-byte copies");
 };
