@@ -3,15 +3,16 @@
     python benchmarks/rows_fit.py benchmarks/results/kernel_rows_nsplit_h200.log
 
 The log (``cuda_kernel_harness rows``) times each case on the warp-specialized kernel's 16-row
-tilings (the faster of V0 and V1) and on its N-split tiling (V2: 8-row blocks at M <= 8, 16-row
-blocks at M <= 16, 32-row blocks up to M = 32, 64-row blocks above). This script mirrors
-``Launcher::plan`` in ``cpp/cuda/matmul_fused.cuh`` (column groups, chunks, and
-``ksplit_fit.split_plan``'s k-split search with ``item_end`` 0.5 at size 1 and 1 + size / 2
-above, the resident clusters per size of ``kernel_sweep_h200.log``), prices V2's chunk at ``c1``,
-``c2``, ``c4`` or ``c8`` V0 chunks of the same block of rows (MT = 1, 2, 4, 8), times ``c5`` at
-bits 5, and scores each choice of the factors that the log's M need by the measured time of the
-tiling it picks against the faster of the two: geometric-mean and worst ratio. Prints the best
-few and the cases the best one gets wrong.
+tilings (the faster of V0 and V1) and on its N-split tiling (V2: 16-row blocks up to M = 16,
+32-row blocks up to M = 32, 64-row blocks above; session 28's log at M <= 8 ran 8-row blocks,
+since dropped). This script mirrors ``Launcher::plan`` and ``launch_fused_bits`` in
+``cpp/cuda/matmul_fused.cuh`` (column groups, chunks, and ``ksplit_fit.split_plan``'s k-split
+search with ``item_end`` 0.5 at size 1 and 1 + size / 2 above, the resident clusters per size of
+``kernel_sweep_h200.log``; no V2 at M <= 8), prices V2's chunk at ``c2``, ``c4`` or ``c8`` V0
+chunks of the same block of rows (MT = 2, 4, 8), times a multiple for the bits the launcher
+prices apart (bits 3 at MT = 2, bits 5 at MT = 4 and 8), and scores each choice of the prices
+that the log's M need by the measured time of the tiling it picks against the faster of the two:
+geometric-mean and worst ratio. Prints the best few and the cases the best one gets wrong.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def item_end(ks: int) -> float:  # Launcher::plan, warp-specialized kernel
 
 def m_tiles(m: int) -> int:
     """n8 tiles of the N-split tiling's block of rows (matmul_fused.cuh: with_nsplit)."""
-    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+    return 2 if m <= 16 else 4 if m <= 32 else 8
 
 
 def plan_cost(k: int, n: int, m: int, bits: int, tiling: str, resident) -> float:
@@ -70,37 +71,55 @@ def plan_costs(cases, resident):
 
 
 #: The factors a fit may vary, by the n8 tiles of V2's block of rows, with their grids (tenths).
-FACTOR_GRID = {1: range(2, 21), 2: range(4, 31), 4: range(5, 31), 8: range(5, 41)}
+FACTOR_GRID = {2: range(4, 31), 4: range(5, 31), 8: range(5, 41)}
+#: The bits whose chunk the launcher prices apart at each block of rows (Config::chunk_cost: bits 3
+#: at 16 rows, bits 5 at 32 and 64), as a multiple of the block's factor; its grid (tenths).
+MODIFIED_BITS = {2: 3, 4: 5, 8: 5}
+MODIFIER_GRID = range(4, 21)
 
 
-def picks_nsplit(case, cost, factors: dict, c5: float) -> bool:
-    """factors: {n8 tiles (1, 2, 4, 8): V2's chunk price in V0 chunks}."""
+def price(bits: int, m: int, factors: dict, modifiers: dict) -> float:
+    """V2's chunk price in V0 chunks. factors: {n8 tiles (2, 4, 8): price}; modifiers: {bits:
+    multiple} for the bits MODIFIED_BITS names at that block (a missing one is 1)."""
+    t = m_tiles(m)
+    return factors[t] * (modifiers.get(bits, 1.0) if bits == MODIFIED_BITS[t] else 1.0)
+
+
+def picks_nsplit(case, cost, factors: dict, modifiers: dict) -> bool:
+    """Whether the launcher's plans take V2 (never at M <= 8, where it keeps V1)."""
     _, _, _, bits, m, _, _ = case
     rows16, nsplit = cost
-    return nsplit * factors[m_tiles(m)] * (c5 if bits == 5 else 1.0) < rows16
+    return m > 8 and nsplit * price(bits, m, factors, modifiers) < rows16
 
 
-def score(cases, costs, factors, c5):
+def score(cases, costs, factors, modifiers):
     logs, worst = [], (1.0, "")
     for case, cost in zip(cases, costs):
         name, k, n, bits, m, us16, us_ns = case
-        ratio = (us_ns if picks_nsplit(case, cost, factors, c5) else us16) / min(us16, us_ns)
+        ratio = (us_ns if picks_nsplit(case, cost, factors, modifiers) else us16) / min(us16, us_ns)
         logs.append(math.log(ratio))
         worst = max(worst, (ratio, f"{name} bits={bits} M={m}"))
     return math.exp(sum(logs) / len(logs)), worst
 
 
 def fit(cases, costs):
-    """Every combination of the factors the cases need, best first: [((mean, (worst, where)),
-    factors, c5)]."""
+    """Every combination of the factors and modifiers the cases need, best first (the smallest
+    values first among equal scores): [((mean, (worst, where)), factors, modifiers)]."""
     tiles = sorted({m_tiles(c[4]) for c in cases})
-    grids = [[g / 10 for g in FACTOR_GRID[t]] for t in tiles]
+    mod_bits = sorted({MODIFIED_BITS[t] for t in tiles})
+    grids = [[g / 10 for g in FACTOR_GRID[t]] for t in tiles] + [[g / 10 for g in MODIFIER_GRID]] * len(mod_bits)
     scored = []
-    for combo in itertools.product(*grids, [g / 10 for g in range(4, 13)]):
-        factors = dict(zip(tiles, combo[:-1]))
-        scored.append((score(cases, costs, factors, combo[-1]), factors, combo[-1]))
-    scored.sort(key=lambda s: (s[0], sorted(s[1].items()), s[2]))
+    for combo in itertools.product(*grids):
+        factors = dict(zip(tiles, combo[:len(tiles)]))
+        modifiers = dict(zip(mod_bits, combo[len(tiles):]))
+        scored.append((score(cases, costs, factors, modifiers), factors, modifiers))
+    scored.sort(key=lambda s: (s[0], sorted(s[1].items()), sorted(s[2].items())))
     return scored
+
+
+def label(factors: dict, modifiers: dict) -> str:
+    return " ".join([f"c{t}={v:.1f}" for t, v in sorted(factors.items())] +
+                    [f"bits{b}x{v:.1f}" for b, v in sorted(modifiers.items())])
 
 
 def main():
@@ -110,14 +129,14 @@ def main():
     cases = parse(args.log)
     costs = plan_costs(cases, ksplit_fit.parse(SWEEP_LOG)[1])
     scored = fit(cases, costs)
-    print(f"{len(cases)} cases; best factors (c<n8 tiles>, c5) by geometric-mean ratio to the faster tiling:")
-    label = lambda f, c5: " ".join(f"c{t}={v:.1f}" for t, v in sorted(f.items())) + f" c5={c5:.1f}"
-    for (mean, (worst, where)), factors, c5 in scored[:6]:
-        print(f"  {label(factors, c5)}  mean {mean:.4f}  worst {worst:.3f} ({where})")
-    _, factors, c5 = scored[0]
+    print(f"{len(cases)} cases; best prices (c<n8 tiles>, bits<b>x<multiple>) by geometric-mean ratio "
+          "to the faster tiling:")
+    for (mean, (worst, where)), factors, modifiers in scored[:6]:
+        print(f"  {label(factors, modifiers)}  mean {mean:.4f}  worst {worst:.3f} ({where})")
+    _, factors, modifiers = scored[0]
     for case, cost in zip(cases, costs):
         name, k, n, bits, m, us16, us_ns = case
-        ns = picks_nsplit(case, cost, factors, c5)
+        ns = picks_nsplit(case, cost, factors, modifiers)
         if (us_ns if ns else us16) > 1.03 * min(us16, us_ns):
             print(f"  miss: {name} bits={bits} M={m} picks {'N-split' if ns else '16-row'}: "
                   f"16-row {us16:.1f} us, N-split {us_ns:.1f} us")
