@@ -205,6 +205,11 @@
 //  (2.6 ALU instructions per weight against 0.5 PRMT + 0.5 LDS), the next chunk's loads overlapped
 //  with the current chunk's tail, 11 consumer warps. ptxas stops at 168 registers here, not 224
 //  (3 of the CTA's 9 warps share scheduler 0), so a second register set per warp barely fits.
+//  Session 28 (H100, benchmarks/results/nsplit_rows16_h100_s28.md): the N-split tiling (V2) in
+//  blocks of 16 rows joins the launcher's comparison at M = 9..16 with bf16: on the wide gate/up
+//  layers at bits 2 and 4 it takes 0.85-0.96x the time of the 16-row tilings in JAX (Llama-3-8B
+//  gate/up, M = 16, bits 4: 22.3 -> 19.9 us); elsewhere, and in blocks of 8 rows at M <= 8, it is
+//  slower (bits 5, whose table leaves it one tile per warp, included).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when

@@ -56,9 +56,14 @@
 //  the 128-column tile at M <= 128 where WgLauncher::cost prefers it (Qwen3 q, M = 128: 15.1
 //  against 18.4 us), and products of N >= 4096 or bits 5 from 33 rows. A timeline (KBIT_TIMELINE)
 //  of small layers puts ~half the launch in the epilogue, 4-6.5 us in the cluster sum's remote
-//  shared-memory reads (batching the loads did not help). Next: a pushed cluster sum (bulk
-//  copies into the owning rank), a shorter decode per k-block or warpgroups specialised by role
-//  (setmaxnreg), then a persistent grid or stream-K (M = 512's waves of tiles).
+//  shared-memory reads (batching the loads did not help). Session 28 (H100): the sum by bulk
+//  copies into the owning rank ran no faster (benchmarks/results/wgmma_push_sum_s27.md): pulled or
+//  pushed, a rank receives its rows at 10-12 GB/s, the rate of distributed shared memory with
+//  every SM moving its tile at once; and one CTA per SM (kOneCtaPerSmBytes: bits 3 at BM = 64 had
+//  paired two on an SM), 0.82x the time of Llama down layers at M = 48..64, bits 3
+//  (wgmma_one_cta_ab_h100_s28.md). Next: a sum through fewer bytes (fewer ranks, or L2), a
+//  shorter decode per k-block or warpgroups specialised by role (setmaxnreg), then a persistent
+//  grid or stream-K (M = 512's waves of tiles).
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
@@ -81,6 +86,7 @@
 namespace kbit::cuda::wgmma {
 
 constexpr int kMaxSmemBytes = 227 * 1024;  // H100/H200 per-block limit (opt-in)
+constexpr int kSmSmemBytes = 228 * 1024;   // ... and per SM, for all its CTAs
 
 // J: m64 A tiles per warpgroup (see the header); BM = 256 takes only J = 1 (its accumulators).
 template <int BITS, int BM, int J>
@@ -116,6 +122,7 @@ struct WgConfig {
   // + a "full" and an "empty" mbarrier per stage
   static constexpr int kSmemBytes = std::max(kBarOffset + 16 * kStages, kOneCtaPerSmBytes);
   static_assert(kStages == 0 || kSmemBytes <= kMaxSmemBytes, "shared memory budget");
+  static_assert(2 * (kSmemBytes + 1024) > kSmSmemBytes, "one CTA per SM (1 KiB reserved per CTA)");
   static_assert(kStageBytes % 16 == 0 && kLutBytes % 16 == 0, "16-byte copies");
 };
 
