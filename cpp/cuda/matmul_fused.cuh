@@ -207,9 +207,9 @@
 //  (3 of the CTA's 9 warps share scheduler 0), so a second register set per warp barely fits.
 //  Session 28 (H100, benchmarks/results/nsplit_rows16_h100_s28.md): the N-split tiling (V2) in
 //  blocks of 16 rows joins the launcher's comparison at M = 9..16 with bf16: on the wide gate/up
-//  layers at bits 2 and 4 it takes 0.85-0.96x the time of the 16-row tilings in JAX (Llama-3-8B
-//  gate/up, M = 16, bits 4: 22.3 -> 19.9 us); elsewhere, and in blocks of 8 rows at M <= 8, it is
-//  slower (bits 5, whose table leaves it one tile per warp, included).
+//  layers at bits 2 and 4 it takes 0.85-1.00x the time of the 16-row tilings in JAX, median 0.90
+//  (Llama-3-8B gate/up, M = 16, bits 4: 22.3 -> 19.9 us); elsewhere, and in blocks of 8 rows at
+//  M <= 8, it is no faster (bits 5, whose table leaves it one tile per warp, included).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -289,8 +289,8 @@ struct Config {
   // (bits 3: 0.8), fitted on the harness's "rows" at M = 1..16 (H100, 10 shapes x bits 2..5,
   // benchmarks/results/nsplit_rows16_h100_s28.md): it takes V2 on the wide gate/up layers at
   // bits 2 and 4 (0.88-0.98x the time of the 16-row tilings) and nowhere else; bits 3's decode
-  // is slower there (Llama-3-70B gate/up 1.10x). (Blocks of 8 rows were slower everywhere:
-  // 1.07-2.0x.)
+  // is slower there (Llama-3-70B gate/up 1.10x). (Blocks of 8 rows were no faster anywhere:
+  // 0.99-2.0x.)
   static constexpr double chunk_cost(bool scaled_weights) {
     if constexpr (V == 2 && MT == 2) return BITS == 3 ? 0.8 : 0.6;
     if constexpr (V == 2) return (MT == 8 ? (scaled_weights ? 1.3 : 2.1) : 1.0) * (BITS == 5 ? 0.6 : 1.0);
