@@ -22,8 +22,9 @@
 //                                                 failing runs described (intermittent failures)
 // Environment: KBIT_HARNESS_VERBOSE=1 prints each matmul test case before it runs (a case that
 // hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel";
-// KBIT_HARNESS_SWEEP_M="256 384 512" sets the M of "sweep" (default 1 16), KBIT_HARNESS_ROWS_M
-// those of "rows"; KBIT_HARNESS_TEST_VARIANTS="2 3" runs only those tiling variants' matmul tests.
+// KBIT_HARNESS_SWEEP_M="256 384 512" sets the M of "sweep" (default 1 16) and
+// KBIT_HARNESS_SWEEP_BITS its bits (2 4 5), KBIT_HARNESS_ROWS_M and _BITS those of "rows";
+// KBIT_HARNESS_TEST_VARIANTS="2 3" runs only those tiling variants' matmul tests.
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
 // Correctness: quantize (both layouts, three input dtypes) bit-exact against a host quantizer
@@ -898,11 +899,11 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 // Fewer repetitions than "sel" (5 batches of 10 launches): it is for choosing, not reporting.
 // KBIT_HARNESS_SWEEP_M="128 256 512" sweeps other M (up to 4096), KBIT_HARNESS_SWEEP_BITS="3"
 // other bits. From 65 rows (the module's wgmma range; from any M with KBIT_HARNESS_SWEEP_WGMMA=1)
-// it times the wgmma kernel, and a
-// line ends with " fused <us>" (M <= 128): matmul_fused.cuh's time at that M (the module's
-// choice below 65 rows, its 16-row tilings above), and " tiles <J>": the weight tiles per
-// warpgroup the launcher chose. At M <= 128 the forced sizes of the SWEEP line run the 256-column
-// tile, and a second line, "BN128 ..." (same fields), the 128-column tile (tuning.wg_tiles).
+// it times the wgmma kernel, and a line ends with " fused <us>" (M <= 128): matmul_fused.cuh's
+// time at that M (the module's choice below 65 rows, its 16-row tilings above), and " tiles <J>":
+// the weight tiles per warpgroup the launcher chose. At M <= 128 the forced sizes of the SWEEP
+// line run the 256-column tile, and a second line, "BN128 ..." (same fields), the 128-column
+// tile (tuning.wg_tiles).
 // (Session 26's run of 256/384/512 timed the warp-specialized kernel instead: time_variants
 // forces matmul_fused.cuh's variant 0.)
 static void bench_sweep() {
