@@ -52,6 +52,18 @@ struct MatmulArgs {
   int glu = 0;  // kbit::Glu (glu.h): 0, or act(column 2j) * column 2j + 1 into column j
 };
 
+// The product's buffers, as MatmulArgs carries them, into a kernel's parameter struct (the fused
+// kernels' Params and the wgmma kernel's WgParams name them alike).
+template <class KernelParams>
+inline void copy_operands(const MatmulArgs& a, KernelParams& p) {
+  p.x = a.x;
+  p.planes = a.planes;
+  p.scales = a.scales;
+  p.codebook = a.codebook;
+  p.tensor_scale = a.tensor_scale;
+  p.y = a.y;
+}
+
 // Knobs for benchmarks and tests; the defaults (0) mean "let the launcher decide".
 struct MatmulTuning {
   int k_split = 0;        // CTAs per thread-block cluster that split K (1..8); 0 = heuristic

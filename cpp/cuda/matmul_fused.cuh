@@ -1581,12 +1581,7 @@ struct Launcher {
     }
 
     Params prm;
-    prm.x = a.x;
-    prm.planes = a.planes;
-    prm.scales = a.scales;
-    prm.codebook = a.codebook;
-    prm.tensor_scale = a.tensor_scale;
-    prm.y = a.y;
+    copy_operands(a, prm);
     prm.M = a.m;
     prm.N = static_cast<int>(a.n);
     prm.KB = KB;

@@ -445,12 +445,7 @@ struct WgLauncher {
 
   static std::string launch(const MatmulArgs& a, const WgPlan& w, cudaStream_t stream, const MatmulTuning* tuning) {
     WgParams p;
-    p.x = a.x;
-    p.planes = a.planes;
-    p.scales = a.scales;
-    p.codebook = a.codebook;
-    p.tensor_scale = a.tensor_scale;
-    p.y = a.y;
+    copy_operands(a, p);
     p.M = a.m;
     p.N = static_cast<int>(a.n);
     p.K = static_cast<int>(a.k);
