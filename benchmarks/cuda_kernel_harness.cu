@@ -1149,7 +1149,9 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   std::vector<unsigned long long> h(size_t(kMaxCtas) * kTlSlots);
   const char* names[kTlMarks] = {"entry", "setup", "producer past pdl_wait", "first copy issued", "table built",
                                  "first chunk arrived", "first item computed", "first item stored",
-                                 "last chunk arrived", "all stored", "exit"};
+                                 "last chunk arrived", "all stored", "exit",
+                                 "last warp: first computed", "last warp: first stored",
+                                 "leader: warps summed", "rank 0: ranks' sums in"};
   // per mark: the per-launch median and maximum over CTAs (ns from the CTA's entry)
   std::vector<std::vector<double>> med(kTlMarks), mx(kTlMarks);
   std::vector<double> entry_min, entry_med, entry_max, exit_max, chunks_min, chunks_max, rate, host_us;
@@ -1201,7 +1203,7 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   if (tune.launched_wg_tiles > 0) {
     const char* wg_names[kTlMarks] = {"entry", "setup (table, barriers)", "-", "first copies issued",
                                       "table built", "first chunk arrived", "products done",
-                                      "tiles staged (cluster)", "-", "reduced and stored", "exit"};
+                                      "tiles staged (cluster)", "-", "reduced and stored", "exit", "-", "-", "-", "-"};
     std::copy(std::begin(wg_names), std::end(wg_names), std::begin(names));
   }
   Timer tm;
@@ -1408,6 +1410,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   setvbuf(stdout, nullptr, _IOLBF, 0);
+#if defined(KBIT_SKIP_EPILOGUE) || defined(KBIT_SKIP_STORE)
+  printf("NOTE: an experiment build (KBIT_SKIP_EPILOGUE / KBIT_SKIP_STORE, matmul_fused.cuh): the fused "
+         "kernels skip work, their results are wrong; timings only\n");
+#endif
   const std::string mode = argc > 1 ? argv[1] : "all";
   const bool quick = argc > 2 && std::string(argv[2]) == "quick";
   if (mode == "repeat") {  // repeat BITS DTYPE(bf16|f16|f32) B M K N K_SPLIT VARIANT REPS [LAYOUT]

@@ -46,6 +46,10 @@
 #                                                 set (here: without programmatic dependent launch);
 #                                                 in a chain: AB_BASE=... AB_ROUNDS=2 ... test,ab
 #   EXTRA_NVCC="-DKBIT_WS_MAX_MT=2" tools/kernel_profile.sh sel   a compile-time variant
+#   EXTRA_NVCC="-DKBIT_SKIP_EPILOGUE" tools/kernel_profile.sh rows   what the items' ends cost: the
+#                                                 warp-specialized kernel without them (sums and
+#                                                 stores; -DKBIT_SKIP_STORE: without the stores),
+#                                                 wrong results, timings to compare with a plain build
 #   tools/kernel_profile.sh test,sel,sweep       modes without arguments, one after another on
 #                                                 one build
 set -uo pipefail

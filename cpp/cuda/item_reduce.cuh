@@ -41,6 +41,7 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"  // mbar_arrive_expect_tx
 
 namespace kbit::cuda::fused {
@@ -148,10 +149,11 @@ struct ItemReducer {
   uint32_t red, recv;
   uint32_t full, empty, cl_full, cl_empty;  // full[NW], empty, cl_full[NW], cl_empty
   int ks, rank;
+  unsigned long long* timeline;  // (timeline builds: milestones of the first item; else unused)
 
-  __device__ ItemReducer(uint32_t base, int k_split, int cluster_rank)
+  __device__ ItemReducer(uint32_t base, int k_split, int cluster_rank, unsigned long long* tl = nullptr)
       : red(base), recv(base + kRedBytes), full(base + kRedBytes + kRecvBytes), empty(full + 8 * NW),
-        cl_full(empty + 8), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank) {}
+        cl_full(empty + 8), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank), timeline(tl) {}
 
   // One thread, before the CTA-wide (or cluster-wide) barrier that publishes the init.
   __device__ void init() const {
@@ -234,6 +236,7 @@ struct ItemReducer {
     const uint32_t led = uint32_t(seq / NW) & 1u;      // the leader's phase of cl_full
     float v[NACC];
     if (sum_warps(acc, seq, warp, lane, v)) {
+      KBIT_TL_MARK_TO(timeline, kTlWarpsSummed, seq == 0 && lane == 0);
       if (ks == 1) {
         store(v);
       } else if (rank > 0) {
@@ -242,6 +245,7 @@ struct ItemReducer {
       } else {
         if (lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
         mbar_wait<true>(cl_full + 8 * leader, led);
+        KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && lane == 0);
         add_received(v, ks - 1, lane);  // ranks 1..ks-1
         if (!last)
           for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty, r);
@@ -299,9 +303,11 @@ struct WarpClusterReducer {
 
   uint32_t part, cl_full, cl_empty;  // part[NW], cl_full[NW], cl_empty[NW]
   int ks, rank;
+  unsigned long long* timeline;  // (timeline builds: milestones of the first item; else unused)
 
-  __device__ WarpClusterReducer(uint32_t base, int k_split, int cluster_rank)
-      : part(base), cl_full(base + kPartBytes), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank) {}
+  __device__ WarpClusterReducer(uint32_t base, int k_split, int cluster_rank, unsigned long long* tl = nullptr)
+      : part(base), cl_full(base + kPartBytes), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank),
+        timeline(tl) {}
 
   // One thread, before the cluster-wide barrier that publishes the init.
   __device__ void init() const {
@@ -330,6 +336,7 @@ struct WarpClusterReducer {
       mbar_arrive_rank(cl_full + 8 * warp, 0);
     } else {
       mbar_wait<true>(cl_full + 8 * warp, uint32_t(seq) & 1u);
+      KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && warp == 0 && lane == 0);
       for (int r = 1; r < ks; ++r) {  // rank order
         const uint32_t rp = map_rank(slot_addr(warp, 0, lane), r);
 #pragma unroll

@@ -25,6 +25,11 @@ enum TimelineMark : int {
   kTlLastChunk,       // consumer warp 0: last chunk's full barrier passed
   kTlLoopEnd,         // consumer warp 0: all items reduced and stored
   kTlExit,            // thread 0, after the final cluster barrier
+  kTlLastWarpItemEnd, // the last consumer warp to compute its first item's last chunk (the
+                      // latest of the warps' kTlFirstItemEnd; warp 0 alone may run ahead)
+  kTlLastWarpStored,  // the last consumer warp to end its first item (reduced and stored)
+  kTlWarpsSummed,     // V0/V1, first item: its leader (warp 0) has added the CTA's warps' sums
+  kTlRanksIn,         // k-split cluster, first item, rank 0's warp 0: the other ranks' sums are in
   kTlMarks,
   kTlGlobalEntry = kTlMarks,  // %globaltimer at kTlEntry
   kTlGlobalExit,              // %globaltimer at kTlExit
@@ -48,12 +53,26 @@ __device__ __forceinline__ unsigned long long global_ns() {
 // Record `mark` (a TimelineMark) when `cond` holds; `p` is the kernel's Params.
 #define KBIT_TL_MARK(p, mark, cond) \
   do { if (cond) ::kbit::cuda::timeline_store((p).timeline, (mark), clock64()); } while (0)
+// The same where only the buffer is at hand (the reducers, item_reduce.cuh, which the kernel
+// gives KBIT_TL_BUFFER(p): the buffer, or nullptr outside timeline builds).
+#define KBIT_TL_MARK_TO(buf, mark, cond) \
+  do { if (cond) ::kbit::cuda::timeline_store((buf), (mark), clock64()); } while (0)
+#define KBIT_TL_BUFFER(p) ((p).timeline)
+// The latest of the calling threads' clocks (one SM: comparable) at `mark`.
+#define KBIT_TL_LATEST(p, mark, cond) \
+  do { \
+    if ((cond) && (p).timeline) \
+      atomicMax((p).timeline + size_t(blockIdx.x) * ::kbit::cuda::kTlSlots + (mark), clock64()); \
+  } while (0)
 #define KBIT_TL_GLOBAL(p, slot, cond) \
   do { if (cond) ::kbit::cuda::timeline_store((p).timeline, (slot), ::kbit::cuda::global_ns()); } while (0)
 #define KBIT_TL_VALUE(p, slot, value, cond) \
   do { if (cond) ::kbit::cuda::timeline_store((p).timeline, (slot), (value)); } while (0)
 #else
 #define KBIT_TL_MARK(p, mark, cond) do {} while (0)
+#define KBIT_TL_LATEST(p, mark, cond) do {} while (0)
+#define KBIT_TL_MARK_TO(buf, mark, cond) do {} while (0)
+#define KBIT_TL_BUFFER(p) nullptr
 #define KBIT_TL_GLOBAL(p, slot, cond) do {} while (0)
 #define KBIT_TL_VALUE(p, slot, value, cond) do {} while (0)
 #endif
