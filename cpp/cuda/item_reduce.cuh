@@ -30,6 +30,10 @@
 //  * chunk-balanced clusters (ItemWalk): an item cut at a rank boundary is summed by its owner
 //    (the rank with its first chunk) from the later ranks' pieces, each sent once per launch
 //    into its own receive slot (finish_piece).
+// What it costs (session 29, H100, harness builds without it; benchmarks/results/item_end_h100_s29.md):
+// an item's end takes 1.3-3.6 us of a 6-16 us Qwen3/GLM product at M = 1..32, even without a
+// cluster; the timeline puts 0.9-1.7 us of it in the leader adding the CTA's warps' sums (one slot
+// after another) while the other warps have nothing left to do.
 // Phases: a parity wait is only sound if the barrier is within one phase of the waiter. So
 // `full` and `cl_full` exist once per leader warp (phase k of full[L] is the k-th item that L
 // leads; with one shared barrier, a leader could test item seq's parity while item seq - 1's
