@@ -50,13 +50,12 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 }  // namespace kbit::cuda
-// Record `mark` (a TimelineMark) when `cond` holds; `p` is the kernel's Params.
-#define KBIT_TL_MARK(p, mark, cond) \
-  do { if (cond) ::kbit::cuda::timeline_store((p).timeline, (mark), clock64()); } while (0)
-// The same where only the buffer is at hand (the reducers, item_reduce.cuh, which the kernel
-// gives KBIT_TL_BUFFER(p): the buffer, or nullptr outside timeline builds).
+// Record `mark` (a TimelineMark) when `cond` holds: KBIT_TL_MARK_TO into the buffer `buf` (the
+// reducers, item_reduce.cuh, which the kernel gives KBIT_TL_BUFFER(p): the buffer, or nullptr
+// outside timeline builds), KBIT_TL_MARK into that of the kernel's Params `p`.
 #define KBIT_TL_MARK_TO(buf, mark, cond) \
   do { if (cond) ::kbit::cuda::timeline_store((buf), (mark), clock64()); } while (0)
+#define KBIT_TL_MARK(p, mark, cond) KBIT_TL_MARK_TO((p).timeline, mark, cond)
 #define KBIT_TL_BUFFER(p) ((p).timeline)
 // The latest of the calling threads' clocks (one SM: comparable) at `mark`.
 #define KBIT_TL_LATEST(p, mark, cond) \
