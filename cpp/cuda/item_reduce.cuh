@@ -25,15 +25,24 @@
 //    ptxas turns that arrival, and the release of the cluster barrier at exit, into MEMBAR.GPU,
 //    which waits for every outstanding memory operation of the warp. Harness, H200: the small
 //    k-split products took 0.3-0.8 us longer per launch, benchmarks/results/kernel_end_h200.md.)
-//    Nothing is left in flight between the CTAs after the last item (its `cl_empty` arrivals are
-//    skipped: no one waits for them), so the kernel's exit barrier needs no release.
+//    Nothing is left in flight between the CTAs after the last item (it has no `cl_empty`
+//    arrivals: no one would wait for them), so the kernel's exit barrier needs no release.
+//  * The CTA's last item (finish_last_shared): no warp has a next item to go on with, so all of
+//    them share the sum. Each warp owns a round-robin share of the accumulator groups, adds it
+//    over the warps (and, on rank 0, the ranks) in the same order, and stores it; a named
+//    barrier replaces `full`. Most small launches run one item per CTA, so this is their item
+//    end (session 30, below).
 //  * chunk-balanced clusters (ItemWalk): an item cut at a rank boundary is summed by its owner
 //    (the rank with its first chunk) from the later ranks' pieces, each sent once per launch
 //    into its own receive slot (finish_piece).
 // What it costs (session 29, H100, harness builds without it; benchmarks/results/item_end_h100_s29.md):
 // an item's end takes 1.3-3.6 us of a 6-16 us Qwen3/GLM product at M = 1..32, even without a
 // cluster; the timeline puts 0.9-1.7 us of it in the leader adding the CTA's warps' sums (one slot
-// after another) while the other warps have nothing left to do.
+// after another) while the other warps have nothing left to do. With the last item's sum shared
+// (session 30, benchmarks/results/item_end_shared_h100_s30.md) a one-item CTA's end takes 0.8-1.2
+// us instead of 1.4-2.2 (timeline), and the harness times 120 rows (10 shapes x M = 1, 16, 32 x
+// bits 2-5) at 0.96x (geometric mean; 0.87-0.92x for the 16-row V0 tiling of Qwen3 q/o/down and
+// GLM down at M = 16, which runs in k-split clusters).
 // Phases: a parity wait is only sound if the barrier is within one phase of the waiter. So
 // `full` and `cl_full` exist once per leader warp (phase k of full[L] is the k-th item that L
 // leads; with one shared barrier, a leader could test item seq's parity while item seq - 1's
@@ -230,11 +239,87 @@ struct ItemReducer {
     return true;
   }
 
+  // The CTA's last item: no warp has a next item to go on with, so instead of one leader adding
+  // every warp's sums while the others idle (0.9-1.7 us at 8-16 warps, the largest part of a small
+  // launch's item end: benchmarks/results/item_end_h100_s29.md), warp w owns the float4 groups e4
+  // with e4 % NW == w. Every warp leaves the groups it does not own in the slots, each group of
+  // warp u in slot slot_of(u, owner) (so NW - 1 slots hold all of them); each owner adds its
+  // groups over all warps in warp order. In a cluster, rank r > 0's owners then send theirs to
+  // rank 0's receive slot r - 1 by st.async, and rank 0's add the other ranks' in rank order.
+  // The owners of rank 0 (without a cluster: of every CTA) store their groups. That is the
+  // leader's order, so the same sums, bit for bit. Barriers and phases as in the leader's path;
+  // no other item follows, so nothing waits on this item's arrivals.
+  template <class Store>
+  __device__ void finish_last_shared(float (&acc)[NACC], int seq, int warp, int lane, Store&& store) const {
+    static_assert(NACC / 4 <= 32, "one bit per float4 group in the store mask");
+    // The warp and lane indices pass through a volatile no-op, so that ptxas cannot hoist this
+    // path's addresses (one slot per group, from the warp index) out of the chunk loop around it.
+    // Without it the V0/V1 chunk loops grew by 0-15 instructions (tools/sass_loops.py; lane
+    // addresses recomputed inside), with it by -7..+11 (+9/+11: bits 3/2, M <= 8, V1).
+    asm volatile("mov.b32 %0, %0;\n" : "+r"(warp));
+    asm volatile("mov.b32 %0, %0;\n" : "+r"(lane));
+    if (seq > 0) mbar_wait(empty, uint32_t(seq - 1) & 1u);  // item seq - 1's leader has read the slots
+#pragma unroll
+    for (int e4 = 0; e4 < NACC / 4; ++e4)
+      if (e4 % NW != warp)
+        sts128f(slot_addr(slot_of(warp, e4 % NW), e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2],
+                acc[4 * e4 + 3]);
+    asm volatile("bar.sync 2, %0;\n" ::"n"(NW * 32) : "memory");  // every consumer warp's groups are in
+    if (warp >= NACC / 4) return;  // (owns no group)
+    uint32_t mine = 0;
+#pragma unroll
+    for (int e4 = 0; e4 < NACC / 4; ++e4) {
+      if (e4 % NW != warp) continue;
+      mine |= 1u << e4;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float4 q = w == warp ? make_float4(acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2], acc[4 * e4 + 3])
+                                   : lds128f(slot_addr(slot_of(w, warp), e4, lane));
+        v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
+      }
+      acc[4 * e4] = v.x; acc[4 * e4 + 1] = v.y; acc[4 * e4 + 2] = v.z; acc[4 * e4 + 3] = v.w;
+    }
+    KBIT_TL_MARK_TO(timeline, kTlWarpsSummed, seq == 0 && warp == 0 && lane == 0);
+    if (ks > 1) {
+      const int leader = seq % NW;  // the barrier (and phase) the leader's path would use
+      if (rank > 0) {
+        if (seq > 0) mbar_wait<true>(cl_empty, uint32_t(seq - 1) & 1u);  // rank 0 has read item seq - 1's sum
+        const uint32_t rbar = map_rank(cl_full + 8 * leader, 0), dst = map_rank(recv_slot_addr(rank - 1, 0, lane), 0);
+#pragma unroll
+        for (int e4 = 0; e4 < NACC / 4; ++e4)
+          if (e4 % NW == warp)
+            st_async_f32x4(dst + uint32_t(e4 * 32 * 16), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2],
+                           acc[4 * e4 + 3], rbar);
+        return;
+      }
+      if (warp == 0 && lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
+      mbar_wait<true>(cl_full + 8 * leader, uint32_t(seq / NW) & 1u);
+      KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && warp == 0 && lane == 0);
+      for (int s = 0; s < ks - 1; ++s) {  // ranks 1..ks-1, in order
+#pragma unroll
+        for (int e4 = 0; e4 < NACC / 4; ++e4) {
+          if (e4 % NW != warp) continue;
+          const float4 q = lds128f(recv_slot_addr(s, e4, lane));
+          acc[4 * e4] += q.x; acc[4 * e4 + 1] += q.y; acc[4 * e4 + 2] += q.z; acc[4 * e4 + 3] += q.w;
+        }
+      }
+    }
+    store(acc, mine);
+  }
+
   // Called by every consumer warp at the end of its seq-th item (seq = 0, 1, ... per CTA);
-  // `last`: the CTA's last item (the same for every rank of a cluster). On the warp that must
-  // store the item's result, calls store(sum) and returns; acc is zeroed.
+  // `last`: the CTA's last item (the same for every warp, and every rank of a cluster). The warp
+  // that must store the item's result (the warps, at the last item) calls store(sum) (store(sum,
+  // groups), groups a mask of the float4 groups to store). acc is zeroed.
   template <class Store>
   __device__ void finish(float (&acc)[NACC], int seq, bool last, int warp, int lane, Store&& store) const {
+    if (NW > 1 && last) {
+      finish_last_shared(acc, seq, warp, lane, store);
+#pragma unroll
+      for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
+      return;
+    }
     const int leader = seq % NW;
     const uint32_t prev = uint32_t(seq - 1) & 1u;      // item seq - 1's phase of cl_empty
     const uint32_t led = uint32_t(seq / NW) & 1u;      // the leader's phase of cl_full
@@ -251,8 +336,7 @@ struct ItemReducer {
         mbar_wait<true>(cl_full + 8 * leader, led);
         KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && lane == 0);
         add_received(v, ks - 1, lane);  // ranks 1..ks-1
-        if (!last)
-          for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty, r);
+        for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty, r);  // (an item follows)
         store(v);
       }
     }

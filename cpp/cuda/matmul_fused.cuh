@@ -513,7 +513,8 @@ struct ItemWalk {
 // Scale one item's sums by the tensor scale ts, round to T and store them; v[e] of lane (g, t)
 // holds row m0 + 8 mt + 2t + (e & 1) of column col0 + 16 j + g + 8 ((e >> 1) & 1), with
 // e = 4 (j MT + mt) + (e & 3), as the mma accumulator layout of the swapped product puts it.
-// Called by all 32 lanes of a warp.
+// Called by all 32 lanes of a warp. Only the float4 groups e >> 2 set in `groups` are stored (at
+// a CTA's last item every warp stores its own share, ItemReducer::finish_last_shared).
 //
 // With p.glu, column n + 1 of an even column n sits in lane (g + 1, t), i.e. lane ^ 4 (col0 and
 // 16 j are even), so one shuffle per sum pairs gate and up, and the even lane stores act(gate) *
@@ -533,7 +534,7 @@ struct ItemWalk {
 // benchmarks/results/item_end_h100_s29.md. CMake never sets them.)
 template <int MT, class T, int NACC>
 __device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, int g, int t, const float (&v)[NACC],
-                                           float ts) {
+                                           float ts, uint32_t groups = ~0u) {
 #ifdef KBIT_SKIP_STORE
   if (p.M > 0) {  // (experiment: no store; the sums stay live through a test)
     uint32_t z = 0;
@@ -564,7 +565,8 @@ __device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, i
 #pragma unroll
         for (int i = 0; i < kGroup; ++i) {
           const int n = cur.col0 + 16 * (i >> 1) + g + 8 * (i & 1);
-          if ((g & 1) == 0 && m < p.M && n < p.N) yg[m * half_n + (n >> 1)] = from_f32<T>(gate[i]);
+          const bool mine = groups >> ((i >> 1) * MT + mt) & 1u;
+          if (mine && (g & 1) == 0 && m < p.M && n < p.N) yg[m * half_n + (n >> 1)] = from_f32<T>(gate[i]);
         }
       }
     return;
@@ -575,7 +577,7 @@ __device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, i
     const int c = e & 3, mt = (e >> 2) % MT, j = (e >> 2) / MT;
     const int64_t m = cur.m0 + 8 * mt + 2 * t + (c & 1);
     const int n = cur.col0 + 16 * j + g + 8 * (c >> 1);
-    if (m < p.M && n < p.N) yg[m * p.N + n] = from_f32<T>(v[e] * ts);
+    if ((groups >> (e >> 2) & 1u) && m < p.M && n < p.N) yg[m * p.N + n] = from_f32<T>(v[e] * ts);
   }
 }
 
@@ -1306,7 +1308,9 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 #endif
       Cursor wc = cur;
       if constexpr (V == 2) wc.col0 += 16 * TN * warp;  // the warp's own columns
-      auto store = [&](const float (&v)[NACC]) { store_item<MT, T>(p, wc, g, t, v, ts); };
+      auto store = [&](const float (&v)[NACC], uint32_t groups = ~0u) {
+        store_item<MT, T>(p, wc, g, t, v, ts, groups);
+      };
       if constexpr (V != 2) {
         if (p.balanced) {
           int peer = 0;
