@@ -186,19 +186,30 @@ struct ItemReducer {
   __device__ uint32_t recv_slot_addr(int s, int e4, int lane) const {
     return recv + uint32_t((s * (NACC / 4) + e4) * 32 + lane) * 16;
   }
-  // The leader's lanes send the CTA's sum v into receive slot s of rank `to` by st.async, each
-  // store completing its bytes on that rank's barrier `bar` (an address of this CTA's window).
-  __device__ void send_sum(const float (&v)[NACC], int to, int s, uint32_t bar, int lane) const {
+  // Every float4 group of the accumulators (send_sum's and add_received's default: the leader's
+  // whole sum; at the CTA's last item each warp passes its own share, finish_last_shared).
+  struct AllGroups {
+    __device__ bool operator()(int) const { return true; }
+  };
+  // The sending warp's lanes (the leader's; at the last item each owner's) send the CTA's sum v
+  // (its groups e4 with own(e4)) into receive slot s of rank `to` by st.async, each store
+  // completing its bytes on that rank's barrier `bar` (an address of this CTA's window).
+  template <class Own = AllGroups>
+  __device__ void send_sum(const float (&v)[NACC], int to, int s, uint32_t bar, int lane, Own own = {}) const {
     const uint32_t rbar = map_rank(bar, to), dst = map_rank(recv_slot_addr(s, 0, lane), to);
 #pragma unroll
     for (int e4 = 0; e4 < NACC / 4; ++e4)
-      st_async_f32x4(dst + uint32_t(e4 * 32 * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3], rbar);
+      if (own(e4))
+        st_async_f32x4(dst + uint32_t(e4 * 32 * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3], rbar);
   }
-  // The leader's lanes add receive slots 0..n-1 to v, in slot (= rank) order.
-  __device__ void add_received(float (&v)[NACC], int n, int lane) const {
+  // The adding warp's lanes add receive slots 0..n-1 to v (its groups e4 with own(e4)), in slot
+  // (= rank) order.
+  template <class Own = AllGroups>
+  __device__ void add_received(float (&v)[NACC], int n, int lane, Own own = {}) const {
     for (int s = 0; s < n; ++s) {
 #pragma unroll
       for (int e4 = 0; e4 < NACC / 4; ++e4) {
+        if (!own(e4)) continue;
         const float4 q = lds128f(recv_slot_addr(s, e4, lane));
         v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
       }
@@ -258,10 +269,11 @@ struct ItemReducer {
     // addresses recomputed inside), with it by -7..+11 (+9/+11: bits 3/2, M <= 8, V1).
     asm volatile("mov.b32 %0, %0;\n" : "+r"(warp));
     asm volatile("mov.b32 %0, %0;\n" : "+r"(lane));
+    const auto own = [warp](int e4) { return e4 % NW == warp; };  // this warp's groups
     if (seq > 0) mbar_wait(empty, uint32_t(seq - 1) & 1u);  // item seq - 1's leader has read the slots
 #pragma unroll
     for (int e4 = 0; e4 < NACC / 4; ++e4)
-      if (e4 % NW != warp)
+      if (!own(e4))
         sts128f(slot_addr(slot_of(warp, e4 % NW), e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2],
                 acc[4 * e4 + 3]);
     asm volatile("bar.sync 2, %0;\n" ::"n"(NW * 32) : "memory");  // every consumer warp's groups are in
@@ -269,7 +281,7 @@ struct ItemReducer {
     uint32_t mine = 0;
 #pragma unroll
     for (int e4 = 0; e4 < NACC / 4; ++e4) {
-      if (e4 % NW != warp) continue;
+      if (!own(e4)) continue;
       mine |= 1u << e4;
       float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -285,25 +297,13 @@ struct ItemReducer {
       const int leader = seq % NW;  // the barrier (and phase) the leader's path would use
       if (rank > 0) {
         if (seq > 0) mbar_wait<true>(cl_empty, uint32_t(seq - 1) & 1u);  // rank 0 has read item seq - 1's sum
-        const uint32_t rbar = map_rank(cl_full + 8 * leader, 0), dst = map_rank(recv_slot_addr(rank - 1, 0, lane), 0);
-#pragma unroll
-        for (int e4 = 0; e4 < NACC / 4; ++e4)
-          if (e4 % NW == warp)
-            st_async_f32x4(dst + uint32_t(e4 * 32 * 16), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2],
-                           acc[4 * e4 + 3], rbar);
+        send_sum(acc, 0, rank - 1, cl_full + 8 * leader, lane, own);
         return;
       }
       if (warp == 0 && lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
       mbar_wait<true>(cl_full + 8 * leader, uint32_t(seq / NW) & 1u);
       KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && warp == 0 && lane == 0);
-      for (int s = 0; s < ks - 1; ++s) {  // ranks 1..ks-1, in order
-#pragma unroll
-        for (int e4 = 0; e4 < NACC / 4; ++e4) {
-          if (e4 % NW != warp) continue;
-          const float4 q = lds128f(recv_slot_addr(s, e4, lane));
-          acc[4 * e4] += q.x; acc[4 * e4 + 1] += q.y; acc[4 * e4 + 2] += q.z; acc[4 * e4 + 3] += q.w;
-        }
-      }
+      add_received(acc, ks - 1, lane, own);  // ranks 1..ks-1
     }
     store(acc, mine);
   }
