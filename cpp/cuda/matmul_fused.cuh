@@ -283,17 +283,21 @@ struct Config {
   // MT = 2: fitted on the harness's "rows" (H200, 10 shapes x bits 2, 4, 5 x M 17..128, bf16;
   // benchmarks/rows_fit.py), 1.0 at MT = 4 and 1.3 at MT = 8, times 0.6 at bits 5 (one tile
   // per warp): the faster tiling's time within 0.6 % on (geometric) average, 22 % at worst (a
-  // small N = 2048 shape at M = 128). fp16 activations take V2's slower scale path (see
-  // mma_k_block_scaled_weights): 2.1 at MT = 8, fitted on kernel_rows_nsplit_h200_first.log, run
-  // before V2 had the bf16 one. At MT = 2 (M = 9..16, bf16 only, see launch_fused_bits) 0.6
-  // (bits 3: 0.8), fitted on the harness's "rows" at M = 1..16 (H100, 10 shapes x bits 2..5,
-  // benchmarks/results/nsplit_rows16_h100_s28.md): it takes V2 on the wide gate/up layers at
-  // bits 2 and 4 (0.88-0.98x the time of the 16-row tilings) and nowhere else; bits 3's decode
-  // is slower there (Llama-3-70B gate/up 1.10x). (Blocks of 8 rows were no faster anywhere:
-  // 0.99-2.0x.)
+  // small N = 2048 shape at M = 128). At MT = 4 since session 31: 0.9 (bits 5: 0.63), with an
+  // item end of 1 + 1.25 chunks per cluster rank (Launcher::plan), refitted on the H100's rows
+  // at M = 32 (benchmarks/results/last_block_h100_s31.md): Qwen3 gate/up at bits 2-4 now takes
+  // the 16-row tiling, 0.86-0.93x the time at M = 24 and 32. fp16 activations take V2's slower
+  // scale path (see mma_k_block_scaled_weights): 2.1 at MT = 8, fitted on
+  // kernel_rows_nsplit_h200_first.log, run before V2 had the bf16 one. At MT = 2 (M = 9..16,
+  // bf16 only, see launch_fused_bits) 0.6 (bits 3: 0.8), fitted on the harness's "rows" at
+  // M = 1..16 (H100, 10 shapes x bits 2..5, benchmarks/results/nsplit_rows16_h100_s28.md): it
+  // takes V2 on the wide gate/up layers at bits 2 and 4 (0.88-0.98x the time of the 16-row
+  // tilings) and nowhere else; bits 3's decode is slower there (Llama-3-70B gate/up 1.10x).
+  // (Blocks of 8 rows were no faster anywhere: 0.99-2.0x.)
   static constexpr double chunk_cost(bool scaled_weights) {
     if constexpr (V == 2 && MT == 2) return BITS == 3 ? 0.8 : 0.6;
-    if constexpr (V == 2) return (MT == 8 ? (scaled_weights ? 1.3 : 2.1) : 1.0) * (BITS == 5 ? 0.6 : 1.0);
+    if constexpr (V == 2 && MT == 4) return BITS == 5 ? 0.63 : 0.9;
+    if constexpr (V == 2) return (scaled_weights ? 1.3 : 2.1) * (BITS == 5 ? 0.6 : 1.0);  // MT = 8
     return (MT == 2 && V == 1 && BITS != 5) ? 1.4 : 1.0;
   }
   static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
@@ -1533,7 +1537,9 @@ struct Launcher {
       if ((KB + kps - 1) / kps != ks) continue;  // would leave a rank empty
       const int64_t per_cluster = items_per_cluster(clusters(ks));
       const double chunks = double(chunks_per_item(kps));
-      const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + 0.5 * ks : 1.0;
+      // (the N-split tiling at 32 rows: rank 0 reads every rank's 32 accumulators per lane through
+      // distributed shared memory, ~6 us at 5 ranks on Qwen3 gate/up (item_end_h100_s29.md))
+      const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + (V == 2 && MT == 4 ? 1.25 : 0.5) * ks : 1.0;
       const double cost = per_cluster * (chunks + item_end) * Cfg::chunk_cost(std::is_same_v<Act, ActBF16>);
       if (cost < best_cost - 1e-9) { best_cost = cost; pl.ks = ks; }
     }
@@ -1581,6 +1587,16 @@ struct Launcher {
         pl.cost = best_bal;
         pl.kps = KB;
       }
+      // A last block of M with one row after a full one (M = 17) slows the whole launch: the
+      // 16-row tiling took 1.03-1.48x the time at M = 17 that it takes at M = 20..32, median
+      // 1.20 (H100, harness "rows", 30 cases; benchmarks/results/last_block_h100_s31.md). Priced
+      // as 1.2x for the comparison with the N-split tiling in blocks of 32 rows (which showed no
+      // such cost), it makes rows_fit.py's replica of this plan take the faster of the two in
+      // every case at M = 17 of four rows logs (30-40 cases each), where without it it took the
+      // 16-row tiling up to 1.23x slower. (Not at M = 33, 49: there the other tiling, in blocks
+      // of 64 rows, is 1.5-2x slower on the layers that run the 16-row tiling, and the price
+      // brought the replica to a tie on GLM-4.7 down.)
+      if (pl.m_blocks == 2 && a.m % (8 * MT) == 1) pl.cost *= 1.2;
     }
     if constexpr (WS) {
       // The ring as deep as the launch's rows allow (pl.smem has room for it) where each CTA
