@@ -41,8 +41,12 @@ enum TimelineMark : int {
 
 #if defined(KBIT_TIMELINE) && defined(__CUDACC__)
 namespace kbit::cuda {
+// This CTA's entry for `slot` in the timeline buffer (kTlSlots entries per CTA).
+__device__ __forceinline__ unsigned long long* timeline_slot(unsigned long long* buf, int slot) {
+  return buf + size_t(blockIdx.x) * kTlSlots + slot;
+}
 __device__ __forceinline__ void timeline_store(unsigned long long* buf, int slot, unsigned long long v) {
-  if (buf) buf[size_t(blockIdx.x) * kTlSlots + slot] = v;
+  if (buf) *timeline_slot(buf, slot) = v;
 }
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
@@ -61,7 +65,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
 #define KBIT_TL_LATEST(p, mark, cond) \
   do { \
     if ((cond) && (p).timeline) \
-      atomicMax((p).timeline + size_t(blockIdx.x) * ::kbit::cuda::kTlSlots + (mark), clock64()); \
+      atomicMax(::kbit::cuda::timeline_slot((p).timeline, (mark)), clock64()); \
   } while (0)
 #define KBIT_TL_GLOBAL(p, slot, cond) \
   do { if (cond) ::kbit::cuda::timeline_store((p).timeline, (slot), ::kbit::cuda::global_ns()); } while (0)
