@@ -1084,6 +1084,14 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 
   // the chunk's first k-block (within the batch entry) and its row of weights and scales
   auto row_of = [&](const Cursor& c) { return c.b * p.KB + c.kb; };
+  // A last block of M with one row after others (V0/V1: M = 17, 33, ...) copies its box from one
+  // row higher, so that two of the box's rows lie inside x; its row sits `x_shift` = 1 row down in
+  // the slot (set_x_offsets). With the one row alone inside the box the 16-row tiling took
+  // 1.03-1.48x its time at M = 18..32 (H100, median 1.20; the cause is not known: 2..15 rows
+  // inside are fine); shifted it takes M = 18's time (H200: M = 17 0.95x, M = 33 0.99x, other M
+  // 1.000-1.003x; benchmarks/results/last_block_h200_s32.md). (Shifting every partial last block
+  // to end at row M cost M = 18..24 1.5 %: the box's extra rows are real copies.)
+  auto x_shift = [&](const Cursor& c) { return V != 2 && c.m0 > 0 && c.rows == 1 ? 1 : 0; };
   const bool ready = p.inputs_ready != 0;
   const uint32_t chunk_bytes = uint32_t(Cfg::kWChunk + WC::kSChunk) + uint32_t(KCH) * x_kb_bytes;
   // The producer's lane 0: announce chunk `c`'s bytes on ring slot `slot`'s full barrier and
@@ -1097,7 +1105,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     else
       tma_load_2d(base, &wmap, c.col0 * BITS, wrow, full);
     tma_load_2d(base + Cfg::kWChunk, &smap, c.col0, wrow, full);
-    tma_load_3d(base + kXOffset, &xmap, 0, int(int64_t(c.b) * p.M + c.m0), c.kb, full);
+    tma_load_3d(base + kXOffset, &xmap, 0, int(int64_t(c.b) * p.M + c.m0 - x_shift(c)), c.kb, full);
   };
   // The producer's lane 0 sends its first request before anything else, so DRAM works while the
   // CTA sets up:
@@ -1205,14 +1213,17 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       o_code1[u] = uint32_t(kbl * SLAB) + o1;
     }
     // ldmatrix lane l reads row l % 8 of n8 tile mt (rows past the block's `rows` repeat its last
-    // row; their results are never stored) in the 8-wide k sub-block l / 8.
-    auto set_x_offsets = [&](int rows) {
+    // row; their results are never stored) in the 8-wide k sub-block l / 8; the block's row r is
+    // the slot's row r + x_shift.
+    auto set_x_offsets = [&](const Cursor& c) {
+      const int shift = x_shift(c);
 #pragma unroll
       for (int u = 0; u < KPW; ++u)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
           o_x[u][mt] = swizzle64(uint32_t(kXOffset + (warp * KPW + u) * x_kb_bytes +
-                                          min(8 * mt + (lane & 7), rows - 1) * kXKbBytes + (lane >> 3) * 16));
+                                          (min(8 * mt + (lane & 7), c.rows - 1) + shift) * kXKbBytes +
+                                          (lane >> 3) * 16));
     };
 
     // One chunk: the warp's KPW k-blocks, software-pipelined. Every shared-memory load of all
@@ -1327,7 +1338,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     };
 
     Cursor cc = walk.first();
-    if constexpr (V != 2) set_x_offsets(cc.rows);
+    if constexpr (V != 2) set_x_offsets(cc);
     int lut_b = -1;
     pdl_wait();  // (the codebook, the activations' and the outputs' buffers may be the previous kernel's)
     if (Q > 0) {
@@ -1384,7 +1395,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       KBIT_TL_LATEST(p, kTlLastWarpStored, lane == 0 && item_seq == 1);
       walk.next_item(cc);
       if (q == Q) break;
-      if constexpr (V != 2) set_x_offsets(cc.rows);  // the next item's block of M may have fewer rows
+      if constexpr (V != 2) set_x_offsets(cc);  // the next item's block of M may have fewer rows
       if (cc.b != lut_b) {       // the next item belongs to another batch entry
         named_bar_sync<NT>(1);   // (every warp finished reading the old table)
         build_lut(cc.b);
@@ -1587,16 +1598,6 @@ struct Launcher {
         pl.cost = best_bal;
         pl.kps = KB;
       }
-      // A last block of M with one row after a full one (M = 17) slows the whole launch: the
-      // 16-row tiling took 1.03-1.48x the time at M = 17 that it takes at M = 20..32, median
-      // 1.20 (H100, harness "rows", 30 cases; benchmarks/results/last_block_h100_s31.md). Priced
-      // as 1.2x for the comparison with the N-split tiling in blocks of 32 rows (which showed no
-      // such cost), it makes rows_fit.py's replica of this plan take the faster of the two in
-      // every case at M = 17 of four rows logs (30-40 cases each), where without it it took the
-      // 16-row tiling up to 1.23x slower. (Not at M = 33, 49: there the other tiling, in blocks
-      // of 64 rows, is 1.5-2x slower on the layers that run the 16-row tiling, and the price
-      // brought the replica to a tie on GLM-4.7 down.)
-      if (pl.m_blocks == 2 && a.m % (8 * MT) == 1) pl.cost *= 1.2;
     }
     if constexpr (WS) {
       // The ring as deep as the launch's rows allow (pl.smem has room for it) where each CTA
