@@ -16,6 +16,8 @@
 //   build/cuda_kernel_harness sweep              every cluster size (k-split) vs the launcher's choice
 //   build/cuda_kernel_harness rows               M = 17..128: the warp-specialized kernel's tilings vs
 //                                                the cp.async kernel
+//   build/cuda_kernel_harness split              M = 384..1024: the wgmma kernel's split last round of
+//                                                tiles against none
 //   build/cuda_kernel_harness one BITS K N M [reps] [variant]   one configuration (for ncu)
 //   build/cuda_kernel_harness repeat BITS DTYPE B M K N K_SPLIT VARIANT REPS [LAYOUT]   one test
 //                                                 case launched REPS times, each run checked and
@@ -23,7 +25,8 @@
 // Environment: KBIT_HARNESS_VERBOSE=1 prints each matmul test case before it runs (a case that
 // hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel";
 // KBIT_HARNESS_SWEEP_M="256 384 512" sets the M of "sweep" (default 1 16) and
-// KBIT_HARNESS_SWEEP_BITS its bits (2 4 5), KBIT_HARNESS_ROWS_M and _BITS those of "rows";
+// KBIT_HARNESS_SWEEP_BITS its bits (2 4 5), KBIT_HARNESS_ROWS_M and _BITS those of "rows",
+// KBIT_HARNESS_SPLIT_M and _BITS those of "split";
 // KBIT_HARNESS_TEST_VARIANTS="2 3" runs only those tiling variants' matmul tests.
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
@@ -377,6 +380,7 @@ static void test_dequantize(bool quick) {
 struct MMCase {
   int B, M, K, N; int k_split; bool force_generic; int variant = -1; int balance = -1;
   int wg_tiles = 0;  // variant 3 (the wgmma kernel; bf16 and the fragment layout only): 1 or 2 tiles
+  int split_last = -1;  // variant 3: 1 = the last round of tiles split over 2-CTA clusters where it fits
 };
 
 // One matmul check; returns the relative Frobenius error (or +inf on failure to run).
@@ -391,6 +395,7 @@ struct MMCase {
 static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref, const std::vector<double>& bound,
                                 const std::vector<uint8_t>& y, DType dt);
 static int g_balanced_launches = 0;  // cases that ran on chunk-balanced clusters (the launcher's choice or forced)
+static int g_split_last_launches = 0;  // wgmma cases whose last round of tiles ran split over 2-CTA clusters
 static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, uint32_t seed,
                               double* bound_ratio, std::string* path_out, int reps = 1) {
   std::mt19937 rng(seed);
@@ -454,6 +459,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   tune.variant = c.variant;
   tune.balance = c.balance;
   tune.wg_tiles = c.wg_tiles;
+  tune.wg_split_last = c.split_last;
   *path_out = c.force_generic ? "generic (forced)" : kbit::cuda::matmul_path(a);
   const double u32 = std::ldexp(1.0, -24);
   const double u_act = dt == DType::kBF16 ? std::ldexp(1.0, -8) : dt == DType::kF16 ? std::ldexp(1.0, -11) : u32;
@@ -468,6 +474,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
     CK(cudaMemset(dy.p, 0xFF, dy.n));  // NaN in every dtype: unwritten outputs fail the check
     const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
     g_balanced_launches += rep == 0 && tune.launched_balanced;
+    g_split_last_launches += rep == 0 && tune.launched_whole_ctas > 0;
     CK(cudaDeviceSynchronize());
     if (!err.empty()) {
       printf("  launch error: %s\n", err.c_str());
@@ -526,9 +533,28 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
 // take a 16-row tiling and bits 5 the N-split tiling in blocks of 32 rows. On Llama-3-8B down
 // (K 14336, N 4096) at M = 17, whose second 16-row block has one row, bits 2 and 4 take a 16-row
 // tiling: 0.83-0.88x the N-split tiling's time since that block's copy is shifted (session 32,
-// benchmarks/results/last_block_h200_s32.md). Only the choice is checked (the data are zeros);
-// the results of these tilings are checked in test_matmul.
+// benchmarks/results/last_block_h200_s32.md).
+// The wgmma kernel's plan (WgLauncher, session 32, benchmarks/results/wgmma_split_last_h200_s32.md):
+// Llama-3-70B gate/up (K 8192, N 28672) at M = 512, bits 2-4, splits its last round of tiles
+// (448 tiles of 256 x 128 on 132 SMs; 0.88-0.91x the time); Llama-3-8B gate/up (K 4096, N 14336)
+// at M = 512, bits 5, keeps 256-column tiles unsplit (with the wrong count of resident CTAs the
+// launcher took 128-column tiles and split them, 1.26x the time).
+// Only the choice is checked (the data are zeros); the results of these tilings are checked in
+// test_matmul.
 static void test_dispatch() {
+  auto launch_zeros = [](int K, int N, int M, DType dt, int bits, kbit::cuda::MatmulTuning& tune) {
+    DevBuf<uint8_t> x(size_t(M) * K * 2), y(size_t(M) * N * 2), sc(size_t(K / 32) * N);
+    DevBuf<uint32_t> planes(size_t(K / 32) * N * bits);
+    DevBuf<float> cb(size_t(1) << bits), ts(1);
+    CK(cudaMemset(x.p, 0, x.n)); CK(cudaMemset(sc.p, 0, sc.n)); CK(cudaMemset(planes.p, 0, planes.n * 4));
+    CK(cudaMemset(cb.p, 0, cb.n * 4)); CK(cudaMemset(ts.p, 0, 4));
+    kbit::cuda::MatmulArgs a;
+    a.x = x.p; a.dtype = dt; a.planes = planes.p; a.scales = sc.p; a.codebook = cb.p; a.tensor_scale = ts.p;
+    a.y = y.p; a.batch = 1; a.m = M; a.k = K; a.n = N; a.bits = bits; a.layout = kbit::kFragment;
+    const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
+    CK(cudaDeviceSynchronize());
+    EXPECT(err.empty(), "dispatch K=%d N=%d M=%d bits=%d: %s\n", K, N, M, bits, err.c_str());
+  };
   struct Want { int K, N, M; DType dt; int nsplit_rows, bits_lo, bits_hi; };  // nsplit_rows 0: a 16-row tiling
   const Want wants[] = {{256, 32768, 9, DType::kBF16, 16, 2, 5},  {256, 32768, 16, DType::kBF16, 16, 2, 5},
                         {256, 32768, 16, DType::kF16, 0, 2, 5},   {5120, 2048, 16, DType::kBF16, 0, 2, 5},
@@ -536,18 +562,8 @@ static void test_dispatch() {
                         {14336, 4096, 17, DType::kBF16, 0, 2, 2}, {14336, 4096, 17, DType::kBF16, 0, 4, 4}};
   for (const Want& w : wants)
     for (int bits = w.bits_lo; bits <= w.bits_hi; ++bits) {
-      DevBuf<uint8_t> x(size_t(w.M) * w.K * 2), y(size_t(w.M) * w.N * 2), sc(size_t(w.K / 32) * w.N);
-      DevBuf<uint32_t> planes(size_t(w.K / 32) * w.N * bits);
-      DevBuf<float> cb(size_t(1) << bits), ts(1);
-      CK(cudaMemset(x.p, 0, x.n)); CK(cudaMemset(sc.p, 0, sc.n)); CK(cudaMemset(planes.p, 0, planes.n * 4));
-      CK(cudaMemset(cb.p, 0, cb.n * 4)); CK(cudaMemset(ts.p, 0, 4));
-      kbit::cuda::MatmulArgs a;
-      a.x = x.p; a.dtype = w.dt; a.planes = planes.p; a.scales = sc.p; a.codebook = cb.p; a.tensor_scale = ts.p;
-      a.y = y.p; a.batch = 1; a.m = w.M; a.k = w.K; a.n = w.N; a.bits = bits; a.layout = kbit::kFragment;
       kbit::cuda::MatmulTuning tune;
-      const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
-      CK(cudaDeviceSynchronize());
-      EXPECT(err.empty(), "dispatch K=%d N=%d M=%d bits=%d: %s\n", w.K, w.N, w.M, bits, err.c_str());
+      launch_zeros(w.K, w.N, w.M, w.dt, bits, tune);
       const bool ok = w.nsplit_rows > 0
                           ? tune.launched_variant == 2 && tune.launched_rows == w.nsplit_rows
                           : (tune.launched_variant == 0 || tune.launched_variant == 1) && tune.launched_rows == 16;
@@ -556,6 +572,19 @@ static void test_dispatch() {
              w.nsplit_rows == 32 ? "the N-split tiling of 32 rows"
              : w.nsplit_rows == 16 ? "the N-split tiling of 16 rows" : "a 16-row tiling");
     }
+  if (!kbit::cuda::wgmma_max_rows_here()) return;  // (no wgmma kernel on this device or build)
+  struct WgWant { int K, N, M, bits, tiles; bool split; };
+  const WgWant wg_wants[] = {{8192, 28672, 512, 2, 1, true}, {8192, 28672, 512, 3, 1, true},
+                             {8192, 28672, 512, 4, 1, true}, {4096, 14336, 512, 5, 2, false}};
+  for (const WgWant& w : wg_wants) {
+    kbit::cuda::MatmulTuning tune;
+    launch_zeros(w.K, w.N, w.M, DType::kBF16, w.bits, tune);
+    const bool split = tune.launched_whole_ctas > 0;
+    EXPECT(tune.launched_variant == 3 && tune.launched_wg_tiles == w.tiles && split == w.split,
+           "dispatch K=%d N=%d M=%d bits=%d: variant %d, %d weight tiles per warpgroup, %s (the wgmma kernel, %d tiles, "
+           "%s expected)\n", w.K, w.N, w.M, w.bits, tune.launched_variant, tune.launched_wg_tiles,
+           split ? "last round split" : "unsplit", w.tiles, w.split ? "last round split" : "unsplit");
+  }
 }
 
 // The warp-specialized kernel released ring stages while its reads of them were still in flight;
@@ -642,6 +671,14 @@ static void test_matmul(bool quick) {
         c.wg_tiles = tiles;
         cases.push_back(c);
       }
+  // ... with the last round of tiles split over 2-CTA clusters (WgLauncher::plan), 140 tiles: BM =
+  // 256 (bits 2-4; bits 5 takes BM = 128 and does not split), BM = 128 with 128-column tiles, and
+  // 256-column tiles over two batch entries with a partial column tile and an odd k-block count.
+  constexpr int kSplitLastLaunches = 3 + 4 + 4;
+  if (!quick)
+    for (const MMCase& c : {MMCase{1, 257, 256, 8960, 0, false, 3, -1, 0, 1}, MMCase{1, 65, 256, 17920, 0, false, 3, -1, 1, 1},
+                            MMCase{2, 65, 288, 17680, 0, false, 3, -1, 2, 1}})
+      cases.push_back(c);
   // Only some variants' cases (a short run): KBIT_HARNESS_TEST_VARIANTS="2 3" keeps those of the
   // N-split tiling and the wgmma kernel; KBIT_HARNESS_TEST_WGMMA=1 means "3".
   std::string keep = getenv("KBIT_HARNESS_TEST_WGMMA") != nullptr ? "3" : "";
@@ -686,6 +723,9 @@ static void test_matmul(bool quick) {
          "error f32 %.2e, bf16 %.2e, f16 %.2e\n",
          n_ok, n_total, worst_ratio, worst[0], worst[1], worst[2]);
   printf("matmul: %d cases ran on chunk-balanced clusters\n", g_balanced_launches);
+  EXPECT(quick || !(keep.empty() || keep.find('3') != std::string::npos) || g_split_last_launches == kSplitLastLaunches,
+         "matmul: %d cases split the wgmma kernel's last round of tiles (%d expected)", g_split_last_launches,
+         kSplitLastLaunches);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1031,6 +1071,61 @@ static void bench_rows() {
         const double cp = time_variants(tm, a, w, 0, us_v, 5, 10, nullptr, 0);
         printf("ROWS %-18s %5d %6d %d %3d %8.2f %8.2f %8.2f %8.2f %6.3f v%d/%d\n", s.name, s.K, s.N, bits, M, ws,
                nsplit, dflt, cp, dflt / std::min(std::min(ws, nsplit), cp), dflt_variant, dflt_rows);
+      }
+    }
+}
+
+// The wgmma kernel's split last round of tiles (WgLauncher::plan) against none, the rest of the
+// launcher's choice alike, timed in the order none, split, split, none (the clocks of a GPU
+// computing at full rate drift within a case): the ten shapes and a Llama-3-70B layer's products
+// at TP 2, one line per case
+//   SPLIT <shape> K N bits M <unsplit us> <default us> <default / unsplit> <whole-tile CTAs> <CTAs>
+//         <weight tiles per warpgroup: unsplit> <default>
+// (whole-tile CTAs 0: the launcher did not split). Where the launcher chooses between 128- and
+// 256-column tiles (bits 5 above 64 rows), a second line times each tile forced, unsplit and split:
+//   SPLITJ <shape> K N bits M  then for J = 2 and 1: <unsplit us>/<CTAs> <split us>/<CTAs>/<whole-tile CTAs>
+// KBIT_HARNESS_SPLIT_M (default "384 512 768 1024") and KBIT_HARNESS_SPLIT_BITS ("2 4 5") choose
+// the cases.
+static void bench_split_last() {
+  const std::vector<int> ms = env_int_list("KBIT_HARNESS_SPLIT_M", "384 512 768 1024", 65, 4096);
+  const std::vector<int> bits_list = env_int_list("KBIT_HARNESS_SPLIT_BITS", "2 4 5", 2, 5);
+  BenchEnv env(*std::max_element(ms.begin(), ms.end()));
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  Timer tm;
+  std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+  for (const Shape& s : llama70b_layer(2))
+    if (std::none_of(shapes.begin(), shapes.end(), [&](const Shape& o) { return o.K == s.K && o.N == s.N; }))
+      shapes.push_back(s);
+  for (const Shape& s : shapes)
+    for (int bits : bits_list) {
+      const WeightCopies w(env, s, bits);
+      for (int M : ms) {
+        const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
+        auto time = [&](int split_last, int wg_tiles, kbit::cuda::MatmulTuning& t) {
+          t = kbit::cuda::MatmulTuning();
+          t.variant = 3;
+          t.wg_split_last = split_last;
+          t.wg_tiles = wg_tiles;
+          return time_tuned(tm, a, w, t, 5, 10);
+        };
+        kbit::cuda::MatmulTuning off, dflt;
+        double us_off = time(0, 0, off), us = time(-1, 0, dflt);
+        us += time(-1, 0, dflt);
+        us_off += time(0, 0, off);
+        printf("SPLIT %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d %d\n", s.name, s.K, s.N, bits, M, us_off / 2,
+               us / 2, us / us_off, dflt.launched_whole_ctas, dflt.launched_ctas, off.launched_wg_tiles,
+               dflt.launched_wg_tiles);
+        if (bits == 5) {
+          printf("SPLITJ %-18s %5d %6d %d %4d", s.name, s.K, s.N, bits, M);
+          for (int tiles : {2, 1}) {
+            kbit::cuda::MatmulTuning t;
+            const double u0 = time(0, tiles, t);
+            const int c0 = t.launched_ctas;
+            const double u1 = time(1, tiles, t);
+            printf("  %.2f/%d %.2f/%d/%d", u0, c0, u1, t.launched_ctas, t.launched_whole_ctas);
+          }
+          printf("\n");
+        }
       }
     }
 }
@@ -1453,7 +1548,7 @@ int main(int argc, char** argv) {
   const std::pair<const char*, void (*)()> timing_modes[] = {
       {"sweep", bench_sweep}, {"host", bench_host}, {"layers", bench_layers}, {"sel", bench_sel},
       {"prefetch", bench_prefetch},
-      {"rows", bench_rows}};
+      {"rows", bench_rows}, {"split", bench_split_last}};
   for (const auto& [name, run] : timing_modes)
     if (mode == name) {
       run();

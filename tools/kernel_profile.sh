@@ -25,6 +25,8 @@
 #                                                 and the N-split tiling) against the cp.async kernel
 #                                                 (KBIT_HARNESS_ROWS_M="1 4 16", KBIT_HARNESS_ROWS_BITS:
 #                                                 those M, bits instead)
+#   tools/kernel_profile.sh split                M = 384..1024: the wgmma kernel's split last round of
+#                                                 tiles against none (KBIT_HARNESS_SPLIT_M, _BITS)
 #   tools/kernel_profile.sh sweep                every cluster size (k-split) against the launcher's
 #                                                 choice; benchmarks/ksplit_fit.py scores its cost model
 #                                                 (M <= 16). KBIT_HARNESS_SWEEP_M="128 256 512" sweeps
@@ -93,6 +95,7 @@ case $mode in
   timeline) "$bin" timeline "$@" | tee "$OUT/timeline${TAG:-}.log" ;;
   host) "$bin" host | tee "$OUT/host${TAG:-}.log" ;;
   rows) "$bin" rows | tee "$OUT/rows${TAG:-}.log" | grep -E "^ROWS|copy" ;;
+  split) "$bin" split | tee "$OUT/split${TAG:-}.log" | grep -E "^SPLIT|copy" ;;
   sweep) "$bin" sweep > "$OUT/sweep${TAG:-}.log"; python3 benchmarks/ksplit_fit.py "$OUT/sweep${TAG:-}.log" ;;
   ncu)
     while [[ $# -ge 4 ]]; do

@@ -243,10 +243,19 @@ inline int device_sm_count(int dev) {
 
 // Clusters of `ks` CTAs of `kernel` (at `threads` and `smem` bytes of dynamic shared memory) that
 // fit on device `dev` at once; half the SMs' worth where the driver cannot say. Callers cache it.
+// At ks = 1, the CTAs per SM times the SMs: the cluster query does not describe a launch without
+// clusters (the wgmma launcher got half the SMs from it and planned twice the rounds).
 template <class Kernel>
 int query_max_active_clusters(Kernel kernel, int threads, size_t smem, int ks, int dev) {
-  const ClusterLaunch probe(unsigned(ks) * 64, unsigned(threads), smem, nullptr, ks);
   int n = 0;
+  if (ks == 1) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n < 1) {
+      cudaGetLastError();
+      n = 1;
+    }
+    return n * device_sm_count(dev);
+  }
+  const ClusterLaunch probe(unsigned(ks) * 64, unsigned(threads), smem, nullptr, ks);
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe.cfg) != cudaSuccess || n < 1) {
     cudaGetLastError();
     n = std::max(1, device_sm_count(dev) / ks / 2);

@@ -76,14 +76,19 @@ struct MatmulTuning {
                                // per CTA) or 1 (128); 0 = the launcher picks (WgLauncher::cost)
   int balance = -1;            // chunk-balanced clusters: 1 = wherever possible (at k_split if set), 0 =
                                // never (uniform k-split), -1 = the launcher picks (KBIT_JAX_BALANCE=0: never)
+  int wg_split_last = -1;      // wgmma kernel: a last round of tiles that fills half the GPU or less split over
+                               // 2-CTA clusters (WgLauncher::plan): 1 = wherever so, 0 = never, -1 = the
+                               // launcher picks (ignored where k_split is set)
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline = nullptr;  // cuda/timeline.cuh: [CTAs, kTlSlots] milestone clocks
 #endif
   // Written by the fused kernel's launcher (for benchmarks and tests): the cluster size and CTA
   // count it launched with, whether its clusters were chunk-balanced, the wgmma kernel's weight
   // tiles per warpgroup (0: another kernel), and the tiling variant (as `variant`) with the rows
-  // of its blocks of M.
+  // of its blocks of M; the wgmma kernel's CTAs that computed a whole tile each before the split
+  // last round (0: none).
   mutable int launched_k_split = 0, launched_ctas = 0, launched_balanced = 0, launched_wg_tiles = 0;
+  mutable int launched_whole_ctas = 0;
   mutable int launched_variant = -1, launched_rows = 0;
 };
 

@@ -1456,15 +1456,7 @@ struct Launcher {
     std::atomic<int64_t>& slot = cache[dev][ks];
     const int64_t c = slot.load(std::memory_order_relaxed);
     if (c > 0 && (c >> 32) == int64_t(smem)) return int(c & 0xffffffff);
-    int n = 0;
-    if (ks == 1) {
-      int per_sm = 0;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess)
-        per_sm = 1;
-      n = std::max(per_sm, 1) * device_sm_count(dev);
-    } else {
-      n = query_max_active_clusters(kernel, kThreads, smem, ks, dev);
-    }
+    const int n = query_max_active_clusters(kernel, kThreads, smem, ks, dev);
     slot.store((int64_t(smem) << 32) | int64_t(n), std::memory_order_relaxed);
     return n;
   }
@@ -1625,6 +1617,7 @@ struct Launcher {
       tuning->launched_ctas = static_cast<int>(ncl * ks);
       tuning->launched_balanced = pl.balanced ? 1 : 0;
       tuning->launched_wg_tiles = 0;
+      tuning->launched_whole_ctas = 0;
       tuning->launched_variant = V;
       tuning->launched_rows = 8 * MT;
     }

@@ -38,6 +38,9 @@
 //  * K is split across the CTAs of a thread-block cluster (ks ranks, each a k-range) where the
 //    output tiles alone would leave SMs idle; the ranks' f32 tiles are added through distributed
 //    shared memory in the epilogue (each rank sums and stores every ks-th row): no workspace.
+//    Where the tiles take more than one round of CTAs and the last round fills half the GPU or
+//    less, only that round splits, over 2-CTA clusters, after whole rounds in which each rank of a
+//    2-CTA cluster computes a tile of its own (WgParams::whole_ctas, WgLauncher::plan).
 //  * The epilogue stages the f32 tile in shared memory ([m][n], rows padded by 4 floats: the
 //    accumulator stores are conflict-free), then each thread writes 8 consecutive outputs (16
 //    bytes): coalesced rows of y. A GLU gates there, on the f32 sums (glu.h, accurate form).
@@ -64,6 +67,13 @@
 //  (wgmma_one_cta_ab_h100_s28.md). Next: a sum through fewer bytes (fewer ranks, or L2), a
 //  shorter decode per k-block or warpgroups specialised by role (setmaxnreg), then a persistent
 //  grid or stream-K (M = 512's waves of tiles).
+//  Session 32 (H200, harness "split", benchmarks/results/wgmma_split_last_h200_s32.md): the last
+//  round of tiles split over 2-CTA clusters where it fills half the GPU or less: 0.73-0.94x the
+//  time (geometric mean 0.845) on the 55 such cases of M = 384..2048, 12 shapes x bits 2-5
+//  (Llama-3-70B gate/up at M = 512: 0.86-0.91x; its down at M = 768: 0.73-0.76x); the 205 cases
+//  it leaves unsplit 1.001x. The plan had counted half the SMs for launches without clusters (the
+//  cluster occupancy query does not describe them). That changed no choice of tile at M <= 128 (an
+//  offline replica of the plan), but it made the split look cheap at bits 5.
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
@@ -136,6 +146,8 @@ struct WgParams {
   int64_t M;
   int N, K, KB;
   int ks, kps;             // cluster size along K, k-blocks per rank
+  int whole_ctas;          // the first whole_ctas CTAs (whole clusters) each compute a tile of their own over
+                           // all of K; the rest split the remaining tiles' K over their cluster's ks ranks
   int n_tiles, m_tiles;    // output tiles: (b, nt, mt), mt fastest (neighbours share weights in L2)
   int glu;
 #ifdef KBIT_TIMELINE
@@ -171,12 +183,16 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
   const int wg = warp >> 2, wq = warp & 3, g = lane >> 2, t = lane & 3;
 
-  const int ks = p.ks, rank = blockIdx.x % ks, tile = blockIdx.x / ks;
+  // (cluster-uniform: whole_ctas is a multiple of the cluster size)
+  const bool whole = int(blockIdx.x) < p.whole_ctas;
+  const int split = int(blockIdx.x) - p.whole_ctas;
+  const int ks = whole ? 1 : p.ks, rank = whole ? 0 : split % ks;
+  const int tile = whole ? int(blockIdx.x) : p.whole_ctas + split / ks;
   const int mt = tile % p.m_tiles, nt = (tile / p.m_tiles) % p.n_tiles, b = tile / p.m_tiles / p.n_tiles;
   const int n0 = nt * BN;
   const int64_t m0 = int64_t(mt) * BM;
   const int rows = int(min(int64_t(BM), p.M - m0));
-  const int kbA = rank * p.kps, kbE = min(p.KB, kbA + p.kps);
+  const int kbA = rank * p.kps, kbE = whole ? p.KB : min(p.KB, kbA + p.kps);
   const int nch = kbE > kbA ? (kbE - kbA + KCH - 1) / KCH : 0;
 
   KBIT_TL_MARK(p, kTlEntry, tid == 0);
@@ -362,11 +378,15 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
 }
 
 // How one launch divides its work: output tiles (b, n tile, m tile), the cluster size along K
-// (ks ranks of kps k-blocks each) and the rounds of CTAs the GPU runs them in.
+// (ks ranks of kps k-blocks each) and the rounds of CTAs the GPU runs them in. A split last
+// round: the first whole_tiles tiles take one CTA each over all kb k-blocks (whole_waves
+// rounds), and only the rest are split over clusters (waves rounds).
 struct WgPlan {
   int64_t tiles = 0;
-  int ks = 1, kps = 0;
+  int ks = 1, kps = 0, kb = 0;
   int64_t waves = 1;
+  int64_t whole_tiles = 0, whole_waves = 0;
+  int64_t ctas() const { return whole_tiles + (tiles - whole_tiles) * ks; }
 };
 
 // One instantiation's launcher: its shared-memory reservation and resident-cluster counts are
@@ -423,10 +443,28 @@ struct WgLauncher {
           break;
         }
     }
+    w.kb = kb;
     w.kps = ceil_div(kb, ks);
     w.ks = std::max(1, ceil_div(kb, w.kps));  // no rank without k-blocks
     const int64_t resident = int64_t(std::max(1, max_clusters(w.ks, dev))) * w.ks;
     w.waves = ceil_div(w.tiles * w.ks, resident);
+    // A last round of tiles that fills half the GPU or less (Llama-3-70B gate/up at M = 512: 448
+    // tiles of 256 x 128, 3.4 rounds of 132) runs as 2-CTA clusters that split K, in half the
+    // time, after the whole rounds (which then run as 2-CTA clusters too, each rank a tile).
+    const int split_last = tuning ? tuning->wg_split_last : -1;
+    if (w.ks == 1 && split_last != 0 && kb >= 4 * Cfg::kKCH) {
+      const int64_t r2 = int64_t(max_clusters(2, dev)) * 2;
+      const int64_t whole_waves = w.tiles / r2, rest = w.tiles - whole_waves * r2;
+      if (whole_waves >= 1 && rest > 0 && 2 * rest <= r2) {
+        WgPlan m = w;
+        m.ks = 2;
+        m.kps = ceil_div(kb, 2);
+        m.whole_tiles = whole_waves * r2;  // (even: whole clusters)
+        m.whole_waves = whole_waves;
+        m.waves = 1;
+        if (split_last == 1 || cost(m) < cost(w)) w = m;
+      }
+    }
     return w;
   }
 
@@ -438,9 +476,10 @@ struct WgLauncher {
   // k-blocks are the launch's fixed cost (~15 us at J = 2, ~9.5 at J = 1, BM = 128). Picking the
   // tile by it loses 0-0.3 % on average against the faster tile at its best cluster size (worst
   // case 7.5 %, at M = 32).
+  // A split last round adds its whole rounds at 35 + kb each.
   static double cost(const WgPlan& w) {
     const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : 0.7;
-    return per_kblock * (35.0 + w.kps) * double(w.waves);
+    return per_kblock * ((35.0 + w.kps) * double(w.waves) + (35.0 + w.kb) * double(w.whole_waves));
   }
 
   static std::string launch(const MatmulArgs& a, const WgPlan& w, cudaStream_t stream, const MatmulTuning* tuning) {
@@ -455,13 +494,15 @@ struct WgLauncher {
     p.m_tiles = ceil_div(a.m, BM);
     p.ks = w.ks;
     p.kps = w.kps;
+    p.whole_ctas = static_cast<int>(w.whole_tiles);
 #ifdef KBIT_TIMELINE
     p.timeline = tuning ? tuning->timeline : nullptr;
 #endif
-    if (w.tiles * w.ks > 0x7fffffffLL) return "kbit_matmul_wgmma_kernel: too many tiles for " + shape(a);
+    if (w.ctas() > 0x7fffffffLL) return "kbit_matmul_wgmma_kernel: too many tiles for " + shape(a);
     if (tuning) {
       tuning->launched_k_split = w.ks;
-      tuning->launched_ctas = static_cast<int>(w.tiles * w.ks);
+      tuning->launched_ctas = static_cast<int>(w.ctas());
+      tuning->launched_whole_ctas = static_cast<int>(w.whole_tiles);
       tuning->launched_balanced = 0;
       tuning->launched_wg_tiles = J;
       tuning->launched_variant = 3;
@@ -491,7 +532,7 @@ struct WgLauncher {
       bad = encode_tensor_map(&smap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.scales, s_dims, s_strides, s_box,
                               CU_TENSOR_MAP_SWIZZLE_NONE);
     if (!bad.empty()) return "kbit_matmul_wgmma_kernel: " + bad + " (" + shape(a) + ")";
-    const ClusterLaunch launch(static_cast<unsigned>(w.tiles * w.ks), Cfg::kThreads, Cfg::kSmemBytes, stream, w.ks);
+    const ClusterLaunch launch(static_cast<unsigned>(w.ctas()), Cfg::kThreads, Cfg::kSmemBytes, stream, w.ks);
     cudaLaunchKernelEx(&launch.cfg, kernel, p, xmap, wmap, smap);
     if (cudaPeekAtLastError() == cudaSuccess) return std::string();
     return check_launch("kbit_matmul_wgmma_kernel", shape(a));
