@@ -37,9 +37,10 @@ NB_MODULE(_kbit_cuda, m) {
     d["fused_matmul"] = "bf16/f16 activations, fragment layout (layout=1); others: generic SIMT kernel";
     // bf16 products of wgmma_min_m..wgmma_max_m rows take the wgmma kernel (0: not on this
     // device); those of N >= wgmma_wide_n columns or bits >= wgmma_wide_bits from
-    // wgmma_wide_min_m rows
+    // wgmma_wide_min_m rows, and those of bits >= wgmma_wide_bits up to wgmma_wide_bits_max_m
     d["wgmma_min_m"] = kbit::cuda::wgmma_min_rows_here(0, 0);
-    d["wgmma_max_m"] = kbit::cuda::wgmma_max_rows_here();
+    d["wgmma_max_m"] = kbit::cuda::wgmma_max_rows_here(0);
+    d["wgmma_wide_bits_max_m"] = kbit::cuda::wgmma_max_rows_here(kbit::cuda::wgmma_wide_bits());
     d["wgmma_wide_n"] = kbit::cuda::wgmma_wide_n();
     d["wgmma_wide_bits"] = kbit::cuda::wgmma_wide_bits();
     d["wgmma_wide_min_m"] = kbit::cuda::wgmma_min_rows_here(kbit::cuda::wgmma_wide_n(), 0);

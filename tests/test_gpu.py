@@ -18,7 +18,7 @@ from helpers import BITS, GLU_KINDS, dense64, glu_error_bound, matmul_error_boun
 
 pytestmark = pytest.mark.gpu
 
-M_SWEEP = [0, 1, 2, 5, 16, 17, 33, 64, 100, 128, 511, 4096]
+M_SWEEP = [0, 1, 2, 5, 16, 17, 33, 64, 100, 128, 511, 1000, 4096]
 
 
 @pytest.mark.parametrize("method", ["fused", "auto"])

@@ -226,13 +226,15 @@ def test_cuda_lowering_glu():
 def test_cuda_lowering_follows_the_wgmma_rows(monkeypatch):
     """On a device with the wgmma kernel (simulated: the module's build_info as on an H100), the
     lowering mirrors cpp/cuda/matmul.cu's rule -- from 33 rows where N >= 4096 or bits = 5, else
-    from 65, up to 512 -- where it decides who gates a GLU and whether M > 128 stays fused."""
+    from 65, up to 1024 (bits 5: 512) -- where it decides who gates a GLU and whether M > 128
+    stays fused."""
     if not kj.build_info()["cuda_module"]:
         pytest.skip("the CUDA module is not built")
     from kbit_jax.primitives import matmul as mp
-    monkeypatch.setattr(mp, "_wgmma_info", lambda: (65, 512, 4096, 5, 33))
-    assert mp.wgmma_rows(4096, 4) == (33, 512) and mp.wgmma_rows(2048, 5) == (33, 512)
-    assert mp.wgmma_rows(2048, 4) == (65, 512) and mp.wgmma_rows() == (65, 512)
+    monkeypatch.setattr(mp, "_wgmma_info", lambda: (65, 1024, 4096, 5, 33, 512))
+    assert mp.wgmma_rows(4096, 4) == (33, 1024) and mp.wgmma_rows(2048, 5) == (33, 512)
+    assert mp.wgmma_rows(2048, 4) == (65, 1024) and mp.wgmma_rows() == (65, 1024)
+    assert mp.wgmma_rows(4096, 5) == (33, 512)
     f = jax.jit(lambda x, w: kj.matmul(x, w, glu="silu"))
     for n, bits, where in ((4096, 4, "kernel"), (2048, 5, "kernel"), (2048, 4, "xla after kernel")):
         w = kj.quantize(jnp.ones((64, n)), bits)
@@ -243,7 +245,12 @@ def test_cuda_lowering_follows_the_wgmma_rows(monkeypatch):
     g = jax.jit(kj.matmul)
     assert "kbit_dequantize" not in g.trace(jnp.ones((200, 64), jnp.bfloat16), w).lower(
         lowering_platforms=("cuda",)).as_text()
-    monkeypatch.setattr(mp, "_wgmma_info", lambda: (0, 0, 0, 0, 0))  # no wgmma kernel on this device
+    for bits, where in ((4, "kernel"), (5, "dequantize")):  # 1000 rows: within bits 2-4's range only
+        w = kj.quantize(jnp.ones((64, 4096)), bits)
+        text = g.trace(jnp.ones((1000, 64), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("kbit_dequantize" in text) == (where == "dequantize"), bits
+    w = kj.quantize(jnp.ones((64, 4096)), 4)
+    monkeypatch.setattr(mp, "_wgmma_info", lambda: (0, 0, 0, 0, 0, 0))  # no wgmma kernel on this device
     assert mp.wgmma_rows(4096, 5) == (0, 0)
     assert "kbit_dequantize" in g.trace(jnp.ones((201, 64), jnp.bfloat16), w).lower(
         lowering_platforms=("cuda",)).as_text()

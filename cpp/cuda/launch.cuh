@@ -103,9 +103,9 @@ std::string launch_matmul(const MatmulArgs& a, cudaStream_t stream,
 // The rows of x (min..max) for which bf16 products of N columns and `bits` take the wgmma kernel
 // on this device (0, 0: not compiled, not a compute capability 9.0 device, or
 // KBIT_JAX_WGMMA_MIN_M=0), for the JAX-side dispatch; the minimum is lower from N =
-// wgmma_wide_n() and from bits = wgmma_wide_bits() up.
+// wgmma_wide_n() and from bits = wgmma_wide_bits() up, and so is the maximum from those bits.
 int wgmma_min_rows_here(int64_t n, int bits);
-int wgmma_max_rows_here();
+int wgmma_max_rows_here(int bits);
 int wgmma_wide_n();
 int wgmma_wide_bits();
 

@@ -1,6 +1,7 @@
 // kbit_matmul dispatch: the fused tensor-core kernels where they apply (matmul_wgmma.cuh for
 // bf16 at kWgmmaMinRows..kWgmmaMaxRows rows, from kWgmmaWideMinRows where N >= kWgmmaWideN or
-// bits >= kWgmmaWideBits; matmul_fused.cuh otherwise), the generic SIMT kernel
+// bits >= kWgmmaWideBits, and to kWgmmaWideBitsMaxRows for those bits; matmul_fused.cuh
+// otherwise), the generic SIMT kernel
 // (matmul_generic.cu) elsewhere; plus the build information of the module.
 #include <algorithm>
 #include <cstdlib>
@@ -37,9 +38,14 @@ std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
 // it is slower on 7 of 12 at 48 rows and 5 of 12 at 64 (up to 1.29x), except at bits 5, where
 // it is faster on all four (0.79-0.94x; matmul_fused.cuh's 128 KiB bits-5 table leaves its
 // N-split tiling few stages). So bf16 products of N >= 4096, and of bits 5, take it from 33
-// rows, others from 65. The environment overrides the range for every N and bits
-// (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read once per process; MIN_M=0: never).
-constexpr int kWgmmaMinRows = 65, kWgmmaMaxRows = 512;
+// rows, others from 65. Session 32 (H200, bench_matmul.py, benchmarks/results/
+// wgmma_split_last_h200_s32.md) split its last round of tiles, after which at M = 768 and 1024
+// it takes 0.67-0.98x the time of dequantize + dense dot at bits 2 and 4 on all ten shapes
+// (at 2048: 0.85-1.15x), but 0.80-1.19x at bits 5, slower on 11 of 20 (its 128 KiB table keeps
+// the 128-row tile): so
+// bits 2-4 take it up to 1024 rows, bits 5 up to 512. The environment overrides the range for
+// every N and bits (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read once per process; MIN_M=0: never).
+constexpr int kWgmmaMinRows = 65, kWgmmaMaxRows = 1024, kWgmmaWideBitsMaxRows = 512;
 constexpr int kWgmmaWideMinRows = 33, kWgmmaWideN = 4096, kWgmmaWideBits = 5;
 int env_or(const char* name, int fallback) {
   const char* v = std::getenv(name);
@@ -50,9 +56,10 @@ int wgmma_min_rows(int64_t n, int bits) {
   if (forced >= 0) return forced;
   return n >= kWgmmaWideN || bits >= kWgmmaWideBits ? kWgmmaWideMinRows : kWgmmaMinRows;
 }
-int wgmma_max_rows() {
-  static const int rows = env_or("KBIT_JAX_WGMMA_MAX_M", kWgmmaMaxRows);
-  return rows;
+int wgmma_max_rows(int bits) {
+  static const int forced = env_or("KBIT_JAX_WGMMA_MAX_M", -1);
+  if (forced >= 0) return forced;
+  return bits >= kWgmmaWideBits ? kWgmmaWideBitsMaxRows : kWgmmaMaxRows;
 }
 
 // The module has the wgmma kernel (CMake compiled the sm_90a target: KBIT_WGMMA) and the current
@@ -78,7 +85,7 @@ bool wgmma_available() {
 int wgmma_min_rows_here(int64_t n, int bits) {
   return wgmma_available() ? std::max(wgmma_min_rows(n, bits), 0) : 0;
 }
-int wgmma_max_rows_here() { return wgmma_min_rows_here(0, 0) > 0 ? wgmma_max_rows() : 0; }
+int wgmma_max_rows_here(int bits) { return wgmma_min_rows_here(0, 0) > 0 ? wgmma_max_rows(bits) : 0; }
 int wgmma_wide_n() { return kWgmmaWideN; }
 int wgmma_wide_bits() { return kWgmmaWideBits; }
 
@@ -88,7 +95,7 @@ bool use_wgmma(const MatmulArgs& a, const MatmulTuning* tuning) {
   if (a.dtype != DType::kBF16 || a.layout != kbit::kFragment || a.n % 16 != 0 || !wgmma_available()) return false;
   if (tuning && tuning->variant >= 0) return tuning->variant == 3;
   const int lo = wgmma_min_rows(a.n, a.bits);
-  return lo > 0 && a.m >= lo && a.m <= wgmma_max_rows();
+  return lo > 0 && a.m >= lo && a.m <= wgmma_max_rows(a.bits);
 }
 
 // The fused kernel needs 16-bit activations (float32 activations keep float32 accuracy on the

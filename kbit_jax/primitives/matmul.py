@@ -42,28 +42,29 @@ FUSED_ANY_N_MAX_M = 16
 
 
 @functools.lru_cache(maxsize=None)
-def _wgmma_info() -> tuple[int, int, int, int, int]:
+def _wgmma_info() -> tuple[int, int, int, int, int, int]:
     if not _ext.has_cuda():
-        return 0, 0, 0, 0, 0
+        return 0, 0, 0, 0, 0, 0
     info = _ext.build_info()
-    lo = int(info.get("wgmma_min_m", 0))
-    return (lo, int(info.get("wgmma_max_m", 0)), int(info.get("wgmma_wide_n", 0)),
-            int(info.get("wgmma_wide_bits", 0)), int(info.get("wgmma_wide_min_m", lo)))
+    lo, hi = int(info.get("wgmma_min_m", 0)), int(info.get("wgmma_max_m", 0))
+    return (lo, hi, int(info.get("wgmma_wide_n", 0)), int(info.get("wgmma_wide_bits", 0)),
+            int(info.get("wgmma_wide_min_m", lo)), int(info.get("wgmma_wide_bits_max_m", hi)))
 
 
 def wgmma_rows(n: int = 0, bits: int = 0) -> tuple[int, int]:
     """(min, max): the rows (M) for which bf16 products of ``n`` columns (N % 16 == 0) at ``bits``
     take the CUDA module's wgmma kernel (cpp/cuda/matmul_wgmma.cuh; cpp/cuda/matmul.cu says where
-    it wins: from 33 rows where N >= 4096 or bits = 5, else from 65, up to 512), whose epilogue
-    applies a GLU to the staged float32 tile, after its main loop; (0, 0) where there is none (no
-    CUDA module, a build without the sm_90a target, a GPU other than compute capability 9.0, or
-    KBIT_JAX_WGMMA_MIN_M=0, which like _MAX_M sets the range for every N and bits). Above
-    FUSED_MAX_M, "auto" takes the fused kernel too where this range covers M."""
-    lo, hi, wide_n, wide_bits, wide_lo = _wgmma_info()
+    it wins: from 33 rows where N >= 4096 or bits = 5, else from 65, up to 1024 at bits 2-4 and
+    512 at bits 5), whose epilogue applies a GLU to the staged float32 tile, after its main loop;
+    (0, 0) where there is none (no CUDA module, a build without the sm_90a target, a GPU other
+    than compute capability 9.0, or KBIT_JAX_WGMMA_MIN_M=0, which like _MAX_M sets the range for
+    every N and bits). Above FUSED_MAX_M, "auto" takes the fused kernel too where this range
+    covers M."""
+    lo, hi, wide_n, wide_bits, wide_lo, wide_bits_hi = _wgmma_info()
     if lo == 0:
         return 0, 0
     wide = (wide_n and n >= wide_n) or (wide_bits and bits >= wide_bits)
-    return (wide_lo if wide else lo), hi
+    return (wide_lo if wide else lo), (wide_bits_hi if wide_bits and bits >= wide_bits else hi)
 
 
 #: On CUDA under method "auto", rows up to which the fused bf16/f16 kernel applies a GLU itself;
