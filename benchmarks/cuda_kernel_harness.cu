@@ -1084,6 +1084,9 @@ static void bench_rows() {
 // (whole-tile CTAs 0: the launcher did not split). Where the launcher chooses between 128- and
 // 256-column tiles (bits 5 above 64 rows), a second line times each tile forced, unsplit and split:
 //   SPLITJ <shape> K N bits M  then for J = 2 and 1: <unsplit us>/<CTAs> <split us>/<CTAs>/<whole-tile CTAs>
+// Where the launcher takes the 256-row tile (bits 2-4 above 128 rows), a line against the 128-row
+// tile (tuning.wg_rows = 128, the launcher's choice otherwise), timed in the order 256, 128, 128, 256:
+//   SPLITR <shape> K N bits M <256-row us> <128-row us> <128 / 256> <CTAs 256> <CTAs 128> <tiles 128>
 // KBIT_HARNESS_SPLIT_M (default "384 512 768 1024") and KBIT_HARNESS_SPLIT_BITS ("2 4 5") choose
 // the cases.
 static void bench_split_last() {
@@ -1115,6 +1118,20 @@ static void bench_split_last() {
         printf("SPLIT %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d %d\n", s.name, s.K, s.N, bits, M, us_off / 2,
                us / 2, us / us_off, dflt.launched_whole_ctas, dflt.launched_ctas, off.launched_wg_tiles,
                dflt.launched_wg_tiles);
+        if (bits < 5 && M > 128) {
+          kbit::cuda::MatmulTuning tall, r128;
+          auto time_rows = [&](int rows, kbit::cuda::MatmulTuning& t) {
+            t = kbit::cuda::MatmulTuning();
+            t.variant = 3;
+            t.wg_rows = rows;
+            return time_tuned(tm, a, w, t, 5, 10);
+          };
+          double u256 = time_rows(0, tall), u128 = time_rows(128, r128);
+          u128 += time_rows(128, r128);
+          u256 += time_rows(0, tall);
+          printf("SPLITR %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d\n", s.name, s.K, s.N, bits, M, u256 / 2,
+                 u128 / 2, u128 / u256, tall.launched_ctas, r128.launched_ctas, r128.launched_wg_tiles);
+        }
         if (bits == 5) {
           printf("SPLITJ %-18s %5d %6d %d %4d", s.name, s.K, s.N, bits, M);
           for (int tiles : {2, 1}) {

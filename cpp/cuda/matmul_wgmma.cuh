@@ -564,7 +564,7 @@ template <int BITS>
 std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
   if (a.m <= 64) return launch_wgmma_rows<BITS, 64>(a, stream, tuning);
   if constexpr (WgConfig<BITS, 256, 1>::kStages > 0)
-    if (a.m > 128) {
+    if (a.m > 128 && !(tuning && tuning->wg_rows == 128)) {
       using Tall = WgLauncher<BITS, 256, 1>;
       const int dev = current_device();
       const std::string bad = Tall::reserve(a, dev);
