@@ -69,7 +69,7 @@
 //  grid or stream-K (M = 512's waves of tiles).
 //  Session 32 (H200, harness "split", benchmarks/results/wgmma_split_last_h200_s32.md): the last
 //  round of tiles split over 2-CTA clusters where it fills half the GPU or less: 0.73-0.94x the
-//  time (geometric mean 0.845) on the 55 such cases of M = 384..2048, 12 shapes x bits 2-5
+//  time (geometric mean 0.845) on the 55 such cases of M = 384..2048, 13 shapes x bits 2-5
 //  (Llama-3-70B gate/up at M = 512: 0.86-0.91x; its down at M = 768: 0.73-0.76x); the 205 cases
 //  it leaves unsplit 1.001x. The plan had counted half the SMs for launches without clusters (the
 //  cluster occupancy query does not describe them). That changed no choice of tile at M <= 128 (an
