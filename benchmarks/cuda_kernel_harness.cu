@@ -17,7 +17,7 @@
 //   build/cuda_kernel_harness rows               M = 17..128: the warp-specialized kernel's tilings vs
 //                                                the cp.async kernel
 //   build/cuda_kernel_harness split              M = 384..1024: the wgmma kernel's split last round of
-//                                                tiles against none
+//                                                tiles against none (and its row and column tiles)
 //   build/cuda_kernel_harness one BITS K N M [reps] [variant]   one configuration (for ncu)
 //   build/cuda_kernel_harness repeat BITS DTYPE B M K N K_SPLIT VARIANT REPS [LAYOUT]   one test
 //                                                 case launched REPS times, each run checked and
@@ -723,7 +723,8 @@ static void test_matmul(bool quick) {
          "error f32 %.2e, bf16 %.2e, f16 %.2e\n",
          n_ok, n_total, worst_ratio, worst[0], worst[1], worst[2]);
   printf("matmul: %d cases ran on chunk-balanced clusters\n", g_balanced_launches);
-  EXPECT(quick || !(keep.empty() || keep.find('3') != std::string::npos) || g_split_last_launches == kSplitLastLaunches,
+  const bool split_cases_ran = !quick && (keep.empty() || keep.find('3') != std::string::npos);
+  EXPECT(!split_cases_ran || g_split_last_launches == kSplitLastLaunches,
          "matmul: %d cases split the wgmma kernel's last round of tiles (%d expected)", g_split_last_launches,
          kSplitLastLaunches);
 }
@@ -1104,11 +1105,12 @@ static void bench_split_last() {
       const WeightCopies w(env, s, bits);
       for (int M : ms) {
         const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
-        auto time = [&](int split_last, int wg_tiles, kbit::cuda::MatmulTuning& t) {
+        auto time = [&](int split_last, int wg_tiles, kbit::cuda::MatmulTuning& t, int wg_rows = 0) {
           t = kbit::cuda::MatmulTuning();
           t.variant = 3;
           t.wg_split_last = split_last;
           t.wg_tiles = wg_tiles;
+          t.wg_rows = wg_rows;
           return time_tuned(tm, a, w, t, 5, 10);
         };
         kbit::cuda::MatmulTuning off, dflt;
@@ -1120,15 +1122,9 @@ static void bench_split_last() {
                dflt.launched_wg_tiles);
         if (bits < 5 && M > 128) {
           kbit::cuda::MatmulTuning tall, r128;
-          auto time_rows = [&](int rows, kbit::cuda::MatmulTuning& t) {
-            t = kbit::cuda::MatmulTuning();
-            t.variant = 3;
-            t.wg_rows = rows;
-            return time_tuned(tm, a, w, t, 5, 10);
-          };
-          double u256 = time_rows(0, tall), u128 = time_rows(128, r128);
-          u128 += time_rows(128, r128);
-          u256 += time_rows(0, tall);
+          double u256 = time(-1, 0, tall), u128 = time(-1, 0, r128, 128);
+          u128 += time(-1, 0, r128, 128);
+          u256 += time(-1, 0, tall);
           printf("SPLITR %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d\n", s.name, s.K, s.N, bits, M, u256 / 2,
                  u128 / 2, u128 / u256, tall.launched_ctas, r128.launched_ctas, r128.launched_wg_tiles);
         }

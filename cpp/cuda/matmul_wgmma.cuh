@@ -451,7 +451,8 @@ struct WgLauncher {
     // A last round of tiles that fills half the GPU or less (Llama-3-70B gate/up at M = 512: 448
     // tiles of 256 x 128, 3.4 rounds of 132) runs as 2-CTA clusters that split K, in half the
     // time, after the whole rounds (which then run as 2-CTA clusters too, each rank a tile).
-    const int split_last = tuning ? tuning->wg_split_last : -1;
+    // (not where the caller forces a cluster size)
+    const int split_last = tuning ? (tuning->k_split > 0 ? 0 : tuning->wg_split_last) : -1;
     if (w.ks == 1 && split_last != 0 && kb >= 4 * Cfg::kKCH) {
       const int64_t r2 = int64_t(max_clusters(2, dev)) * 2;
       const int64_t whole_waves = w.tiles / r2, rest = w.tiles - whole_waves * r2;
