@@ -798,6 +798,17 @@ static std::array<Shape, 4> llama70b_layer(int tp) {
            {"down", 28672 / tp, 8192}}};
 }
 
+// The ten shapes, then the Llama-3-70B layer's products at each of `tps` that are not among them
+// (TP 2's gate/up is llama3-70b.gate_up).
+static std::vector<Shape> shapes_and_llama70b_layers(std::initializer_list<int> tps) {
+  std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+  for (int tp : tps)
+    for (const Shape& s : llama70b_layer(tp))
+      if (std::none_of(shapes.begin(), shapes.end(), [&](const Shape& o) { return o.K == s.K && o.N == s.N; }))
+        shapes.push_back(s);
+  return shapes;
+}
+
 // What every timing mode needs: the device-to-device copy rate (bytes read + written, 1 GiB)
 // as the bandwidth reference, a pool of random weight words far larger than L2, a codebook,
 // tensor scale 1, and bf16 activations / outputs for up to max_m rows.
@@ -962,11 +973,7 @@ static void bench_sweep() {
   BenchEnv env(std::max<size_t>(16, *std::max_element(ms.begin(), ms.end())));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
-  std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
-  for (int tp : {2, 4})
-    for (const Shape& s : llama70b_layer(tp))
-      if (std::none_of(shapes.begin(), shapes.end(), [&](const Shape& o) { return o.K == s.K && o.N == s.N; }))
-        shapes.push_back(s);  // (TP 2's gate/up is llama3-70b.gate_up)
+  const std::vector<Shape> shapes = shapes_and_llama70b_layers({2, 4});
   for (const Shape& s : shapes)
     for (int bits : bits_list) {
       const WeightCopies w(env, s, bits);
@@ -1096,10 +1103,7 @@ static void bench_split_last() {
   BenchEnv env(*std::max_element(ms.begin(), ms.end()));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
-  std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
-  for (const Shape& s : llama70b_layer(2))
-    if (std::none_of(shapes.begin(), shapes.end(), [&](const Shape& o) { return o.K == s.K && o.N == s.N; }))
-      shapes.push_back(s);
+  const std::vector<Shape> shapes = shapes_and_llama70b_layers({2});
   for (const Shape& s : shapes)
     for (int bits : bits_list) {
       const WeightCopies w(env, s, bits);
