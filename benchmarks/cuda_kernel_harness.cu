@@ -537,8 +537,9 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
 // The wgmma kernel's plan (WgLauncher, session 32, benchmarks/results/wgmma_split_last_h200_s32.md):
 // Llama-3-70B gate/up (K 8192, N 28672) at M = 512, bits 2-4, splits its last round of tiles
 // (448 tiles of 256 x 128 on 132 SMs; 0.88-0.91x the time); Llama-3-8B gate/up (K 4096, N 14336)
-// at M = 512, bits 5, keeps 256-column tiles unsplit (with the wrong count of resident CTAs the
-// launcher took 128-column tiles and split them, 1.26x the time).
+// at M = 512, bits 5, runs 224 tiles of 256 x 128 unsplit (session 33: bits 5 takes the 256-row
+// tile too; the last round fills 92 of 132 SMs). With the wrong count of resident CTAs the
+// session-32 launcher split it.
 // Only the choice is checked (the data are zeros); the results of these tilings are checked in
 // test_matmul.
 static void test_dispatch() {
@@ -573,17 +574,19 @@ static void test_dispatch() {
              : w.nsplit_rows == 16 ? "the N-split tiling of 16 rows" : "a 16-row tiling");
     }
   if (!kbit::cuda::wgmma_max_rows_here(0)) return;  // (no wgmma kernel on this device or build)
-  struct WgWant { int K, N, M, bits, tiles; bool split; };
-  const WgWant wg_wants[] = {{8192, 28672, 512, 2, 1, true}, {8192, 28672, 512, 3, 1, true},
-                             {8192, 28672, 512, 4, 1, true}, {4096, 14336, 512, 5, 2, false}};
+  struct WgWant { int K, N, M, bits, rows, tiles; bool split; };
+  const WgWant wg_wants[] = {{8192, 28672, 512, 2, 256, 1, true}, {8192, 28672, 512, 3, 256, 1, true},
+                             {8192, 28672, 512, 4, 256, 1, true}, {4096, 14336, 512, 5, 256, 1, false}};
   for (const WgWant& w : wg_wants) {
     kbit::cuda::MatmulTuning tune;
     launch_zeros(w.K, w.N, w.M, DType::kBF16, w.bits, tune);
     const bool split = tune.launched_whole_ctas > 0;
-    EXPECT(tune.launched_variant == 3 && tune.launched_wg_tiles == w.tiles && split == w.split,
-           "dispatch K=%d N=%d M=%d bits=%d: variant %d, %d weight tiles per warpgroup, %s (the wgmma kernel, %d tiles, "
-           "%s expected)\n", w.K, w.N, w.M, w.bits, tune.launched_variant, tune.launched_wg_tiles,
-           split ? "last round split" : "unsplit", w.tiles, w.split ? "last round split" : "unsplit");
+    EXPECT(tune.launched_variant == 3 && tune.launched_rows == w.rows && tune.launched_wg_tiles == w.tiles &&
+               split == w.split,
+           "dispatch K=%d N=%d M=%d bits=%d: variant %d, %d-row tiles, %d weight tiles per warpgroup, %s (the wgmma "
+           "kernel, %d rows, %d tiles, %s expected)\n", w.K, w.N, w.M, w.bits, tune.launched_variant,
+           tune.launched_rows, tune.launched_wg_tiles, split ? "last round split" : "unsplit", w.rows, w.tiles,
+           w.split ? "last round split" : "unsplit");
   }
 }
 
@@ -672,9 +675,9 @@ static void test_matmul(bool quick) {
         cases.push_back(c);
       }
   // ... with the last round of tiles split over 2-CTA clusters (WgLauncher::plan), 140 tiles: BM =
-  // 256 (bits 2-4; bits 5 takes BM = 128 and does not split), BM = 128 with 128-column tiles, and
-  // 256-column tiles over two batch entries with a partial column tile and an odd k-block count.
-  constexpr int kSplitLastLaunches = 3 + 4 + 4;
+  // 256 (bits 5 with its 16-copy table), BM = 128 with 128-column tiles, and 256-column tiles over
+  // two batch entries with a partial column tile and an odd k-block count.
+  constexpr int kSplitLastLaunches = 4 + 4 + 4;
   if (!quick)
     for (const MMCase& c : {MMCase{1, 257, 256, 8960, 0, false, 3, -1, 0, 1}, MMCase{1, 65, 256, 17920, 0, false, 3, -1, 1, 1},
                             MMCase{2, 65, 288, 17680, 0, false, 3, -1, 2, 1}})
@@ -1090,9 +1093,9 @@ static void bench_rows() {
 //   SPLIT <shape> K N bits M <unsplit us> <default us> <default / unsplit> <whole-tile CTAs> <CTAs>
 //         <weight tiles per warpgroup: unsplit> <default>
 // (whole-tile CTAs 0: the launcher did not split). Where the launcher chooses between 128- and
-// 256-column tiles (bits 5 above 64 rows), a second line times each tile forced, unsplit and split:
+// 256-column tiles (bits 5 at 65..128 rows), a second line times each tile forced, unsplit and split:
 //   SPLITJ <shape> K N bits M  then for J = 2 and 1: <unsplit us>/<CTAs> <split us>/<CTAs>/<whole-tile CTAs>
-// Where the launcher takes the 256-row tile (bits 2-4 above 128 rows), a line against the 128-row
+// Where the launcher takes the 256-row tile (above 128 rows), a line against the 128-row
 // tile (tuning.wg_rows = 128, the launcher's choice otherwise), timed in the order 256, 128, 128, 256:
 //   SPLITR <shape> K N bits M <256-row us> <128-row us> <128 / 256> <CTAs 256> <CTAs 128> <tiles 128>
 // KBIT_HARNESS_SPLIT_M (default "384 512 768 1024") and KBIT_HARNESS_SPLIT_BITS ("2 4 5") choose
@@ -1124,7 +1127,7 @@ static void bench_split_last() {
         printf("SPLIT %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d %d\n", s.name, s.K, s.N, bits, M, us_off / 2,
                us / 2, us / us_off, dflt.launched_whole_ctas, dflt.launched_ctas, off.launched_wg_tiles,
                dflt.launched_wg_tiles);
-        if (bits < 5 && M > 128) {
+        if (M > 128) {
           kbit::cuda::MatmulTuning tall, r128;
           double u256 = time(-1, 0, tall), u128 = time(-1, 0, r128, 128);
           u128 += time(-1, 0, r128, 128);
@@ -1132,7 +1135,7 @@ static void bench_split_last() {
           printf("SPLITR %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d\n", s.name, s.K, s.N, bits, M, u256 / 2,
                  u128 / 2, u128 / u256, tall.launched_ctas, r128.launched_ctas, r128.launched_wg_tiles);
         }
-        if (bits == 5) {
+        if (bits == 5 && M <= 128) {
           printf("SPLITJ %-18s %5d %6d %d %4d", s.name, s.K, s.N, bits, M);
           for (int tiles : {2, 1}) {
             kbit::cuda::MatmulTuning t;

@@ -18,12 +18,13 @@
 //    where the accumulators allow: BM = 64 and 128 take J = 2 (BN = 256; per k the CTA reads
 //    256 bits/8 bytes of weights and 2 BM bytes of x from L2 for 512 BM flops), or J = 1 where
 //    that gives a small layer enough tiles to fill the GPU with shorter k-splits (the launcher's
-//    cost model, WgLauncher::cost). BM = 256 (M > 128, bits 2-4) takes J = 1 (BN = 128): the
+//    cost model, WgLauncher::cost). BM = 256 (M > 128) takes J = 1 (BN = 128): the
 //    same 128 accumulators per thread, and each decoded weight feeds 256 rows instead of 128,
 //    so the decode per flop halves (it costs ~30 % of the BM = 128 kernel's time,
 //    matmul_wgmma_h200_s23.md); x's L2 traffic per flop doubles, which cost nothing measurable
-//    at BM = 128 (ibid.). Bits 5's 128 KiB table leaves no room for three 38 KiB stages, so
-//    bits 5 keeps BM = 128.
+//    at BM = 128 (ibid.). Bits 5's 128 KiB table left room for two 38 KiB stages only (1.13-2.44x
+//    the time of BM = 128), so at BM = 256 bits 5 decodes from a 64 KiB table of 16 lane copies
+//    (WgWeightPath) and keeps four stages: 0.84-0.92x the time of BM = 128 (session 33).
 //  * Copies: a kStages-deep ring of chunks (KCH = 2 k-blocks), each slot with a "full" and an
 //    "empty" mbarrier; warp 0 issues every copy of a chunk from one lane: x by one TMA tensor
 //    copy, as wgmma's K-major operand with the 128-byte swizzle (each row of x holds the
@@ -84,6 +85,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/item_reduce.cuh"  // mbar_init, mbar_wait
@@ -97,6 +99,11 @@ namespace kbit::cuda::wgmma {
 
 constexpr int kMaxSmemBytes = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 constexpr int kSmSmemBytes = 228 * 1024;   // ... and per SM, for all its CTAs
+
+// The decode path: bits 5 at BM = 256 takes the 64 KiB table of 16 lane copies (two wavefronts
+// per lookup) to leave room for four stages; the decode per flop is half that of BM = 128.
+template <int BITS, int BM>
+using WgWeightPath = std::conditional_t<BITS == 5 && BM == 256, fused::WeightPathBits5<16>, fused::WeightPath<BITS>>;
 
 // J: m64 A tiles per warpgroup (see the header); BM = 256 takes only J = 1 (its accumulators).
 template <int BITS, int BM, int J>
@@ -112,13 +119,14 @@ struct WgConfig {
   static constexpr int kSBytes = kKCH * kBN;               // E4M4 scale bytes
   // (stages stay 1024-byte aligned: the 128-byte swizzle repeats every 8 rows of x)
   static constexpr int kStageBytes = (kXBytes + kWBytes + kSBytes + 1023) / 1024 * 1024;
-  static constexpr int kLutBytes = fused::WeightPath<BITS>::kLutBytes;
+  using Path = WgWeightPath<BITS, BM>;
+  static constexpr int kLutBytes = Path::kLutBytes;
   static constexpr int kTileStride = kBN + 4;              // floats per row of the epilogue tile
   static constexpr int kTileBytes = BM * kTileStride * 4;  // overlays table and ring at the end
   // Up to S - 2 chunks in flight beyond the one being computed (a slot is refilled once the
   // products of the chunk before are done): 6 stages where they fit (bits 2-4 at BM <= 128, bits
-  // 3 at 256), else 4 or 3 (bits 5's 128 KiB table; bits 2 and 4 at BM = 256); 0: this BM does
-  // not fit (bits 5 at BM = 256).
+  // 3 at 256), else 4 or 3 (bits 5's 128 KiB table at BM <= 128; bits 2, 4 and 5 at BM = 256);
+  // 0: this BM does not fit.
   static constexpr int fits(int s) { return kLutBytes + s * kStageBytes + 1024 + 16 * s <= kMaxSmemBytes; }
   static constexpr int pick_stages() { return fits(6) ? 6 : fits(4) ? 4 : fits(3) ? 3 : 0; }
   static constexpr int kStages = pick_stages();
@@ -174,7 +182,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
                              const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap smap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = WgConfig<BITS, BM, J>;
-  using WP = fused::WeightPath<BITS>;
+  using WP = typename Cfg::Path;
   constexpr int S = Cfg::kStages, KCH = Cfg::kKCH, BN = Cfg::kBN, NACC = BM / 2;
   static_assert(S >= 3, "a tile that fits shared memory");
   extern __shared__ __align__(128) uint8_t smem[];
@@ -540,8 +548,8 @@ struct WgLauncher {
   }
 };
 
-// The row tile (BM) by M: 64 rows up to 64, 128 up to 128, else 256 where it fits (bits 2-4; see
-// WgConfig::pick_stages) and 128 for bits 5. At BM <= 128 the weight tile is 256 columns (J = 2)
+// The row tile (BM) by M: 64 rows up to 64, 128 up to 128, else 256 (every bits value fits: see
+// WgConfig::pick_stages and WgWeightPath). At BM <= 128 the weight tile is 256 columns (J = 2)
 // or 128 (J = 1), whichever WgLauncher::cost predicts faster (tuning->wg_tiles forces one): the
 // narrow tile gives small layers twice the tiles, so shorter k-splits (Qwen3 q at M = 128: 15.1
 // against 18.4 us), and loses on large ones (Llama-3-70B gate/up: 161 against 115 us).

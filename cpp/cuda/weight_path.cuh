@@ -9,6 +9,7 @@ namespace kbit::cuda::fused {
 
 // Per-bits decode path. Shared interface:
 //   kLutBytes          shared-memory bytes of the replicated lookup table
+//   kCopies            copies of each entry, one per lane (or half-warp), in kRowBytes rows
 //   Raw                the registers of one thread's fields for one 16-column tile
 //   load(slab, off, j) read them from the staged weights of one k-block (slab = its first cell)
 //   decode             Raw -> the 2 x 4 A-operand registers of the tile's two k16 halves
@@ -25,7 +26,7 @@ struct WeightPath;
 // row, the lane's byte offset stays in byte 0. One PRMT + one LDS.32 per two weights.
 template <>
 struct WeightPath<4> {
-  static constexpr int kEntries = 256, kEntryBytes = 4, kRowBytes = 256;
+  static constexpr int kEntries = 256, kEntryBytes = 4, kRowBytes = 256, kCopies = 32;
   static constexpr int kLutBytes = kEntries * kRowBytes;  // 64 KiB
   static constexpr int kTileBytes = 16 * 16;               // 16 cells of 4 words
   struct Raw { uint32_t w[2]; };                           // word t of rows g and g+8
@@ -57,7 +58,7 @@ struct WeightPath<4> {
 // that moves the field byte into byte 1 also keeps the lane offset (lane*8) in byte 0.
 template <>
 struct WeightPath<2> {
-  static constexpr int kEntries = 256, kEntryBytes = 8, kRowBytes = 256;
+  static constexpr int kEntries = 256, kEntryBytes = 8, kRowBytes = 256, kCopies = 32;
   static constexpr int kLutBytes = kEntries * kRowBytes;  // 64 KiB
   static constexpr int kTileBytes = 16 * 8;
   struct Raw { uint32_t w[2]; };  // word t>>1 of rows g and g+8
@@ -99,7 +100,7 @@ struct WeightPath<2> {
 // ((f << 7 >> 6q) & 0x1f80 | lane*4).
 template <>
 struct WeightPath<3> {
-  static constexpr int kEntries = 64, kEntryBytes = 4, kRowBytes = 128;
+  static constexpr int kEntries = 64, kEntryBytes = 4, kRowBytes = 128, kCopies = 32;
   static constexpr int kLutBytes = kEntries * kRowBytes;  // 8 KiB
   static constexpr int kTileBytes = 16 * 12;
   struct Raw { uint32_t lo[2], hi[2]; };
@@ -134,18 +135,26 @@ struct WeightPath<3> {
 };
 
 // bits 5: thread t's 40-bit field starts at bit 40t of the 160-bit cell: words a = 5t/4 and
-// a+1 (both inside the cell for every t). 1024-entry pair table, 128-byte rows (128 KiB);
-// addresses: one shift + one LOP3 per pair, the pair that straddles the field's 32-bit
-// boundary uses a funnel shift instead of the plain shift.
-template <>
-struct WeightPath<5> {
-  static constexpr int kEntries = 1024, kEntryBytes = 4, kRowBytes = 128;
-  static constexpr int kLutBytes = kEntries * kRowBytes;  // 128 KiB
+// a+1 (both inside the cell for every t). 1024-entry pair table; addresses: one shift + one LOP3
+// per pair, the pair that straddles the field's 32-bit boundary uses a funnel shift instead of
+// the plain shift. COPIES lane copies per entry:
+//  * 32 (128-byte rows, 128 KiB): lane l reads bank l, one wavefront per lookup;
+//  * 16 (64-byte rows, 64 KiB): lanes l and l + 16 read copy l & 15, so a lookup takes two
+//    wavefronts; it leaves the wgmma kernel's 256-row tile room for four ring stages, where
+//    the 128 KiB table left two (1.13-2.44x the time, wgmma_split_last_h200_s32.md).
+template <int COPIES>
+struct WeightPathBits5 {
+  static_assert(COPIES == 32 || COPIES == 16, "a copy per lane or per half-warp");
+  static constexpr int kEntries = 1024, kEntryBytes = 4, kCopies = COPIES;
+  static constexpr int kRowBytes = kCopies * kEntryBytes;
+  static constexpr int kRowShift = COPIES == 32 ? 7 : 6;  // log2(kRowBytes)
+  static constexpr uint32_t kRowMask = uint32_t(kEntries - 1) << kRowShift;
+  static constexpr int kLutBytes = kEntries * kRowBytes;
   static constexpr int kTileBytes = 16 * 20;
   struct Raw { uint32_t lo[2], hi[2]; };
   struct Lane { uint32_t base; uint32_t shift; };
   __device__ static Lane lane_consts(int lane) {
-    return {uint32_t(lane) * 4u, uint32_t((40 * (lane & 3)) & 31)};
+    return {uint32_t(lane % kCopies) * 4u, uint32_t((40 * (lane & 3)) & 31)};
   }
   __device__ static uint32_t offset0(int g, int t) { return 4 * (5 * g + (5 * t) / 4); }
   __device__ static uint32_t offset1(int g, int t) { return offset0(g, t) + 4; }
@@ -157,14 +166,15 @@ struct WeightPath<5> {
     }
   }
   __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
+    constexpr int R = kRowShift;  // pair q (field bits 10q..10q+9) lands at bits R..R+9
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t lo = __funnelshift_r(r.lo[h], r.hi[h], L.shift);  // field bits 0..31
       const uint32_t hi = r.hi[h] >> L.shift;                           // field bits 32..39
-      a[0][h] = lds32(lut + (((lo << 7) & 0x1ff80u) | L.base));
-      a[0][h + 2] = lds32(lut + (((lo >> 3) & 0x1ff80u) | L.base));
-      a[1][h] = lds32(lut + (((lo >> 13) & 0x1ff80u) | L.base));
-      a[1][h + 2] = lds32(lut + ((__funnelshift_r(lo, hi, 23) & 0x1ff80u) | L.base));
+      a[0][h] = lds32(lut + (((lo << R) & kRowMask) | L.base));
+      a[0][h + 2] = lds32(lut + (((lo >> (10 - R)) & kRowMask) | L.base));
+      a[1][h] = lds32(lut + (((lo >> (20 - R)) & kRowMask) | L.base));
+      a[1][h + 2] = lds32(lut + ((__funnelshift_r(lo, hi, 30 - R) & kRowMask) | L.base));
     }
   }
   template <class Act>
@@ -173,6 +183,9 @@ struct WeightPath<5> {
     return make_uint2(v, v);
   }
 };
+
+template <>
+struct WeightPath<5> : WeightPathBits5<32> {};
 
 // a * b on two bf16 lanes, rounded once.
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
@@ -198,7 +211,7 @@ __device__ __forceinline__ void scale_fragments(uint32_t (&a)[2][4], float s_lo,
 // The replicated lookup table of one batch entry's codebook, written by `nthreads` threads.
 template <class WP, class Act>
 __device__ __forceinline__ void build_table(uint32_t lut, const float* cb, int tid, int nthreads) {
-  constexpr int kPieces = 2 * WP::kEntryBytes;
+  constexpr int kPieces = WP::kCopies * WP::kEntryBytes / 16;  // 16-byte stores per row
   for (int i = tid; i < WP::kEntries * kPieces; i += nthreads) {
     const int e = i / kPieces, piece = i % kPieces;
     const uint2 v = WP::template lut_entry<Act>(e, cb);
