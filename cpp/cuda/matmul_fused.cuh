@@ -247,13 +247,13 @@ constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 // column group (bits 2..4: 64 columns, as at MT = 1): each chunk's activations (16 rows, as many
 // bytes as 64 columns of bits-4 weights) then serve twice the weights.
 // V = 2 (warp-specialized kernel only): the warps split N instead of K. Each of the 8 warps
-// owns kTN = 2 16-column tiles (bits 5: 1) of a 256-column group for every k-block of the
+// owns kTN = 2 16-column tiles of a 256-column group for every k-block of the
 // chunk, so a weight is decoded once for all 8 MT rows of the block (V0/V1 split K over the
 // warps, and 16 rows per decode is what their 32 accumulators allow), and the warps never add
 // partial sums. The price is the activations: every warp loads all rows of every k-block, 4 MT
 // shared-memory wavefronts per k-block against ~11 per decoded tile, hence two tiles per warp
-// (64 accumulators at MT = 8; bits 5's 128 KiB table leaves room for one). Blocks of 16 (M =
-// 9..16), 32 or 64 rows (MT 2, 4, 8).
+// (64 accumulators at MT = 8; bits 5 decodes from a 64 KiB table to leave room for them, see
+// Config::Path). Blocks of 16 (M = 9..16), 32 or 64 rows (MT 2, 4, 8).
 template <int BITS, int MT, int V = 0>
 struct Config {
   static_assert(V != 2 || MT >= 2, "the N-split tiling serves blocks of 16, 32 or 64 rows");
@@ -262,12 +262,19 @@ struct Config {
   static constexpr int kWarps = (MT >= 4 || V >= 1) ? 8 : 16;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKPW = V == 1 ? 2 : 1;  // k-blocks per warp per chunk (V0, V1)
+  // The decode path. Bits 5 in the N-split tiling reads the 64 KiB table of 16 lane copies (two
+  // wavefronts per lookup; WeightPathBits5<16>), which leaves room for two tiles per warp, as at
+  // the other bits: one had left the x loads (every row, every k-block) to a single tile
+  // (Llama-3-70B gate/up at M = 16: 0.72x the time, session 33). The 16-row tilings keep the
+  // 128 KiB table: their column group is at most 32 columns at bits 5 anyway (a box row of
+  // the weights' tensor map holds at most 256 words).
+  using Path = std::conditional_t<BITS == 5 && V == 2, WeightPathBits5<16>, WeightPath<BITS>>;
   // 16-column tiles per warp: one ldmatrix (x) and one or two LDS.128 (scales) per k-block
-  // serve all kTN tiles; accumulators kTN * MT * 4 <= 32. bits 5 uses 2 to leave shared
+  // serve all kTN tiles; accumulators kTN * MT * 4 <= 32. Bits 5 uses 2 to leave shared
   // memory for the ring next to its 128 KiB table.
-  static constexpr int kTN = V == 2 ? (BITS == 5 ? 1 : 2)
-                             : MT == 1 || (MT == 2 && V == 1) ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
+  static constexpr int kTN = V == 2 ? 2 : MT == 1 || (MT == 2 && V == 1) ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
   static constexpr int kCols = 16 * kTN * (V == 2 ? kWarps : 1);  // the column group
+  static_assert(V == 2 || kCols * BITS <= 256, "the weights' tensor-map box: at most 256 words per row");
   // k-blocks per chunk. V2: 2 (8 KiB of bits-4 weights, 4 KiB of activations per 32 rows), so
   // that the ring keeps 4-7 stages next to the table and the cluster's partial sums.
   static constexpr int kKCH = V == 2 ? 2 : kWarps * kKPW;
@@ -281,23 +288,28 @@ struct Config {
   // work count) is up to 11 % off. Bits 5 keeps 32 columns.
   // V2 is compared with the 16-row tilings (MT = 2) at M > 16 in the same unit, a V0 chunk at
   // MT = 2: fitted on the harness's "rows" (H200, 10 shapes x bits 2, 4, 5 x M 17..128, bf16;
-  // benchmarks/rows_fit.py), 1.0 at MT = 4 and 1.3 at MT = 8, times 0.6 at bits 5 (one tile
-  // per warp): the faster tiling's time within 0.6 % on (geometric) average, 22 % at worst (a
-  // small N = 2048 shape at M = 128). At MT = 4 since session 31: 0.9 (bits 5: 0.63), with an
-  // item end of 1 + 1.25 chunks per cluster rank (Launcher::plan), refitted on the H100's rows
-  // at M = 32 (benchmarks/results/last_block_h100_s31.md): Qwen3 gate/up at bits 2-4 now takes
-  // the 16-row tiling, 0.86-0.93x the time at M = 24 and 32. fp16 activations take V2's slower
-  // scale path (see mma_k_block_scaled_weights): 2.1 at MT = 8, fitted on
-  // kernel_rows_nsplit_h200_first.log, run before V2 had the bf16 one. At MT = 2 (M = 9..16,
-  // bf16 only, see launch_fused_bits) 0.6 (bits 3: 0.8), fitted on the harness's "rows" at
-  // M = 1..16 (H100, 10 shapes x bits 2..5, benchmarks/results/nsplit_rows16_h100_s28.md): it
-  // takes V2 on the wide gate/up layers at bits 2 and 4 (0.88-0.98x the time of the 16-row
-  // tilings) and nowhere else; bits 3's decode is slower there (Llama-3-70B gate/up 1.10x).
-  // (Blocks of 8 rows were no faster anywhere: 0.99-2.0x.)
+  // benchmarks/rows_fit.py), 1.0 at MT = 4 and 1.3 at MT = 8 (bits 5, then one tile per warp:
+  // x 0.6): the faster tiling's time within 0.6 % on (geometric) average, 22 % at worst (a
+  // small N = 2048 shape at M = 128). At MT = 4 since session 31: 0.9, with an item end of
+  // 1 + 1.25 chunks per cluster rank (Launcher::plan), refitted on the H100's rows at M = 32
+  // (benchmarks/results/last_block_h100_s31.md): Qwen3 gate/up at bits 2-4 now takes the 16-row
+  // tiling, 0.86-0.93x the time at M = 24 and 32. fp16 activations take V2's slower scale path
+  // (see mma_k_block_scaled_weights): 2.1 at MT = 8, fitted on kernel_rows_nsplit_h200_first.log,
+  // run before V2 had the bf16 one. At MT = 2 (M = 9..16, bf16 only, see launch_fused_bits) 0.6
+  // (bits 3: 0.8), fitted on the harness's "rows" at M = 1..16 (H100, 10 shapes x bits 2..5,
+  // benchmarks/results/nsplit_rows16_h100_s28.md): it takes V2 on the wide gate/up layers at
+  // bits 2 and 4 (0.88-0.98x the time of the 16-row tilings) and nowhere else; bits 3's decode
+  // is slower there (Llama-3-70B gate/up 1.10x). (Blocks of 8 rows were no faster anywhere:
+  // 0.99-2.0x.) Bits 5, with two tiles per warp since session 33 (Config::Path), takes the
+  // prices of the other bits at MT = 4 and 8 and bits 3's 0.8 at MT = 2: in an offline replica
+  // of the plan scored on the H200's rows at M = 9..32 (benchmarks/results/
+  // nsplit_bits5_h200_s33.md) 0.9 at MT = 4 picks the faster tiling in all 30 cases, 0.8 at
+  // MT = 2 is within 1.7 % on average (0.6 would take V2 on the Llama down layers at M = 9:
+  // 1.35-1.38x the time).
   static constexpr double chunk_cost(bool scaled_weights) {
-    if constexpr (V == 2 && MT == 2) return BITS == 3 ? 0.8 : 0.6;
-    if constexpr (V == 2 && MT == 4) return BITS == 5 ? 0.63 : 0.9;
-    if constexpr (V == 2) return (scaled_weights ? 1.3 : 2.1) * (BITS == 5 ? 0.6 : 1.0);  // MT = 8
+    if constexpr (V == 2 && MT == 2) return BITS == 3 || BITS == 5 ? 0.8 : 0.6;
+    if constexpr (V == 2 && MT == 4) return 0.9;
+    if constexpr (V == 2) return scaled_weights ? 1.3 : 2.1;  // MT = 8
     return (MT == 2 && V == 1 && BITS != 5) ? 1.4 : 1.0;
   }
   static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
@@ -316,7 +328,7 @@ struct Config {
   static_assert(V == 2 || (kThreads % (kKCH * 4) == 0 && (8 * MT) % kXRowStep == 0), "x staging pattern");
 
   static constexpr size_t fixed_bytes() {
-    return size_t(WeightPath<BITS>::kLutBytes) + 2 * kSfChunk + kRedBytes + kPartBytes;
+    return size_t(Path::kLutBytes) + 2 * kSfChunk + kRedBytes + kPartBytes;
   }
   static constexpr size_t slot_bytes(int x_rows) {
     return size_t(kWChunk) + size_t(x_rows) * kXRowBytes + kRawChunk;
@@ -673,7 +685,7 @@ template <int BITS, class Act, int MT, int V>
 __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
     kbit_matmul_fused_kernel(const Params p) {
   using Cfg = Config<BITS, MT, V>;
-  using WP = WeightPath<BITS>;
+  using WP = typename Cfg::Path;
   using T = typename Act::T;
   constexpr int NW = Cfg::kWarps, NT = Cfg::kThreads, TN = Cfg::kTN, D = Cfg::kStages;
   constexpr int KCH = Cfg::kKCH, XRB = Cfg::kXRowBytes, NACC = Cfg::kAcc, COLS = Cfg::kCols;
@@ -987,7 +999,7 @@ struct WsSizes {
   // (tensor-copy destinations; the swizzled activations need 512). +1 KiB: the dynamic shared
   // memory itself may start anywhere on 16 bytes.
   static constexpr size_t ring_offset(size_t reducer_bytes) {
-    return size_t(WeightPath<BITS>::kLutBytes) + reducer_bytes + kSfBytes + 2 * 8 * 8;
+    return size_t(C::Path::kLutBytes) + reducer_bytes + kSfBytes + 2 * 8 * 8;
   }
   // Ring depth next to a reducer of `reducer_bytes` with slots for `x_rows` activation rows: as
   // deep as shared memory allows, up to KBIT_WS_RING_KIB of weights in flight and 8 stages (the
@@ -1057,7 +1069,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
                           const __grid_constant__ CUtensorMap smap, const __grid_constant__ CUtensorMap xmap) {
   using Cfg = Config<BITS, MT, V>;
   using WC = WsConfig<BITS, MT, V>;
-  using WP = WeightPath<BITS>;
+  using WP = typename Cfg::Path;
   using T = typename Act::T;
   constexpr int NW = Cfg::kWarps, NT = Cfg::kThreads, TN = Cfg::kTN;
   const int D = p.stages;  // WC::stages of p.x_rows or of 8 MT rows (Launcher::plan), 2..8
