@@ -13,6 +13,11 @@ chunks of the same block of rows (MT = 2, 4, 8), times a multiple for the bits t
 prices apart (bits 3 at MT = 2, bits 5 at MT = 4 and 8), and scores each choice of the prices
 that the log's M need by the measured time of the tiling it picks against the faster of the two:
 geometric-mean and worst ratio. Prints the best few and the cases the best one gets wrong.
+
+It mirrors the launcher of the logs it was fitted on, not today's: since session 31 the N-split
+tiling at 32 rows ends an item in 1 + 1.25 chunks per rank (results/last_block_s31_fit.py), and
+since session 33 it has two tiles per warp at bits 5 too, priced like the other bits
+(results/nsplit_bits5_s33_fit.py scores that on the H200's rows).
 """
 
 from __future__ import annotations

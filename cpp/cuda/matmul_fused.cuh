@@ -210,6 +210,9 @@
 //  layers at bits 2 and 4 it takes 0.85-1.00x the time of the 16-row tilings in JAX, median 0.90
 //  (Llama-3-8B gate/up, M = 16, bits 4: 22.3 -> 19.9 us); elsewhere, and in blocks of 8 rows at
 //  M <= 8, it is no faster (bits 5, whose table leaves it one tile per warp, included).
+//  Session 33 (H200, benchmarks/results/bits5_tables_h200_s33.md): V2 at bits 5 decodes from a
+//  64 KiB table (Config::Path) and has two tiles per warp: Llama gate/up at M = 12..32 0.74-0.88x
+//  the time; Llama-3-70B down at M = 17..32 1.10x (fewer, wider column groups).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when

@@ -75,6 +75,9 @@
 //  it leaves unsplit 1.001x. The plan had counted half the SMs for launches without clusters (the
 //  cluster occupancy query does not describe them). That changed no choice of tile at M <= 128 (an
 //  offline replica of the plan), but it made the split look cheap at bits 5.
+//  Session 33 (H200, benchmarks/results/bits5_tables_h200_s33.md): bits 5 on the 256-row tile with
+//  the 16-copy table (WgWeightPath): the 128-row tile takes 1.10-1.19x its time in 48 of 52 cases
+//  at M >= 512; at M = 384 (1.5 tiles of 256 rows) the 128-row tile is faster on 8 of 13 shapes.
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
