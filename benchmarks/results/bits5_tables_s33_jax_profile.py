@@ -1,25 +1,38 @@
-"""Where the JAX-vs-harness gap goes: profile kbit_jax.matmul over rotating weights (as bench_matmul does)
-and print each kernel name's count and median duration, plus the gaps between consecutive kernels."""
-import collections, statistics, sys, os
-sys.path.insert(0, "benchmarks")
-import jax, jax.numpy as jnp, numpy as np
-import kbit_jax as kj
-from kbit_jax.timing import passes_function
-from profile_summary import trace_kernels
-from bench_matmul import rotation_count, weight_copy
-for name, k, n, m, bits in [("llama3_70b_down", 28672, 8192, 16, 5), ("llama3_70b_down", 28672, 8192, 16, 4),
-                            ("llama3_70b_gate_up", 8192, 28672, 16, 5), ("llama3_8b_down", 14336, 4096, 16, 5),
-                            ("llama3_70b_down", 28672, 8192, 1, 4)]:
-    w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * 0.02
-    w_q = kj.quantize(w, bits)
+"""Session 33: where bench_matmul.py's time goes at M = 16 (Llama layers). Profiles the
+benchmark's function (kbit_jax.matmul over the rotating cold weights, one pass) and prints, per
+case, the kernels' count, their span, the median gap between consecutive kernels (negative:
+they overlap) and each kernel name's median and minimum duration. GPU only; from the repository
+root:
+    python3 benchmarks/results/bits5_tables_s33_jax_profile.py
+"""
+import collections
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import kbit_jax as kj  # noqa: E402
+from bench_matmul import rotation_count, weight_copy  # noqa: E402
+from kbit_jax.timing import passes_function  # noqa: E402
+from profile_summary import trace_kernels  # noqa: E402
+
+CASES = [("llama3_70b_down", 28672, 8192, 16, 5), ("llama3_70b_down", 28672, 8192, 16, 4),
+         ("llama3_70b_gate_up", 8192, 28672, 16, 5), ("llama3_8b_down", 14336, 4096, 16, 5),
+         ("llama3_70b_down", 28672, 8192, 1, 4)]
+for name, k, n, m, bits in CASES:
+    w_q = kj.quantize(jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * 0.02, bits)
     ws = [weight_copy(w_q) for _ in range(rotation_count(w_q.nbytes))]
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
     f = passes_function(lambda x, w: kj.matmul(x, w))
-    ev = trace_kernels(lambda: f([x], ws), 3)
-    d = collections.defaultdict(list)
-    for s, e, nm in ev: d[nm[:70]].append(e - s)
-    gaps = [ev[i + 1][0] - ev[i][1] for i in range(len(ev) - 1)]
-    print(f"{name} M={m} bits={bits} R={len(ws)}: {len(ev)} kernels, span {(ev[-1][1]-ev[0][0]):.1f} us, "
+    events = trace_kernels(lambda: f([x], ws), 3)
+    by_name = collections.defaultdict(list)
+    for start, end, kernel in events:
+        by_name[kernel[:70]].append(end - start)
+    gaps = [events[i + 1][0] - events[i][1] for i in range(len(events) - 1)]
+    print(f"{name} M={m} bits={bits} R={len(ws)}: {len(events)} kernels, span {events[-1][1] - events[0][0]:.1f} us, "
           f"median gap {statistics.median(gaps):.2f} us")
-    for nm, v in sorted(d.items(), key=lambda kv: -sum(kv[1])):
-        print(f"   x{len(v):4d} median {statistics.median(v):8.2f} us  min {min(v):8.2f}  {nm}")
+    for kernel, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+        print(f"   x{len(d):4d} median {statistics.median(d):8.2f} us  min {min(d):8.2f}  {kernel}")
