@@ -44,8 +44,8 @@ std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
 // 2048: 0.85-1.15x, slower on 10 of 20), but 0.81-1.19x at bits 5, slower on 11 of 20 (then on
 // the 128-row tile; session 33's 256-row tile for bits 5 read 0.89-1.17x, slower on 7 of 12:
 // benchmarks/results/bits5_tables_h200_s33.md). So bits 2-4 take it up to 1024 rows, bits 5 up
-// to 512. The environment overrides the range for every N and bits (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read once
-// per process; MIN_M=0: never).
+// to 512. The environment overrides the range for every N and bits (KBIT_JAX_WGMMA_MIN_M /
+// _MAX_M, read once per process; MIN_M=0: never).
 constexpr int kWgmmaMinRows = 65, kWgmmaMaxRows = 1024, kWgmmaWideBitsMaxRows = 512;
 constexpr int kWgmmaWideMinRows = 33, kWgmmaWideN = 4096, kWgmmaWideBits = 5;
 int env_or(const char* name, int fallback) {

@@ -273,8 +273,8 @@ struct Config {
   // the weights' tensor map holds at most 256 words).
   using Path = std::conditional_t<BITS == 5 && V == 2, WeightPathBits5<16>, WeightPath<BITS>>;
   // 16-column tiles per warp: one ldmatrix (x) and one or two LDS.128 (scales) per k-block
-  // serve all kTN tiles; accumulators kTN * MT * 4 <= 32. Bits 5 uses 2 to leave shared
-  // memory for the ring next to its 128 KiB table.
+  // serve all kTN tiles; accumulators kTN * MT * 4 <= 32 (V2: 64). Bits 5 in the 16-row tilings
+  // uses 2 to leave shared memory for the ring next to its 128 KiB table.
   static constexpr int kTN = V == 2 ? 2 : MT == 1 || (MT == 2 && V == 1) ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
   static constexpr int kCols = 16 * kTN * (V == 2 ? kWarps : 1);  // the column group
   static_assert(V == 2 || kCols * BITS <= 256, "the weights' tensor-map box: at most 256 words per row");
@@ -306,9 +306,9 @@ struct Config {
   // 0.99-2.0x.) Bits 5, with two tiles per warp since session 33 (Config::Path), takes the
   // prices of the other bits at MT = 4 and 8 and bits 3's 0.8 at MT = 2: in an offline replica
   // of the plan scored on the H200's rows at M = 9..32 (benchmarks/results/
-  // nsplit_bits5_h200_s33.md) 0.9 at MT = 4 picks the faster tiling in all 30 cases, 0.8 at
-  // MT = 2 is within 1.7 % on average (0.6 would take V2 on the Llama down layers at M = 9:
-  // 1.35-1.38x the time).
+  // nsplit_bits5_s33_fit.py, bits5_tables_h200_s33.md) 0.9 at MT = 4 picks the faster tiling in
+  // all 30 cases, 0.8 at MT = 2 is within 1.7 % on average (0.6 would take V2 on the Llama down
+  // layers at M = 9: 1.35-1.38x the time).
   static constexpr double chunk_cost(bool scaled_weights) {
     if constexpr (V == 2 && MT == 2) return BITS == 3 || BITS == 5 ? 0.8 : 0.6;
     if constexpr (V == 2 && MT == 4) return 0.9;

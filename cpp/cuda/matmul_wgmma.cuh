@@ -24,7 +24,8 @@
 //    matmul_wgmma_h200_s23.md); x's L2 traffic per flop doubles, which cost nothing measurable
 //    at BM = 128 (ibid.). Bits 5's 128 KiB table left room for two 38 KiB stages only (1.13-2.44x
 //    the time of BM = 128), so at BM = 256 bits 5 decodes from a 64 KiB table of 16 lane copies
-//    (WgWeightPath) and keeps four stages: 0.84-0.92x the time of BM = 128 (session 33).
+//    (WgWeightPath) and keeps four stages: 0.84-0.91x the time of BM = 128 in 48 of 52 cases at
+//    M >= 512 (session 33).
 //  * Copies: a kStages-deep ring of chunks (KCH = 2 k-blocks), each slot with a "full" and an
 //    "empty" mbarrier; warp 0 issues every copy of a chunk from one lane: x by one TMA tensor
 //    copy, as wgmma's K-major operand with the 128-byte swizzle (each row of x holds the
