@@ -381,6 +381,7 @@ struct MMCase {
   int B, M, K, N; int k_split; bool force_generic; int variant = -1; int balance = -1;
   int wg_tiles = 0;  // variant 3 (the wgmma kernel; bf16 and the fragment layout only): 1 or 2 tiles
   int split_last = -1;  // variant 3: 1 = the last round of tiles split over 2-CTA clusters where it fits
+  int wg_rows = 0;      // variant 3 above 128 rows: the row tile, 128 or 256 (0: the launcher's choice)
 };
 
 // One matmul check; returns the relative Frobenius error (or +inf on failure to run).
@@ -460,6 +461,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   tune.balance = c.balance;
   tune.wg_tiles = c.wg_tiles;
   tune.wg_split_last = c.split_last;
+  tune.wg_rows = c.wg_rows;
   *path_out = c.force_generic ? "generic (forced)" : kbit::cuda::matmul_path(a);
   const double u32 = std::ldexp(1.0, -24);
   const double u_act = dt == DType::kBF16 ? std::ldexp(1.0, -8) : dt == DType::kF16 ? std::ldexp(1.0, -11) : u32;
@@ -539,7 +541,10 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
 // (448 tiles of 256 x 128 on 132 SMs; 0.88-0.91x the time); Llama-3-8B gate/up (K 4096, N 14336)
 // at M = 512, bits 5, runs 224 tiles of 256 x 128 unsplit (session 33: bits 5 takes the 256-row
 // tile too; the last round fills 92 of 132 SMs). With the wrong count of resident CTAs the
-// session-32 launcher split it.
+// session-32 launcher split it. At M = 384 (session 33, WgLauncher::cost's row tile), Llama-3-70B
+// q/k/v at TP 2 (K 8192, N 5120) takes 128-row tiles of 256 columns (60 tiles over 2-CTA clusters:
+// 0.65x the time of 80 256-row tiles) and Llama-3-70B down (K 28672, N 8192) 256-row tiles (128
+// of them, against 96 of 128 rows: 0.87x).
 // Only the choice is checked (the data are zeros); the results of these tilings are checked in
 // test_matmul.
 static void test_dispatch() {
@@ -576,7 +581,8 @@ static void test_dispatch() {
   if (!kbit::cuda::wgmma_max_rows_here(0)) return;  // (no wgmma kernel on this device or build)
   struct WgWant { int K, N, M, bits, rows, tiles; bool split; };
   const WgWant wg_wants[] = {{8192, 28672, 512, 2, 256, 1, true}, {8192, 28672, 512, 3, 256, 1, true},
-                             {8192, 28672, 512, 4, 256, 1, true}, {4096, 14336, 512, 5, 256, 1, false}};
+                             {8192, 28672, 512, 4, 256, 1, true}, {4096, 14336, 512, 5, 256, 1, false},
+                             {8192, 5120, 384, 4, 128, 2, false},  {28672, 8192, 384, 4, 256, 1, false}};
   for (const WgWant& w : wg_wants) {
     kbit::cuda::MatmulTuning tune;
     launch_zeros(w.K, w.N, w.M, DType::kBF16, w.bits, tune);
@@ -675,11 +681,11 @@ static void test_matmul(bool quick) {
         cases.push_back(c);
       }
   // ... with the last round of tiles split over 2-CTA clusters (WgLauncher::plan), 140 tiles: BM =
-  // 256 (bits 5 with its 16-copy table), BM = 128 with 128-column tiles, and 256-column tiles over
-  // two batch entries with a partial column tile and an odd k-block count.
+  // 256 (forced; bits 5 with its 16-copy table), BM = 128 with 128-column tiles, and 256-column
+  // tiles over two batch entries with a partial column tile and an odd k-block count.
   constexpr int kSplitLastLaunches = 4 + 4 + 4;
   if (!quick)
-    for (const MMCase& c : {MMCase{1, 257, 256, 8960, 0, false, 3, -1, 0, 1}, MMCase{1, 65, 256, 17920, 0, false, 3, -1, 1, 1},
+    for (const MMCase& c : {MMCase{1, 257, 256, 8960, 0, false, 3, -1, 0, 1, 256}, MMCase{1, 65, 256, 17920, 0, false, 3, -1, 1, 1},
                             MMCase{2, 65, 288, 17680, 0, false, 3, -1, 2, 1}})
       cases.push_back(c);
   // Only some variants' cases (a short run): KBIT_HARNESS_TEST_VARIANTS="2 3" keeps those of the
@@ -1095,9 +1101,10 @@ static void bench_rows() {
 // (whole-tile CTAs 0: the launcher did not split). Where the launcher chooses between 128- and
 // 256-column tiles (bits 5 at 65..128 rows), a second line times each tile forced, unsplit and split:
 //   SPLITJ <shape> K N bits M  then for J = 2 and 1: <unsplit us>/<CTAs> <split us>/<CTAs>/<whole-tile CTAs>
-// Where the launcher takes the 256-row tile (above 128 rows), a line against the 128-row
-// tile (tuning.wg_rows = 128, the launcher's choice otherwise), timed in the order 256, 128, 128, 256:
+// Above 128 rows, a line with each row tile forced (tuning.wg_rows, the launcher's choice
+// otherwise), timed in the order 256, 128, 128, 256, and the launcher's own choice of rows:
 //   SPLITR <shape> K N bits M <256-row us> <128-row us> <128 / 256> <CTAs 256> <CTAs 128> <tiles 128>
+//          <default rows>
 // KBIT_HARNESS_SPLIT_M (default "384 512 768 1024") and KBIT_HARNESS_SPLIT_BITS ("2 4 5") choose
 // the cases.
 static void bench_split_last() {
@@ -1129,11 +1136,12 @@ static void bench_split_last() {
                dflt.launched_wg_tiles);
         if (M > 128) {
           kbit::cuda::MatmulTuning tall, r128;
-          double u256 = time(-1, 0, tall), u128 = time(-1, 0, r128, 128);
+          double u256 = time(-1, 0, tall, 256), u128 = time(-1, 0, r128, 128);
           u128 += time(-1, 0, r128, 128);
-          u256 += time(-1, 0, tall);
-          printf("SPLITR %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d\n", s.name, s.K, s.N, bits, M, u256 / 2,
-                 u128 / 2, u128 / u256, tall.launched_ctas, r128.launched_ctas, r128.launched_wg_tiles);
+          u256 += time(-1, 0, tall, 256);
+          printf("SPLITR %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d %d\n", s.name, s.K, s.N, bits, M, u256 / 2,
+                 u128 / 2, u128 / u256, tall.launched_ctas, r128.launched_ctas, r128.launched_wg_tiles,
+                 dflt.launched_rows);
         }
         if (bits == 5 && M <= 128) {
           printf("SPLITJ %-18s %5d %6d %d %4d", s.name, s.K, s.N, bits, M);

@@ -105,14 +105,15 @@ _WGMMA_SCRIPT = textwrap.dedent("""
     worst = 0.0
     # (K, N, M values): K = 544 ends in a partial ring stage; N = 400 in a partial 256- (128-)
     # column tile; K = 4096 with N = 256 is one or two tiles, so K splits over 8-CTA clusters; M
-    # crosses the 64-, 128- and 256-row tiles (M > 128: BM = 256 and 128-column tiles, bits 2-4).
-    # The launcher takes 128-column tiles on these small layers at M <= 128, and 256-column ones
-    # on N = 20480 (80 tiles in one wave, where 128-column tiles would take two). N = 8960 at M =
-    # 300 (bits 2-4) is 140 tiles of 256 x 128: the last 8 split K over 2-CTA clusters after a
-    # round of 132 whole tiles.
+    # crosses the 64-, 128- and 256-row tiles (M > 128: 128 rows, or 256 rows and 128-column
+    # tiles, whichever WgLauncher::cost prefers). The launcher takes 128-column tiles on these
+    # small layers at M <= 128, and 256-column ones on N = 20480 (80 tiles in one wave, where
+    # 128-column tiles would take two). N = 8960 at M = 512 is 140 tiles of 256 x 128: the last 8
+    # split K over 2-CTA clusters after a round of 132 whole tiles; at M = 300 it takes 105 tiles
+    # of 128 x 256.
     for bits in (2, 3, 4, 5):
         for k, n, ms in [(544, 400, (1, 17, 64, 65, 129)), (4096, 256, (1, 33, 128, 200)), (256, 4096, (100, 300)),
-                         (512, 20480, (48, 100)), (256, 8960, (300,))]:
+                         (512, 20480, (48, 100)), (256, 8960, (300, 512))]:
             q = kj.quantize(random_weight(rng, (k, n)), bits)
             w64 = dense64(q)
             for m in ms:

@@ -76,8 +76,8 @@ struct MatmulTuning {
                                // per CTA) or 1 (128); 0 = the launcher picks (WgLauncher::cost)
   int balance = -1;            // chunk-balanced clusters: 1 = wherever possible (at k_split if set), 0 =
                                // never (uniform k-split), -1 = the launcher picks (KBIT_JAX_BALANCE=0: never)
-  int wg_rows = 0;             // wgmma kernel above 128 rows: 128 = the 128-row tile (bits 2-4 take 256 by
-                               // default; for benchmarks)
+  int wg_rows = 0;             // wgmma kernel above 128 rows: the row tile, 128 or 256; 0 = the launcher
+                               // picks (WgLauncher::cost)
   int wg_split_last = -1;      // wgmma kernel: a last round of tiles that fills half the GPU or less split over
                                // 2-CTA clusters (WgLauncher::plan): 1 = wherever so, 0 = never, -1 = the
                                // launcher picks (ignored where k_split is set)

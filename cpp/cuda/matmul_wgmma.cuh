@@ -18,8 +18,9 @@
 //    where the accumulators allow: BM = 64 and 128 take J = 2 (BN = 256; per k the CTA reads
 //    256 bits/8 bytes of weights and 2 BM bytes of x from L2 for 512 BM flops), or J = 1 where
 //    that gives a small layer enough tiles to fill the GPU with shorter k-splits (the launcher's
-//    cost model, WgLauncher::cost). BM = 256 (M > 128) takes J = 1 (BN = 128): the
-//    same 128 accumulators per thread, and each decoded weight feeds 256 rows instead of 128,
+//    cost model, WgLauncher::cost). BM = 256 (M > 128, where that model prefers it to BM = 128,
+//    e.g. not at M = 384 on small layers) takes J = 1 (BN = 128): the same 128 accumulators per
+//    thread, and each decoded weight feeds 256 rows instead of 128,
 //    so the decode per flop halves (it costs ~30 % of the BM = 128 kernel's time,
 //    matmul_wgmma_h200_s23.md); x's L2 traffic per flop doubles, which cost nothing measurable
 //    at BM = 128 (ibid.). Bits 5's 128 KiB table left room for two 38 KiB stages only (1.13-2.44x
@@ -490,8 +491,17 @@ struct WgLauncher {
   // tile by it loses 0-0.3 % on average against the faster tile at its best cluster size (worst
   // case 7.5 %, at M = 32).
   // A split last round adds its whole rounds at 35 + kb each.
+  // BM = 256 (J = 1, a 256 x 128 tile: the area of J = 2 at BM = 128) costs 0.9: each decoded
+  // weight feeds twice the rows. Fitted in session 33 on 247 harness cases (H200, "split" mode's
+  // SPLITR lines: 13 shapes x bits 2, 4, 5 x M 192..2048, both row tiles timed;
+  // benchmarks/results/wgmma_row_tile_h200_s33.md) with an offline replica of the plan, it picks
+  // the row tile within 0.4 % of the faster one on (geometric) average, 13.5 % at worst (N = 2048
+  // layers at M = 640, whose 128-row plan splits K over 3 ranks: the cluster sum is not in the
+  // model). Always taking 256 rows was 3.8 % off on average and 1.55x at worst: at M = 320 and
+  // 384, 256-row tiles pad a third of their rows and can leave part of the GPU idle (Llama-3-70B
+  // q/k/v at TP 2, M = 384: 80 tiles of 256 rows against 120 CTAs of 128).
   static double cost(const WgPlan& w) {
-    const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : 0.7;
+    const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : BM == 256 ? 0.9 : 0.7;
     return per_kblock * ((35.0 + w.kps) * double(w.waves) + (35.0 + w.kb) * double(w.whole_waves));
   }
 
@@ -552,38 +562,53 @@ struct WgLauncher {
   }
 };
 
-// The row tile (BM) by M: 64 rows up to 64, 128 up to 128, else 256 (every bits value fits: see
-// WgConfig::pick_stages and WgWeightPath). At BM <= 128 the weight tile is 256 columns (J = 2)
-// or 128 (J = 1), whichever WgLauncher::cost predicts faster (tuning->wg_tiles forces one): the
-// narrow tile gives small layers twice the tiles, so shorter k-splits (Qwen3 q at M = 128: 15.1
-// against 18.4 us), and loses on large ones (Llama-3-70B gate/up: 161 against 115 us).
+// The weight tile at BM <= 128: 256 columns (J = 2) or 128 (J = 1), whichever WgLauncher::cost
+// predicts faster (tuning->wg_tiles forces one): the narrow tile gives small layers twice the
+// tiles, so shorter k-splits (Qwen3 q at M = 128: 15.1 against 18.4 us), and loses on large ones
+// (Llama-3-70B gate/up: 161 against 115 us).
 template <int BITS, int BM>
-std::string launch_wgmma_rows(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
+struct WgColumnChoice {
   using Wide = WgLauncher<BITS, BM, 2>;
   using Narrow = WgLauncher<BITS, BM, 1>;
-  const int dev = current_device();
-  const int forced = tuning ? tuning->wg_tiles : 0;
-  std::string bad = forced == 1 ? std::string() : Wide::reserve(a, dev);
-  if (bad.empty() && forced != 2) bad = Narrow::reserve(a, dev);
-  if (!bad.empty()) return bad;
+  std::string error;  // (a reservation failed: nothing to launch)
   WgPlan wide, narrow;
-  if (forced != 1) wide = Wide::plan(a, tuning, dev);
-  if (forced != 2) narrow = Narrow::plan(a, tuning, dev);
-  const bool use_narrow = forced == 1 || (forced != 2 && Narrow::cost(narrow) < Wide::cost(wide));
-  return use_narrow ? Narrow::launch(a, narrow, stream, tuning) : Wide::launch(a, wide, stream, tuning);
-}
+  bool use_narrow = false;
+  double cost = 0;
+  WgColumnChoice(const MatmulArgs& a, const MatmulTuning* tuning, int dev) {
+    const int forced = tuning ? tuning->wg_tiles : 0;
+    error = forced == 1 ? std::string() : Wide::reserve(a, dev);
+    if (error.empty() && forced != 2) error = Narrow::reserve(a, dev);
+    if (!error.empty()) return;
+    if (forced != 1) wide = Wide::plan(a, tuning, dev);
+    if (forced != 2) narrow = Narrow::plan(a, tuning, dev);
+    use_narrow = forced == 1 || (forced != 2 && Narrow::cost(narrow) < Wide::cost(wide));
+    cost = use_narrow ? Narrow::cost(narrow) : Wide::cost(wide);
+  }
+  std::string launch(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) const {
+    if (!error.empty()) return error;
+    return use_narrow ? Narrow::launch(a, narrow, stream, tuning) : Wide::launch(a, wide, stream, tuning);
+  }
+};
 
+// The row tile (BM) by M: 64 rows up to 64, 128 up to 128; above, 256 (J = 1; every bits value
+// fits: see WgConfig::pick_stages and WgWeightPath) or 128, whichever WgLauncher::cost predicts
+// faster (tuning->wg_rows forces one).
 template <int BITS>
 std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
-  if (a.m <= 64) return launch_wgmma_rows<BITS, 64>(a, stream, tuning);
-  if constexpr (WgConfig<BITS, 256, 1>::kStages > 0)
-    if (a.m > 128 && !(tuning && tuning->wg_rows == 128)) {
-      using Tall = WgLauncher<BITS, 256, 1>;
-      const int dev = current_device();
-      const std::string bad = Tall::reserve(a, dev);
-      return bad.empty() ? Tall::launch(a, Tall::plan(a, tuning, dev), stream, tuning) : bad;
-    }
-  return launch_wgmma_rows<BITS, 128>(a, stream, tuning);
+  static_assert(WgConfig<BITS, 256, 1>::kStages > 0, "the 256-row tile fits shared memory");
+  const int dev = current_device();
+  if (a.m <= 64) return WgColumnChoice<BITS, 64>(a, tuning, dev).launch(a, stream, tuning);
+  const int forced_rows = tuning ? tuning->wg_rows : 0;
+  if (a.m <= 128 || forced_rows == 128) return WgColumnChoice<BITS, 128>(a, tuning, dev).launch(a, stream, tuning);
+  using Tall = WgLauncher<BITS, 256, 1>;
+  const std::string bad = Tall::reserve(a, dev);
+  if (!bad.empty()) return bad;
+  const WgPlan tall = Tall::plan(a, tuning, dev);
+  if (forced_rows != 256) {
+    const WgColumnChoice<BITS, 128> rows128(a, tuning, dev);
+    if (rows128.error.empty() && rows128.cost < Tall::cost(tall)) return rows128.launch(a, stream, tuning);
+  }
+  return Tall::launch(a, tall, stream, tuning);
 }
 
 }  // namespace kbit::cuda::wgmma
