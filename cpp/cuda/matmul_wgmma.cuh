@@ -80,6 +80,8 @@
 //  Session 33 (H200, benchmarks/results/bits5_tables_h200_s33.md): bits 5 on the 256-row tile with
 //  the 16-copy table (WgWeightPath): the 128-row tile takes 1.10-1.19x its time in 48 of 52 cases
 //  at M >= 512; at M = 384 (1.5 tiles of 256 rows) the 128-row tile is faster on 8 of 13 shapes.
+//  So the row tile above 128 rows is now WgLauncher::cost's choice (wgmma_row_tile_h200_s33.md):
+//  at M = 320 0.87x the time of always 256 rows (geometric mean, 0.64x at best), at M = 384 0.90x.
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
