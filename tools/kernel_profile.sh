@@ -26,7 +26,8 @@
 #                                                 (KBIT_HARNESS_ROWS_M="1 4 16", KBIT_HARNESS_ROWS_BITS:
 #                                                 those M, bits instead)
 #   tools/kernel_profile.sh split                M = 384..1024: the wgmma kernel's split last round of
-#                                                 tiles against none (KBIT_HARNESS_SPLIT_M, _BITS)
+#                                                 tiles against none, and above 128 rows its 256- and
+#                                                 128-row tiles forced (SPLITR; KBIT_HARNESS_SPLIT_M, _BITS)
 #   tools/kernel_profile.sh sweep                every cluster size (k-split) against the launcher's
 #                                                 choice; benchmarks/ksplit_fit.py scores its cost model
 #                                                 (M <= 16). KBIT_HARNESS_SWEEP_M="128 256 512" sweeps

@@ -20,13 +20,12 @@
 //    that gives a small layer enough tiles to fill the GPU with shorter k-splits (the launcher's
 //    cost model, WgLauncher::cost). BM = 256 (M > 128, where that model prefers it to BM = 128,
 //    e.g. not at M = 384 on small layers) takes J = 1 (BN = 128): the same 128 accumulators per
-//    thread, and each decoded weight feeds 256 rows instead of 128,
-//    so the decode per flop halves (it costs ~30 % of the BM = 128 kernel's time,
-//    matmul_wgmma_h200_s23.md); x's L2 traffic per flop doubles, which cost nothing measurable
-//    at BM = 128 (ibid.). Bits 5's 128 KiB table left room for two 38 KiB stages only (1.13-2.44x
-//    the time of BM = 128), so at BM = 256 bits 5 decodes from a 64 KiB table of 16 lane copies
-//    (WgWeightPath) and keeps four stages: 0.84-0.91x the time of BM = 128 in 48 of 52 cases at
-//    M >= 512 (session 33).
+//    thread, and each decoded weight feeds 256 rows instead of 128, so the decode per flop halves
+//    (it costs ~30 % of the BM = 128 kernel's time, matmul_wgmma_h200_s23.md); x's L2 traffic per
+//    flop doubles, which cost nothing measurable at BM = 128 (ibid.). Bits 5's 128 KiB table left
+//    room for two 38 KiB stages only (1.13-2.44x the time of BM = 128), so at BM = 256 bits 5
+//    decodes from a 64 KiB table of 16 lane copies (WgWeightPath) and keeps four stages:
+//    0.84-0.91x the time of BM = 128 in 48 of 52 cases at M >= 512 (session 33).
 //  * Copies: a kStages-deep ring of chunks (KCH = 2 k-blocks), each slot with a "full" and an
 //    "empty" mbarrier; warp 0 issues every copy of a chunk from one lane: x by one TMA tensor
 //    copy, as wgmma's K-major operand with the 128-byte swizzle (each row of x holds the
