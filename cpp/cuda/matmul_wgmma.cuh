@@ -175,6 +175,19 @@ __device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
   return v;
 }
 
+// `v` as this lane's shuffle of itself: the same value, which ptxas cannot recompute from the
+// thread index (it sees a shuffle), so it keeps it in a register (each 32-bit word of v).
+template <class T>
+__device__ __forceinline__ T pinned_to_lane(T v, int lane) {
+  static_assert(sizeof(T) % 4 == 0, "whole 32-bit words");
+  uint32_t w[sizeof(T) / 4];
+  memcpy(w, &v, sizeof(T));
+#pragma unroll
+  for (int i = 0; i < int(sizeof(T) / 4); ++i) w[i] = __shfl_sync(0xffffffffu, w[i], lane);
+  memcpy(&v, w, sizeof(T));
+  return v;
+}
+
 // Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
 template <int N>
 __device__ __forceinline__ void fence_operands(float (&d)[N]) {
@@ -239,10 +252,11 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // uniform (tensor maps, chunk coordinates): bulk copies of computed addresses cost warp 0 ~240
   // instructions per chunk.
   const int w_row0 = b * p.KB;  // the weight's first k-block row of batch entry b
+  const int lane_pinned = pinned_to_lane(lane, lane);  // (see the decode's constants below)
   auto issue = [&](int c) {
     const uint32_t st = slot(c), full = full_bar(c);
     const int kb0 = kbA + c * KCH;
-    const bool me = lane == 0;
+    const bool me = lane_pinned == 0;
     mbar_arrive_expect_tx_if(me, full, Cfg::kXBytes + Cfg::kWBytes + Cfg::kSBytes);
     tma_load_2d_if(me, st, &xmap, 32 * kb0, int(int64_t(b) * p.M + m0), full);
     tma_load_3d_if(me, st + Cfg::kXBytes, &wmap, 0, n0 / 16, w_row0 + kb0, full);
@@ -254,8 +268,14 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[j][i] = 0.f;
-  const typename WP::Lane L = WP::lane_consts(lane);
-  const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
+  // The lane's constants of the decode, each through an identity shuffle (pinned_to_lane): ptxas
+  // cannot recompute them from the thread index, as it did inside the main loop, an S2R and 39-65
+  // more instructions per chunk at every bits value and tile (13-24 % of the loop; nvcc 13.0,
+  // tools/sass_loops.py). Harness on the H200: 0.95x the time at M = 33..128, 0.94x at 192..1024
+  // (benchmarks/results/wgmma_push_h200_s34.md).
+  const typename WP::Lane L = pinned_to_lane(WP::lane_consts(lane), lane);
+  const uint32_t o0 = pinned_to_lane(WP::offset0(g, t), lane), o1 = pinned_to_lane(WP::offset1(g, t), lane);
+  const uint32_t g_pinned = pinned_to_lane(uint32_t(g), lane);
 
   // The decode of k-block kbl of the chunk in slot `st` into one A register set: per warp, its
   // 16 columns of each of its J m64 tiles, scaled by their E4M4 block scales.
@@ -268,8 +288,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       typename WP::Raw raw;
       WP::load(raw, slab, o0, o1, tile16);
       WP::decode(raw, s_lut, L, a[j]);
-      const float s_lo = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g) << 19);
-      const float s_hi = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g + 8) << 19);
+      const float s_lo = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g_pinned) << 19);
+      const float s_hi = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g_pinned + 8) << 19);
       fused::scale_fragments(a[j], s_lo, s_hi);
     }
   };
