@@ -396,6 +396,8 @@ struct MMCase {
 static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref, const std::vector<double>& bound,
                                 const std::vector<uint8_t>& y, DType dt);
 static int g_balanced_launches = 0;  // cases that ran on chunk-balanced clusters (the launcher's choice or forced)
+// wgmma cases whose k-split clusters added their tiles by push and by pull (matmul_wgmma.cuh's epilogue)
+static int g_push_launches = 0, g_pull_launches = 0;
 static int g_split_last_launches = 0;  // wgmma cases whose last round of tiles ran split over 2-CTA clusters
 static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, uint32_t seed,
                               double* bound_ratio, std::string* path_out, int reps = 1) {
@@ -477,6 +479,8 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
     const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
     g_balanced_launches += rep == 0 && tune.launched_balanced;
     g_split_last_launches += rep == 0 && tune.launched_whole_ctas > 0;
+    g_push_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPush;
+    g_pull_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPull;
     CK(cudaDeviceSynchronize());
     if (!err.empty()) {
       printf("  launch error: %s\n", err.c_str());
@@ -736,6 +740,13 @@ static void test_matmul(bool quick) {
   EXPECT(!split_cases_ran || g_split_last_launches == kSplitLastLaunches,
          "matmul: %d cases split the wgmma kernel's last round of tiles (%d expected)", g_split_last_launches,
          kSplitLastLaunches);
+  // (the wgmma cases cover both of its cluster sums: the push, and the pull where the receive slots
+  // do not fit, e.g. 256-column tiles at bits 2 and 3)
+  printf("matmul: the wgmma kernel's k-split clusters summed by push in %d cases, by pull in %d\n", g_push_launches,
+         g_pull_launches);
+  EXPECT(!split_cases_ran || (g_push_launches > 0 && g_pull_launches > 0),
+         "matmul: the wgmma cases ran %d pushed and %d pulled cluster sums (both expected)", g_push_launches,
+         g_pull_launches);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1334,7 +1345,8 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   if (tune.launched_wg_tiles > 0) {
     const char* wg_names[kTlMarks] = {"entry", "setup (table, barriers)", "-", "first copies issued",
                                       "table built", "first chunk arrived", "products done",
-                                      "tiles staged (cluster)", "-", "reduced and stored", "exit", "-", "-", "-", "-"};
+                                      "tiles staged (cluster)", "own rows in (push)", "reduced and stored", "exit",
+                                      "last warp: sent (push)", "last warp: stored", "thread 0: first stored", "-"};
     std::copy(std::begin(wg_names), std::end(wg_names), std::begin(names));
   }
   Timer tm;

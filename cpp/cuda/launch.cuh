@@ -65,6 +65,10 @@ inline void copy_operands(const MatmulArgs& a, KernelParams& p) {
 }
 
 // Knobs for benchmarks and tests; the defaults (0) mean "let the launcher decide".
+// The wgmma kernel's k-split cluster sum (MatmulTuning::launched_cluster_sum, matmul_wgmma.cuh):
+// each rank's rows pushed to their owners, or pulled by them.
+constexpr int kClusterSumPush = 1, kClusterSumPull = 2;
+
 struct MatmulTuning {
   int k_split = 0;        // CTAs per thread-block cluster that split K (1..8); 0 = heuristic
   bool force_generic = false;  // use the slow SIMT kernel even where the fused one applies
@@ -88,9 +92,10 @@ struct MatmulTuning {
   // count it launched with, whether its clusters were chunk-balanced, the wgmma kernel's weight
   // tiles per warpgroup (0: another kernel), and the tiling variant (as `variant`) with the rows
   // of its blocks of M; the wgmma kernel's CTAs that computed a whole tile each before the split
-  // last round (0: none).
+  // last round (0: none), and how its k-split clusters added their tiles (kClusterSumPush or
+  // kClusterSumPull; 0: no k-split).
   mutable int launched_k_split = 0, launched_ctas = 0, launched_balanced = 0, launched_wg_tiles = 0;
-  mutable int launched_whole_ctas = 0;
+  mutable int launched_whole_ctas = 0, launched_cluster_sum = 0;
   mutable int launched_variant = -1, launched_rows = 0;
 };
 

@@ -1633,6 +1633,7 @@ struct Launcher {
       tuning->launched_balanced = pl.balanced ? 1 : 0;
       tuning->launched_wg_tiles = 0;
       tuning->launched_whole_ctas = 0;
+      tuning->launched_cluster_sum = 0;
       tuning->launched_variant = V;
       tuning->launched_rows = 8 * MT;
     }

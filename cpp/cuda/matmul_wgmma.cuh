@@ -39,7 +39,8 @@
 //    k-block's products are on the tensor cores (see the main loop).
 //  * K is split across the CTAs of a thread-block cluster (ks ranks, each a k-range) where the
 //    output tiles alone would leave SMs idle; the ranks' f32 tiles are added through distributed
-//    shared memory in the epilogue (each rank sums and stores every ks-th row): no workspace.
+//    shared memory in the epilogue: each rank owns every ks-th row, the other ranks push their
+//    partial sums of it into its shared memory, and it adds and stores them (no workspace).
 //    Where the tiles take more than one round of CTAs and the last round fills half the GPU or
 //    less, only that round splits, over 2-CTA clusters, after whole rounds in which each rank of a
 //    2-CTA cluster computes a tile of its own (WgParams::whole_ctas, WgLauncher::plan).
@@ -81,6 +82,12 @@
 //  at M >= 512; at M = 384 (1.5 tiles of 256 rows) the 128-row tile is faster on 8 of 13 shapes.
 //  So the row tile above 128 rows is now WgLauncher::cost's choice (wgmma_row_tile_h200_s33.md):
 //  at M = 320 0.87x the time of always 256 rows (geometric mean, 0.64x at best), at M = 384 0.90x.
+//  Session 34 (H200, benchmarks/results/wgmma_push_h200_s34.md): the decode's lane constants
+//  pinned in registers (the main loop 13-24 % shorter), and the cluster sum pushed to each row's
+//  owner instead of pulled by it (no remote loads, no cluster barrier at exit). Harness against
+//  session 33, same call: M = 33..128 0.906x the time (geometric mean, 0.76-1.02), M = 192..1024
+//  0.912x (0.79-1.06); Qwen3 down and o at M = 128 0.81-0.83x, Llama-3-70B gate/up at M = 512
+//  0.88-0.91x. The push loses to the pull on N = 2048 layers at M = 192..256 (up to 1.10x).
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
@@ -133,7 +140,8 @@ struct WgConfig {
   // products of the chunk before are done): 6 stages where they fit (bits 2-4 at BM <= 128, bits
   // 3 at 256), else 4 or 3 (bits 5's 128 KiB table at BM <= 128; bits 2, 4 and 5 at BM = 256);
   // 0: this BM does not fit.
-  static constexpr int fits(int s) { return kLutBytes + s * kStageBytes + 1024 + 16 * s <= kMaxSmemBytes; }
+  // (+ 16 bytes of barriers per stage and the cluster sum's receive barrier)
+  static constexpr int fits(int s) { return kLutBytes + s * kStageBytes + 1024 + 16 * s + 8 <= kMaxSmemBytes; }
   static constexpr int pick_stages() { return fits(6) ? 6 : fits(4) ? 4 : fits(3) ? 3 : 0; }
   static constexpr int kStages = pick_stages();
   static constexpr int kBarOffset = std::max(kLutBytes + kStages * kStageBytes + 1024, kTileBytes);
@@ -143,9 +151,25 @@ struct WgConfig {
   // reservation is padded past half of it. (Session 27's table: at M = 64 bits 3 took 1.1-1.4x
   // the time of bits 2 and 4 on the Llama layers, e.g. Llama-3-70B down 161 against 114-117 us.)
   static constexpr int kOneCtaPerSmBytes = 116 * 1024;
-  // + a "full" and an "empty" mbarrier per stage
-  static constexpr int kSmemBytes = std::max(kBarOffset + 16 * kStages, kOneCtaPerSmBytes);
+  // + a "full" and an "empty" mbarrier per stage, and the receive barrier of the cluster sum at the
+  // very end (past everything the main loop uses, so it can be initialized at the start)
+  static constexpr int kSmemBytes = std::max(kBarOffset + 16 * kStages + 8, kOneCtaPerSmBytes);
+  static constexpr int kRecvBarOffset = kSmemBytes - 8;
   static_assert(kStages == 0 || kSmemBytes <= kMaxSmemBytes, "shared memory budget");
+  // The k-split cluster sum by push (see the epilogue): rank q's rows of the other ks - 1 ranks'
+  // tiles land in its receive slots, [ks - 1][ceil(BM / ks) rows][BN] floats after the tile, over
+  // the table and the ring, which are dead by then (not over the ring's mbarriers: their memory
+  // would need an mbarrier.inval first). Where the slots do not fit, the sum pulls: BN = 256 at
+  // BM = 128 (bits 2 and 3 always, 4 and 5 from 3 ranks), BM = 256 from 3 ranks (bits 3 from 4),
+  // and BN = 256 at BM = 64, bits 3, from 3 ranks.
+  static constexpr int recv_bytes(int ks) { return (ks - 1) * ((BM + ks - 1) / ks) * kBN * 4; }
+  static constexpr int push_max_ranks() {
+    int m = 1;
+    for (int ks = 2; ks <= 8; ++ks)
+      if (kTileBytes + recv_bytes(ks) <= kBarOffset) m = ks;
+    return m;
+  }
+  static constexpr int kPushMaxRanks = push_max_ranks();
   static_assert(2 * (kSmemBytes + 1024) > kSmSmemBytes, "one CTA per SM (1 KiB reserved per CTA)");
   static_assert(kStageBytes % 16 == 0 && kLutBytes % 16 == 0, "16-byte copies");
 };
@@ -232,6 +256,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       fused::mbar_init(s_full + 8 * s, 1);               // the copying lane's arrival + the bytes
       fused::mbar_init(s_empty + 8 * s, Cfg::kThreads);  // every thread, done with the slot
     }
+    // the cluster sum's receive barrier (used where it pushes): this CTA's arrival + the bytes
+    fused::mbar_init(s_lut + Cfg::kRecvBarOffset, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   }
   fused::build_table<WP, ActBF16>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, Cfg::kThreads);
@@ -276,7 +302,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   const typename WP::Lane L = pinned_to_lane(WP::lane_consts(lane), lane);
   const uint32_t o0 = pinned_to_lane(WP::offset0(g, t), lane), o1 = pinned_to_lane(WP::offset1(g, t), lane);
   const uint32_t g_pinned = pinned_to_lane(uint32_t(g), lane);
-
   // The decode of k-block kbl of the chunk in slot `st` into one A register set: per warp, its
   // 16 columns of each of its J m64 tiles, scaled by their E4M4 block scales.
   auto decode = [&](uint32_t (&a)[J][2][4], uint32_t st, int kbl) {
@@ -370,42 +395,103 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   if (ks > 1) cluster.sync(); else __syncthreads();
   KBIT_TL_MARK(p, kTlFirstStored, tid == 0);  // (every rank's tile is staged)
 
-  // ---- each rank sums every ks-th row over the ranks, scales, rounds and stores it: a thread
-  // takes E consecutive tile columns (8, or 16 with a GLU: 8 outputs, one 16-byte store) ----
+  // ---- rank q owns every ks-th row from q: it sums it over the ranks (in rank order: the same
+  // sums on every run), scales, rounds and stores it. Push (ks <= kPushMaxRanks): every rank sends
+  // the rows it does not own to their owners' receive slots (st.async, 16 bytes each, completing
+  // on the owner's receive barrier as transaction bytes), then waits for its own rows and adds
+  // them from its own shared memory. No load crosses the cluster, so no rank waits on a remote
+  // round trip, and no barrier is needed at exit: a rank leaves once its own rows have landed.
+  // Pull (otherwise): each rank reads its rows from every rank's tile, then a cluster barrier
+  // keeps every tile alive until all have read it. On the H200 (benchmarks/cluster_sum_bench.cu,
+  // 128 x 128 f32 tiles, every SM at once) the pull took 3.2-5.4 us from staged to stored at 2-8
+  // ranks and 0.7-1.1 us more to the exit; the push 2.6-2.9 us, exit included. In this kernel
+  // (harness, against the pull with the same main loop): 0.95x the time at M = 33..128, 0.97x at
+  // 192..1024, but up to 1.10x on N = 2048 layers at M = 192..256 (wgmma_push_h200_s34.md). ----
   const float ts = p.tensor_scale[b];
-  const int E = p.glu != kGluNone ? 16 : 8, groups = BN / E;
-  const int n_out = p.glu != kGluNone ? p.N / 2 : p.N;
-  const GluLogit logit(p.glu);
+  const bool push = ks > 1 && ks <= Cfg::kPushMaxRanks;  // (cluster-uniform)
+  const uint32_t s_recv_bar = s_lut + Cfg::kRecvBarOffset;
   const int my_rows = rows > rank ? (rows - rank + ks - 1) / ks : 0;
-  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.y) + (int64_t(b) * p.M + m0) * n_out;
-  for (int it = tid; it < my_rows * groups; it += Cfg::kThreads) {
-    const int r = rank + ks * (it / groups), c0 = (it % groups) * E;
-    if (n0 + c0 >= p.N) continue;
-    float v[16];
-    for (int e = 0; e < E; e += 4) {
-      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int q = 0; q < ks; ++q) {  // rank order: the same sums on every run
-        const float4* src = cluster.map_shared_rank(
-            reinterpret_cast<const float4*>(tile_f + r * Cfg::kTileStride + c0 + e), q);
-        const float4 u = ks > 1 ? *src : *reinterpret_cast<const float4*>(tile_f + r * Cfg::kTileStride + c0 + e);
-        s.x += u.x; s.y += u.y; s.z += u.z; s.w += u.w;
+  const int slot_floats = (BM + ks - 1) / ks * BN;  // a receive slot: the most rows any rank owns
+  if (push) {
+    if (tid == 0) mbar_arrive_expect_tx(s_recv_bar, uint32_t((ks - 1) * my_rows * BN * 4));
+    // A thread sends one 16-byte piece of every kRowsPerStep-th row; the row's owner and its index
+    // among the owner's rows advance by a constant step, so the loop divides by nothing. (Looping
+    // owner by owner instead moved the main loop's chunk arithmetic off the uniform datapath, +26
+    // instructions per chunk at BM = 64 and 128, J = 1: tools/sass_loops.py.)
+    constexpr int kPieces = BN / 4, kRowsPerStep = Cfg::kThreads / kPieces;
+    const int step_q = kRowsPerStep / ks, step_r = kRowsPerStep % ks, c4 = tid % kPieces;
+    const uint32_t slots = s_lut + uint32_t(Cfg::kTileBytes);
+    int r = tid / kPieces, rq = r / ks, owner = r % ks;  // tile row r is row rq of rank `owner`
+    for (; r < rows; r += kRowsPerStep) {
+      if (owner != rank) {
+        const float4 v = *reinterpret_cast<const float4*>(tile_f + r * Cfg::kTileStride + 4 * c4);
+        const int slot = rank < owner ? rank : rank - 1;  // (the owner's slots skip its own rank)
+        const uint32_t dst = slots + uint32_t((slot * slot_floats + rq * BN + 4 * c4) * 4);
+        fused::st_async_f32x4(fused::map_rank(dst, owner), v.x, v.y, v.z, v.w, fused::map_rank(s_recv_bar, owner));
       }
-      v[e] = s.x * ts; v[e + 1] = s.y * ts; v[e + 2] = s.z * ts; v[e + 3] = s.w * ts;
+      rq += step_q;
+      owner += step_r;
+      if (owner >= ks) { owner -= ks; ++rq; }
     }
-    uint32_t packed[4];
-    if (p.glu != kGluNone) {
+    KBIT_TL_LATEST(p, kTlLastWarpItemEnd, lane == 0);  // (every warp has issued its sends)
+    fused::mbar_wait<true>(s_recv_bar, 0);
+  }
+  KBIT_TL_MARK(p, kTlLastChunk, tid == 0);  // (push: this rank's rows have landed)
+
+  // A thread takes E consecutive tile columns of one row (8, or 16 with a GLU: 8 outputs, one
+  // 16-byte store); E is a constant, so the item's row and columns are shifts and masks. The
+  // item's loads from every rank are issued before its first add.
+  const int n_out = p.glu != kGluNone ? p.N / 2 : p.N;
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.y) + (int64_t(b) * p.M + m0) * n_out;
+  auto sum_and_store = [&](auto e_const) {
+    constexpr int E = decltype(e_const)::value, kGroups = BN / E;
+    const GluLogit logit(p.glu);
+    for (int it = tid; it < my_rows * kGroups; it += Cfg::kThreads) {
+      const int rr = it / kGroups, r = rank + ks * rr, c0 = (it % kGroups) * E;
+      if (n0 + c0 >= p.N) continue;
+      const int own = r * Cfg::kTileStride + c0, recv = Cfg::kTileBytes / 4 + rr * BN + c0;
+      float4 u[E / 4][fused::kMaxKSplit];  // [16-byte piece][rank]
+#pragma unroll
+      for (int q = 0; q < fused::kMaxKSplit; ++q) {
+        if (q >= ks) break;
+#pragma unroll
+        for (int e4 = 0; e4 < E / 4; ++e4) {
+          if (q == rank)
+            u[e4][q] = *reinterpret_cast<const float4*>(tile_f + own + 4 * e4);
+          else if (push)
+            u[e4][q] = *reinterpret_cast<const float4*>(tile_f + recv + (q < rank ? q : q - 1) * slot_floats + 4 * e4);
+          else
+            u[e4][q] = *cluster.map_shared_rank(reinterpret_cast<const float4*>(tile_f + own + 4 * e4), q);
+        }
+      }
+      float v[E];
+#pragma unroll
+      for (int e4 = 0; e4 < E / 4; ++e4) {
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int q = 0; q < fused::kMaxKSplit; ++q) {  // rank order
+          if (q >= ks) break;
+          s.x += u[e4][q].x; s.y += u[e4][q].y; s.z += u[e4][q].z; s.w += u[e4][q].w;
+        }
+        v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
+      }
+      uint32_t packed[4];
 #pragma unroll
       for (int o = 0; o < 4; ++o)
-        packed[o] = ActBF16::pack2(glu_apply(logit, v[4 * o], v[4 * o + 1]), glu_apply(logit, v[4 * o + 2], v[4 * o + 3]));
-    } else {
-#pragma unroll
-      for (int o = 0; o < 4; ++o) packed[o] = ActBF16::pack2(v[2 * o], v[2 * o + 1]);
+        packed[o] = E == 16 ? ActBF16::pack2(glu_apply(logit, v[4 * o], v[4 * o + 1]), glu_apply(logit, v[4 * o + 2], v[4 * o + 3]))
+                            : ActBF16::pack2(v[2 * o], v[2 * o + 1]);
+      const int col = E == 16 ? (n0 + c0) / 2 : n0 + c0;
+      *reinterpret_cast<uint4*>(y + int64_t(r) * n_out + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      KBIT_TL_MARK(p, kTlWarpsSummed, tid == 0 && it == tid);  // (thread 0's first output)
     }
-    const int col = p.glu != kGluNone ? (n0 + c0) / 2 : n0 + c0;
-    *reinterpret_cast<uint4*>(y + int64_t(r) * n_out + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  }
+  };
+  if (p.glu != kGluNone)
+    sum_and_store(std::integral_constant<int, 16>());
+  else
+    sum_and_store(std::integral_constant<int, 8>());
   KBIT_TL_MARK(p, kTlLoopEnd, tid == 0);
-  if (ks > 1) cluster.sync();  // no rank leaves while another reads its tile
+  KBIT_TL_LATEST(p, kTlLastWarpStored, lane == 0);
+  if (ks > 1 && !push) cluster.sync();  // (pull) no rank leaves while another reads its tile
   KBIT_TL_MARK(p, kTlExit, tid == 0);
   KBIT_TL_GLOBAL(p, kTlGlobalExit, tid == 0);
 #endif
@@ -551,6 +637,7 @@ struct WgLauncher {
       tuning->launched_wg_tiles = J;
       tuning->launched_variant = 3;
       tuning->launched_rows = BM;
+      tuning->launched_cluster_sum = w.ks < 2 ? 0 : w.ks <= Cfg::kPushMaxRanks ? kClusterSumPush : kClusterSumPull;
     }
     // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
     // row's 16-byte pieces swizzled by the row's index mod 8 (see the header).
