@@ -6,9 +6,11 @@ is not one it can prove safe (its "Potential Performance Loss: wgmma.mma_async i
 serialized" notes, C7510-C7520), and the kernel still gives right results, only slower. Session 23
 met two of them: a copy branch on the thread index inside the k loop (C7520) and a 288-thread
 block whose register cap made it spill (C7512). Both are visible at compile time, before a GPU run.
+Where cuobjdump is found, also: no thread-index read inside the main loop (session 34).
 """
 
 import concurrent.futures
+import importlib.util
 import os
 import re
 import shutil
@@ -35,10 +37,17 @@ def ptxas_report(bits: int, tmp_path) -> str:
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def objects(tmp_path_factory):
+    """{bits: (ptxas -v's report, the compiled object's path)}."""
     tmp = tmp_path_factory.mktemp("wgmma_ptxas")
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip((2, 3, 4, 5), pool.map(lambda b: ptxas_report(b, tmp), (2, 3, 4, 5))))
+        texts = pool.map(lambda b: ptxas_report(b, tmp), (2, 3, 4, 5))
+        return {b: (text, tmp / f"b{b}.o") for b, text in zip((2, 3, 4, 5), texts)}
+
+
+@pytest.fixture(scope="module")
+def reports(objects):
+    return {b: text for b, (text, _) in objects.items()}
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
@@ -66,3 +75,27 @@ def test_the_patterns_match_ptxas_wording():
     assert not SPILLED.search("    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
     assert not SERIALIZED.search("ptxas info    : (C7519) warpgroup.arrive is injected in around line 5 "
                                  "by compiler to allow use of registers in GMMA in function 'k'")
+
+
+# tools/sass_loops.py's SASS parsing (the hot loop of each kernel)
+_spec = importlib.util.spec_from_file_location("sass_loops", os.path.join(ROOT, "tools", "sass_loops.py"))
+sass_loops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_loops)
+CUOBJDUMP = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+
+
+@pytest.mark.skipif(CUOBJDUMP is None, reason="needs cuobjdump (the CUDA toolkit's, or $CUOBJDUMP)")
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_main_loop_reads_no_thread_index(objects, bits):
+    # Session 34: ptxas rebuilt the decode's lane constants from the thread index inside the main
+    # loop (an S2R of SR_TID and 39-65 instructions per chunk) unless the code after the loop
+    # happened to need more registers; pinned_to_lane (matmul_wgmma.cuh) keeps them in registers.
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(objects[bits][1])], check=True, capture_output=True,
+                          text=True).stdout
+    kernels = {name: code for name, code in sass_loops.functions(sass).items() if "wgmma_kernel" in name}
+    assert len(kernels) == 5, sorted(kernels)  # BM 64 and 128 with J 1 and 2, BM 256
+    for name, code in kernels.items():
+        loop = sass_loops.hot_loop(code)
+        assert loop, f"no main loop found in {sass_loops.label(name)}"
+        reads = [ins for _, ins in loop if ins.startswith("S2R") or " S2R " in ins]
+        assert not reads, (sass_loops.label(name), reads)

@@ -66,9 +66,9 @@ def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
     return out
 
 
-def hot_loop_size(code: list[tuple[int, str]]) -> int | None:
-    """Instructions in the shortest backward-branch loop that contains an HMMA or HGMMA (None:
-    none)."""
+def hot_loop(code: list[tuple[int, str]]) -> list[tuple[int, str]] | None:
+    """The shortest backward-branch loop that contains an HMMA or HGMMA: its instructions, from
+    the branch's target to the branch (None: no such loop)."""
     mma = [a for a, i in code if "HMMA" in i or "HGMMA" in i]
     best = None
     for addr, ins in code:
@@ -77,9 +77,16 @@ def hot_loop_size(code: list[tuple[int, str]]) -> int | None:
             continue
         target = int(m.group(1), 16)
         if target < addr and any(target <= a <= addr for a in mma):
-            size = sum(1 for a, _ in code if target <= a <= addr)
-            best = size if best is None else min(best, size)
+            loop = [(a, i) for a, i in code if target <= a <= addr]
+            if best is None or len(loop) < len(best):
+                best = loop
     return best
+
+
+def hot_loop_size(code: list[tuple[int, str]]) -> int | None:
+    """Instructions in hot_loop(code) (None: no loop)."""
+    loop = hot_loop(code)
+    return None if loop is None else len(loop)
 
 
 def label(mangled: str) -> str:
