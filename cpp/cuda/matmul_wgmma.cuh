@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // Pull (otherwise): each rank reads its rows from every rank's tile, then a cluster barrier
   // keeps every tile alive until all have read it. On the H200 (benchmarks/cluster_sum_bench.cu,
   // 128 x 128 f32 tiles, every SM at once) the pull took 3.2-5.4 us from staged to stored at 2-8
-  // ranks and 0.7-1.1 us more to the exit; the push 2.6-2.9 us, exit included. In this kernel
+  // ranks and 0.7-1.5 us more to the exit; the push 2.6-2.9 us, exit included. In this kernel
   // (harness, against the pull with the same main loop): 0.95x the time at M = 33..128, 0.97x at
   // 192..1024, but up to 1.10x on N = 2048 layers at M = 192..256 (wgmma_push_h200_s34.md). ----
   const float ts = p.tensor_scale[b];
