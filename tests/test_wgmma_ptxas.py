@@ -10,15 +10,18 @@ Where cuobjdump is found, also: no thread-index read inside the main loop (sessi
 """
 
 import concurrent.futures
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import sass_loops  # noqa: E402  (its SASS parsing: each kernel's hot loop)
+
 # as CMake compiles the module's CUDA sources for the 90a target (CMakeLists.txt)
 FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
          "-DKBIT_WGMMA=1", "-Xptxas=-v,-warn-spills"]
@@ -77,10 +80,6 @@ def test_the_patterns_match_ptxas_wording():
                                  "by compiler to allow use of registers in GMMA in function 'k'")
 
 
-# tools/sass_loops.py's SASS parsing (the hot loop of each kernel)
-_spec = importlib.util.spec_from_file_location("sass_loops", os.path.join(ROOT, "tools", "sass_loops.py"))
-sass_loops = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sass_loops)
 CUOBJDUMP = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
 
 
