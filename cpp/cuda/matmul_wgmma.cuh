@@ -478,7 +478,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       uint32_t packed[4];
 #pragma unroll
       for (int o = 0; o < 4; ++o)
-        packed[o] = E == 16 ? ActBF16::pack2(glu_apply(logit, v[4 * o], v[4 * o + 1]), glu_apply(logit, v[4 * o + 2], v[4 * o + 3]))
+        packed[o] = E == 16 ? ActBF16::pack2(glu_apply(logit, v[4 * o], v[4 * o + 1]),
+                                             glu_apply(logit, v[4 * o + 2], v[4 * o + 3]))
                             : ActBF16::pack2(v[2 * o], v[2 * o + 1]);
       const int col = E == 16 ? (n0 + c0) / 2 : n0 + c0;
       *reinterpret_cast<uint4*>(y + int64_t(r) * n_out + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
