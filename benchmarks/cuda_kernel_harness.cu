@@ -397,7 +397,7 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
                                 const std::vector<uint8_t>& y, DType dt);
 static int g_balanced_launches = 0;  // cases that ran on chunk-balanced clusters (the launcher's choice or forced)
 // wgmma cases whose k-split clusters added their tiles by push and by pull (matmul_wgmma.cuh's epilogue)
-static int g_push_launches = 0, g_pull_launches = 0;
+static int g_push_launches = 0, g_pull_launches = 0, g_pull_by_rank_launches = 0;
 static int g_split_last_launches = 0;  // wgmma cases whose last round of tiles ran split over 2-CTA clusters
 static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, uint32_t seed,
                               double* bound_ratio, std::string* path_out, int reps = 1) {
@@ -481,6 +481,8 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
     g_split_last_launches += rep == 0 && tune.launched_whole_ctas > 0;
     g_push_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPush;
     g_pull_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPull;
+    g_pull_by_rank_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPull &&
+                               tune.launched_k_split > kbit::cuda::kPullBatchMaxRanks;
     CK(cudaDeviceSynchronize());
     if (!err.empty()) {
       printf("  launch error: %s\n", err.c_str());
@@ -740,13 +742,15 @@ static void test_matmul(bool quick) {
   EXPECT(!split_cases_ran || g_split_last_launches == kSplitLastLaunches,
          "matmul: %d cases split the wgmma kernel's last round of tiles (%d expected)", g_split_last_launches,
          kSplitLastLaunches);
-  // (the wgmma cases cover both of its cluster sums: the push, and the pull where the receive slots
-  // do not fit, e.g. 256-column tiles at bits 2 and 3)
-  printf("matmul: the wgmma kernel's k-split clusters summed by push in %d cases, by pull in %d\n", g_push_launches,
-         g_pull_launches);
-  EXPECT(!split_cases_ran || (g_push_launches > 0 && g_pull_launches > 0),
-         "matmul: the wgmma cases ran %d pushed and %d pulled cluster sums (both expected)", g_push_launches,
-         g_pull_launches);
+  // (the wgmma cases cover each of its cluster sums: the push, and the pull where the receive slots
+  // do not fit, e.g. 256-column tiles at bits 2 and 3, from up to kPullBatchMaxRanks ranks and from
+  // more, rank by rank)
+  printf("matmul: the wgmma kernel's k-split clusters summed by push in %d cases, by pull in %d (%d of them "
+         "rank by rank)\n", g_push_launches, g_pull_launches, g_pull_by_rank_launches);
+  EXPECT(!split_cases_ran || (g_push_launches > 0 && g_pull_launches > g_pull_by_rank_launches &&
+                              g_pull_by_rank_launches > 0),
+         "matmul: the wgmma cases ran %d pushed, %d pulled and %d pulled rank by rank cluster sums (each expected)",
+         g_push_launches, g_pull_launches - g_pull_by_rank_launches, g_pull_by_rank_launches);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -800,6 +804,11 @@ struct Timer {
 };
 
 // ---- shared by the timing modes ----
+
+// MatmulTuning::launched_cluster_sum in words.
+static const char* cluster_sum_name(int sum) {
+  return sum == kbit::cuda::kClusterSumPush ? "push" : sum == kbit::cuda::kClusterSumPull ? "pull" : "-";
+}
 
 struct Shape { const char* name; int K, N; };
 // benchmarks/shapes.py
@@ -1541,6 +1550,10 @@ static void run_one(int bits, int K, int N, int M, int reps, int variant) {
     tune.variant = variant;
     const std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
     if (!e.empty()) { printf("ERROR %s\n", e.c_str()); break; }
+    if (r == 0)
+      printf("one: bits %d K %d N %d M %d: variant %d, %d-row blocks, cluster size %d, %d CTAs, wgmma tiles %d, "
+             "cluster sum %s\n", bits, K, N, M, tune.launched_variant, tune.launched_rows, tune.launched_k_split,
+             tune.launched_ctas, tune.launched_wg_tiles, cluster_sum_name(tune.launched_cluster_sum));
   }
   CK(cudaDeviceSynchronize());
   cudaFree(pool); cudaFree(cb); cudaFree(ts); cudaFree(x); cudaFree(y);

@@ -67,9 +67,14 @@ def wgmma():
     # ring stage, N = 400 in a partial 256-column tile; K = 4096, N = 256 splits K over a
     # cluster; a GLU. M = 200 takes the 256-row tile (bits 2-4; partial rows and, at N = 400, a
     # partial column tile). At M <= 128 these small layers take 128-column tiles; N = 20480
-    # keeps the 256-column one (the launcher's cost model, matmul_wgmma.cuh).
+    # keeps the 256-column one (the launcher's cost model, matmul_wgmma.cuh). K = 8192, N = 2048 at
+    # M = 256 takes 256-row tiles over 6-CTA clusters, whose sum pulls rank by rank (bits 4 only:
+    # the largest case here).
     for bits in (2, 3, 4, 5):
-        for (k, n), ms in (((544, 400), (65, 128, 200)), ((4096, 256), (100, 200)), ((512, 20480), (100,))):
+        shapes = [((544, 400), (65, 128, 200)), ((4096, 256), (100, 200)), ((512, 20480), (100,))]
+        if bits == 4:
+            shapes.append(((8192, 2048), (256,)))
+        for (k, n), ms in shapes:
             q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
             for m in ms:
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)

@@ -66,8 +66,10 @@ inline void copy_operands(const MatmulArgs& a, KernelParams& p) {
 
 // Knobs for benchmarks and tests; the defaults (0) mean "let the launcher decide".
 // The wgmma kernel's k-split cluster sum (MatmulTuning::launched_cluster_sum, matmul_wgmma.cuh):
-// each rank's rows pushed to their owners, or pulled by them.
+// each rank's rows pushed to their owners, or pulled by them: with every rank's loads of an item
+// issued before its first add up to kPullBatchMaxRanks ranks, rank by rank above.
 constexpr int kClusterSumPush = 1, kClusterSumPull = 2;
+constexpr int kPullBatchMaxRanks = 3;
 
 struct MatmulTuning {
   int k_split = 0;        // CTAs per thread-block cluster that split K (1..8); 0 = heuristic

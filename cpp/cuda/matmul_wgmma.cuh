@@ -170,6 +170,9 @@ struct WgConfig {
     return m;
   }
   static constexpr int kPushMaxRanks = push_max_ranks();
+  // (the kernel's choice, and the launcher's: WgPlan::push; a compile-time bound, so where every
+  // cluster size fits the pull's code is dead, and takes no registers)
+  static constexpr bool pushes(int ks) { return ks > 1 && ks <= kPushMaxRanks; }
   static_assert(2 * (kSmemBytes + 1024) > kSmSmemBytes, "one CTA per SM (1 KiB reserved per CTA)");
   static_assert(kStageBytes % 16 == 0 && kLutBytes % 16 == 0, "16-byte copies");
 };
@@ -408,7 +411,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // (harness, against the pull with the same main loop): 0.95x the time at M = 33..128, 0.97x at
   // 192..1024, but up to 1.10x on N = 2048 layers at M = 192..256 (wgmma_push_h200_s34.md). ----
   const float ts = p.tensor_scale[b];
-  const bool push = ks > 1 && ks <= Cfg::kPushMaxRanks;  // (cluster-uniform)
+  const bool push = Cfg::pushes(ks);  // (cluster-uniform)
   const uint32_t s_recv_bar = s_lut + Cfg::kRecvBarOffset;
   const int my_rows = rows > rank ? (rows - rank + ks - 1) / ks : 0;
   const int slot_floats = (BM + ks - 1) / ks * BN;  // a receive slot: the most rows any rank owns
@@ -440,7 +443,12 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
 
   // A thread takes E consecutive tile columns of one row (8, or 16 with a GLU: 8 outputs, one
   // 16-byte store); E is a constant, so the item's row and columns are shifts and masks. The
-  // item's loads from every rank are issued before its first add.
+  // item's loads from every rank are issued before its first add, except where it pulls from more
+  // than kPullBatchMaxRanks ranks: there it adds rank by rank, which took 0.93-0.94x the time of
+  // the whole launch at 5-8 ranks (the many remote loads in flight queue up) and 1.01-1.02x at 2-3
+  // (harness "wgplans", H200, session 35). (Only tiles whose receive slots do not fit every
+  // cluster size compile that loop: elsewhere its registers would be the kernel's, and a build
+  // that paid them ran bits 5 2-4 % slower.)
   const int n_out = p.glu != kGluNone ? p.N / 2 : p.N;
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.y) + (int64_t(b) * p.M + m0) * n_out;
   auto sum_and_store = [&](auto e_const) {
@@ -450,30 +458,43 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       const int rr = it / kGroups, r = rank + ks * rr, c0 = (it % kGroups) * E;
       if (n0 + c0 >= p.N) continue;
       const int own = r * Cfg::kTileStride + c0, recv = Cfg::kTileBytes / 4 + rr * BN + c0;
-      float4 u[E / 4][fused::kMaxKSplit];  // [16-byte piece][rank]
-#pragma unroll
-      for (int q = 0; q < fused::kMaxKSplit; ++q) {
-        if (q >= ks) break;
+      float v[E];  // the sums, added in rank order (the same on every run), scaled
+      if (Cfg::kPushMaxRanks < fused::kMaxKSplit && !push && ks > kPullBatchMaxRanks) {  // (pull, by rank)
 #pragma unroll
         for (int e4 = 0; e4 < E / 4; ++e4) {
-          if (q == rank)
-            u[e4][q] = *reinterpret_cast<const float4*>(tile_f + own + 4 * e4);
-          else if (push)
-            u[e4][q] = *reinterpret_cast<const float4*>(tile_f + recv + (q < rank ? q : q - 1) * slot_floats + 4 * e4);
-          else
-            u[e4][q] = *cluster.map_shared_rank(reinterpret_cast<const float4*>(tile_f + own + 4 * e4), q);
+          float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+          for (int q = 0; q < ks; ++q) {
+            const float4 u = *cluster.map_shared_rank(reinterpret_cast<const float4*>(tile_f + own + 4 * e4), q);
+            s.x += u.x; s.y += u.y; s.z += u.z; s.w += u.w;
+          }
+          v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
         }
-      }
-      float v[E];
+      } else {
+        float4 u[E / 4][fused::kMaxKSplit];  // [16-byte piece][rank]
 #pragma unroll
-      for (int e4 = 0; e4 < E / 4; ++e4) {
-        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int q = 0; q < fused::kMaxKSplit; ++q) {  // rank order
+        for (int q = 0; q < fused::kMaxKSplit; ++q) {
           if (q >= ks) break;
-          s.x += u[e4][q].x; s.y += u[e4][q].y; s.z += u[e4][q].z; s.w += u[e4][q].w;
+#pragma unroll
+          for (int e4 = 0; e4 < E / 4; ++e4) {
+            if (q == rank)
+              u[e4][q] = *reinterpret_cast<const float4*>(tile_f + own + 4 * e4);
+            else if (push)
+              u[e4][q] = *reinterpret_cast<const float4*>(tile_f + recv + (q < rank ? q : q - 1) * slot_floats + 4 * e4);
+            else
+              u[e4][q] = *cluster.map_shared_rank(reinterpret_cast<const float4*>(tile_f + own + 4 * e4), q);
+          }
         }
-        v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
+#pragma unroll
+        for (int e4 = 0; e4 < E / 4; ++e4) {
+          float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int q = 0; q < fused::kMaxKSplit; ++q) {
+            if (q >= ks) break;
+            s.x += u[e4][q].x; s.y += u[e4][q].y; s.z += u[e4][q].z; s.w += u[e4][q].w;
+          }
+          v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
+        }
       }
       uint32_t packed[4];
 #pragma unroll
@@ -507,6 +528,7 @@ struct WgPlan {
   int ks = 1, kps = 0, kb = 0;
   int64_t waves = 1;
   int64_t whole_tiles = 0, whole_waves = 0;
+  bool push = false;  // the k-split sum by push (WgConfig::pushes), else by pull
   int64_t ctas() const { return whole_tiles + (tiles - whole_tiles) * ks; }
 };
 
@@ -567,6 +589,7 @@ struct WgLauncher {
     w.kb = kb;
     w.kps = ceil_div(kb, ks);
     w.ks = std::max(1, ceil_div(kb, w.kps));  // no rank without k-blocks
+    w.push = Cfg::pushes(w.ks);
     const int64_t resident = int64_t(std::max(1, max_clusters(w.ks, dev))) * w.ks;
     w.waves = ceil_div(w.tiles * w.ks, resident);
     // A last round of tiles that fills half the GPU or less (Llama-3-70B gate/up at M = 512: 448
@@ -581,6 +604,7 @@ struct WgLauncher {
         WgPlan m = w;
         m.ks = 2;
         m.kps = ceil_div(kb, 2);
+        m.push = Cfg::pushes(2);
         m.whole_tiles = whole_waves * r2;  // (even: whole clusters)
         m.whole_waves = whole_waves;
         m.waves = 1;
@@ -638,7 +662,7 @@ struct WgLauncher {
       tuning->launched_wg_tiles = J;
       tuning->launched_variant = 3;
       tuning->launched_rows = BM;
-      tuning->launched_cluster_sum = w.ks < 2 ? 0 : w.ks <= Cfg::kPushMaxRanks ? kClusterSumPush : kClusterSumPull;
+      tuning->launched_cluster_sum = w.ks < 2 ? 0 : w.push ? kClusterSumPush : kClusterSumPull;
     }
     // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
     // row's 16-byte pieces swizzled by the row's index mod 8 (see the header).
