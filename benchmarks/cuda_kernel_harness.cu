@@ -18,6 +18,8 @@
 //                                                the cp.async kernel
 //   build/cuda_kernel_harness split              M = 384..1024: the wgmma kernel's split last round of
 //                                                tiles against none (and its row and column tiles)
+//   build/cuda_kernel_harness wgplans            M = 64..512: every tile of the wgmma kernel with its
+//                                                plan, and the launcher's pick (WgLauncher::cost's data)
 //   build/cuda_kernel_harness one BITS K N M [reps] [variant]   one configuration (for ncu)
 //   build/cuda_kernel_harness repeat BITS DTYPE B M K N K_SPLIT VARIANT REPS [LAYOUT]   one test
 //                                                 case launched REPS times, each run checked and
@@ -26,7 +28,8 @@
 // hangs names itself); KBIT_HARNESS_KSPLIT=n forces the cluster size in "sel";
 // KBIT_HARNESS_SWEEP_M="256 384 512" sets the M of "sweep" (default 1 16) and
 // KBIT_HARNESS_SWEEP_BITS its bits (2 4 5), KBIT_HARNESS_ROWS_M and _BITS those of "rows",
-// KBIT_HARNESS_SPLIT_M and _BITS those of "split";
+// KBIT_HARNESS_SPLIT_M and _BITS those of "split", KBIT_HARNESS_PLANS_M and _BITS those of
+// "wgplans";
 // KBIT_HARNESS_TEST_VARIANTS="2 3" runs only those tiling variants' matmul tests.
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
@@ -1178,6 +1181,63 @@ static void bench_split_last() {
     }
 }
 
+// Every tile of the wgmma kernel at each case, for fitting WgLauncher::cost: the row tile (64 up
+// to 64 rows, 128, and 256 above 128 rows) x the column tile (J = 1, 2; not at 256 rows), each
+// with the launcher's plan (cluster size, split last round, cluster sum). Each configuration is
+// timed twice, in two passes over the configurations (the clocks drift within a case), then the
+// launcher's own choice, last in each pass (so on the largest layers, whose clocks drift most, it
+// reads up to ~10 % slow against the same configuration forced). One line per configuration and
+// one for the launcher's choice:
+//   WGPLAN <shape> K N bits M <rows> <J> <ks> <CTAs> <whole-tile CTAs> <sum: - push pull> <us>
+//   WGPICK <shape> K N bits M <rows> <J> <us>
+// KBIT_HARNESS_PLANS_M (default "64 128 192 256 384 512") and KBIT_HARNESS_PLANS_BITS ("2 4 5")
+// choose the cases.
+static void bench_wgmma_plans() {
+  const std::vector<int> ms = env_int_list("KBIT_HARNESS_PLANS_M", "64 128 192 256 384 512", 33, 4096);
+  const std::vector<int> bits_list = env_int_list("KBIT_HARNESS_PLANS_BITS", "2 4 5", 2, 5);
+  BenchEnv env(*std::max_element(ms.begin(), ms.end()));
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  Timer tm;
+  struct Tile { int rows, tiles; };
+  for (const Shape& s : shapes_and_llama70b_layers({2}))
+    for (int bits : bits_list) {
+      const WeightCopies w(env, s, bits);
+      for (int M : ms) {
+        const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
+        std::vector<Tile> tiles;
+        for (int rows : {64, 128, 256})
+          if ((rows == 64) == (M <= 64) && (rows != 256 || M > 128))
+            for (int j : {1, 2})
+              if (rows != 256 || j == 1) tiles.push_back({rows, j});
+        std::vector<double> us(tiles.size(), 0.0);
+        std::vector<kbit::cuda::MatmulTuning> tune(tiles.size());
+        double pick_us = 0;
+        kbit::cuda::MatmulTuning pick;
+        for (int pass = 0; pass < 2; ++pass) {
+          for (size_t i = 0; i < tiles.size(); ++i) {
+            tune[i] = kbit::cuda::MatmulTuning();
+            tune[i].variant = 3;
+            tune[i].wg_rows = tiles[i].rows > 64 ? tiles[i].rows : 0;
+            tune[i].wg_tiles = tiles[i].tiles;
+            us[i] += time_tuned(tm, a, w, tune[i], 5, 10) / 2;
+          }
+          pick = kbit::cuda::MatmulTuning();
+          pick.variant = 3;
+          pick_us += time_tuned(tm, a, w, pick, 5, 10) / 2;
+        }
+        for (size_t i = 0; i < tiles.size(); ++i) {
+          const kbit::cuda::MatmulTuning& t = tune[i];
+          printf("WGPLAN %-18s %5d %6d %d %4d %3d %d %d %4d %4d %-4s %8.2f\n", s.name, s.K, s.N, bits, M,
+                 t.launched_rows, t.launched_wg_tiles, t.launched_k_split, t.launched_ctas, t.launched_whole_ctas,
+                 cluster_sum_name(t.launched_cluster_sum), us[i]);
+        }
+        printf("WGPICK %-18s %5d %6d %d %4d %3d %d %8.2f\n", s.name, s.K, s.N, bits, M, pick.launched_rows,
+               pick.launched_wg_tiles, pick_us);
+        fflush(stdout);
+      }
+    }
+}
+
 // The kbit products of one Llama-3-70B decoder layer per device, at tensor-parallel sizes 1, 2
 // and 4 (kbit_jax.examples.llama: fused q/k/v and gate/up split on N, o and down on K), M = 1:
 // their times add up to the layer's matmul time, x 80 layers to the decode step's. That is the
@@ -1601,7 +1661,7 @@ int main(int argc, char** argv) {
   const std::pair<const char*, void (*)()> timing_modes[] = {
       {"sweep", bench_sweep}, {"host", bench_host}, {"layers", bench_layers}, {"sel", bench_sel},
       {"prefetch", bench_prefetch},
-      {"rows", bench_rows}, {"split", bench_split_last}};
+      {"rows", bench_rows}, {"split", bench_split_last}, {"wgplans", bench_wgmma_plans}};
   for (const auto& [name, run] : timing_modes)
     if (mode == name) {
       run();

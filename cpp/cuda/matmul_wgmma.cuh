@@ -632,9 +632,17 @@ struct WgLauncher {
   // model). Always taking 256 rows was 3.8 % off on average and 1.55x at worst: at M = 320 and
   // 384, 256-row tiles pad a third of their rows and can leave part of the GPU idle (Llama-3-70B
   // q/k/v at TP 2, M = 384: 80 tiles of 256 rows against 120 CTAs of 128).
+  // A k-split sum by pull adds 2 + ks (in the same units, ~0.34 us each on the H200): fitted in
+  // session 35 on harness "wgplans" (13 shapes x bits 2, 4, 5 x M 64..512, every tile timed with
+  // its plan; benchmarks/results/wgmma_pull_cost_h200_s35.md), where a forced pull took 0.5-1.4
+  // us longer than the push at 2-3 ranks and 1.5-2.5 us at 5-8. Without the term the plan took
+  // 256-row tiles that pull over 6 ranks where 128-row tiles push over 3 (Qwen3 o at M = 256:
+  // 22.0 against 18.4 us). With it, the pick is within 0.04 % of the fastest tile on
+  // (geometric) average and 4.3 % at worst, against 0.9 % and 19.7 % without.
   static double cost(const WgPlan& w) {
     const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : BM == 256 ? 0.9 : 0.7;
-    return per_kblock * ((35.0 + w.kps) * double(w.waves) + (35.0 + w.kb) * double(w.whole_waves));
+    const double pull = w.ks > 1 && !w.push ? 2.0 + w.ks : 0.0;
+    return per_kblock * ((35.0 + w.kps) * double(w.waves) + (35.0 + w.kb) * double(w.whole_waves)) + pull;
   }
 
   static std::string launch(const MatmulArgs& a, const WgPlan& w, cudaStream_t stream, const MatmulTuning* tuning) {
