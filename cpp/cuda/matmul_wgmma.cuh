@@ -87,7 +87,11 @@
 //  owner instead of pulled by it (no remote loads, no cluster barrier at exit). Harness against
 //  session 33, same call: M = 33..128 0.906x the time (geometric mean, 0.76-1.02), M = 192..1024
 //  0.912x (0.79-1.06); Qwen3 down and o at M = 128 0.81-0.83x, Llama-3-70B gate/up at M = 512
-//  0.88-0.91x. The push loses to the pull on N = 2048 layers at M = 192..256 (up to 1.10x).
+//  0.88-0.91x. Slower: N = 2048 layers at M = 192..256 (up to 1.10x), which pulled.
+//  Session 35 (H200, benchmarks/results/wgmma_pull_cost_h200_s35.md): those plans (256-row tiles
+//  over 6-CTA clusters) pulled with every rank's loads before the first add; a pull from more
+//  than 3 ranks now adds rank by rank (0.93-0.94x the time at 5-8 ranks), and WgLauncher::cost
+//  charges a pull, so 128-row tiles that push win there (Qwen3 o at M = 256: 0.78x the time).
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
@@ -409,7 +413,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // 128 x 128 f32 tiles, every SM at once) the pull took 3.2-5.4 us from staged to stored at 2-8
   // ranks and 0.7-1.5 us more to the exit; the push 2.6-2.9 us, exit included. In this kernel
   // (harness, against the pull with the same main loop): 0.95x the time at M = 33..128, 0.97x at
-  // 192..1024, but up to 1.10x on N = 2048 layers at M = 192..256 (wgmma_push_h200_s34.md). ----
+  // 192..1024 (wgmma_push_h200_s34.md). ----
   const float ts = p.tensor_scale[b];
   const bool push = Cfg::pushes(ks);  // (cluster-uniform)
   const uint32_t s_recv_bar = s_lut + Cfg::kRecvBarOffset;
@@ -638,7 +642,7 @@ struct WgLauncher {
   // us longer than the push at 2-3 ranks and 1.5-2.5 us at 5-8. Without the term the plan took
   // 256-row tiles that pull over 6 ranks where 128-row tiles push over 3 (Qwen3 o at M = 256:
   // 22.0 against 18.4 us). With it, the pick is within 0.04 % of the fastest tile on
-  // (geometric) average and 4.3 % at worst, against 0.9 % and 19.7 % without.
+  // (geometric) average and 4.3 % at worst, against 0.8 % and 19.7 % without.
   static double cost(const WgPlan& w) {
     const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : BM == 256 ? 0.9 : 0.7;
     const double pull = w.ks > 1 && !w.push ? 2.0 + w.ks : 0.0;
