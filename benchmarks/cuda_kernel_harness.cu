@@ -832,7 +832,7 @@ static std::array<Shape, 4> llama70b_layer(int tp) {
 
 // The ten shapes, then the Llama-3-70B layer's products at each of `tps` that are not among them
 // (TP 2's gate/up is llama3-70b.gate_up).
-static std::vector<Shape> shapes_and_llama70b_layers(std::initializer_list<int> tps) {
+static std::vector<Shape> shapes_and_llama70b_layers(const std::vector<int>& tps) {
   std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
   for (int tp : tps)
     for (const Shape& s : llama70b_layer(tp))
@@ -1086,10 +1086,13 @@ static void bench_sel() {
 //   ROWS <shape> K N bits M <16-row us> <N-split us> <default us> <cp.async us> <default / best>
 //        v<the default's variant>/<rows of its blocks>
 // KBIT_HARNESS_ROWS_M="1 4 16" times other M (1..128) instead, KBIT_HARNESS_ROWS_BITS="2 3 4 5"
-// other bits.
+// other bits, and KBIT_HARNESS_ROWS_TP="2 4" adds a Llama-3-70B layer's products at those
+// tensor-parallel sizes to the ten shapes.
 static void bench_rows() {
   const std::vector<int> ms = env_int_list("KBIT_HARNESS_ROWS_M", "17 32 48 64 128", 1, 128);
   const std::vector<int> bits_list = env_int_list("KBIT_HARNESS_ROWS_BITS", "2 4 5", 2, 5);
+  const std::vector<Shape> shapes = shapes_and_llama70b_layers(
+      getenv("KBIT_HARNESS_ROWS_TP") ? env_int_list("KBIT_HARNESS_ROWS_TP", "", 2, 8) : std::vector<int>());
   BenchEnv env(128);
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
@@ -1099,7 +1102,7 @@ static void bench_rows() {
     tune.variant = variant;
     return time_tuned(tm, a, w, tune, 5, 10);
   };
-  for (const Shape& s : kShapes)
+  for (const Shape& s : shapes)
     for (int bits : bits_list) {
       const WeightCopies w(env, s, bits);
       for (int M : ms) {
