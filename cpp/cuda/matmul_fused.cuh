@@ -213,6 +213,10 @@
 //  Session 33 (H200, benchmarks/results/bits5_tables_h200_s33.md): V2 at bits 5 decodes from a
 //  64 KiB table (Config::Path) and has two tiles per warp: Llama gate/up at M = 12..32 0.74-0.88x
 //  the time; Llama-3-70B down at M = 17..32 1.10x (fewer, wider column groups).
+//  Session 35 (H200, benchmarks/results/wgmma_pull_cost_h200_s35.md, section 7): the plan prices
+//  the 64-row N-split block's item end at 2.5 chunks per cluster rank (was 0.5; 32 rows: 1.25).
+//  Llama-3-70B q/k/v at TP 4, M = 56/64: 16-row blocks instead, 0.80-0.91x the time; with the
+//  fused kernels at every M (KBIT_JAX_WGMMA_MIN_M=0) 67 of 280 picks change, 0.886x the time.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -1556,8 +1560,12 @@ struct Launcher {
       const int64_t per_cluster = items_per_cluster(clusters(ks));
       const double chunks = double(chunks_per_item(kps));
       // (the N-split tiling at 32 rows: rank 0 reads every rank's 32 accumulators per lane through
-      // distributed shared memory, ~6 us at 5 ranks on Qwen3 gate/up (item_end_h100_s29.md))
-      const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + (V == 2 && MT == 4 ? 1.25 : 0.5) * ks : 1.0;
+      // distributed shared memory, ~6 us at 5 ranks on Qwen3 gate/up (item_end_h100_s29.md); at 64
+      // rows, twice as many: 2.5 per rank. At 0.5 the plan took one 64-row block over 8-CTA
+      // clusters for Llama-3-70B q/k/v at TP 4 (K 8192, N 2560) at M = 56 and 64, 1.11-1.24x the
+      // time of 16-row blocks (fused_rows_tp_h200_s35_m40-64.log).)
+      const double nsplit_rank_end = V == 2 && MT == 4 ? 1.25 : V == 2 && MT == 8 ? 2.5 : 0.5;
+      const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + nsplit_rank_end * ks : 1.0;
       const double cost = per_cluster * (chunks + item_end) * Cfg::chunk_cost(std::is_same_v<Act, ActBF16>);
       if (cost < best_cost - 1e-9) { best_cost = cost; pl.ks = ks; }
     }
