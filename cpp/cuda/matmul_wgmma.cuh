@@ -174,7 +174,7 @@ struct WgConfig {
     return m;
   }
   static constexpr int kPushMaxRanks = push_max_ranks();
-  // (the kernel's choice, and the launcher's: WgPlan::push; a compile-time bound, so where every
+  // (the kernel's choice, and the launcher's: cost, launch; a compile-time bound, so where every
   // cluster size fits the pull's code is dead, and takes no registers)
   static constexpr bool pushes(int ks) { return ks > 1 && ks <= kPushMaxRanks; }
   static_assert(2 * (kSmemBytes + 1024) > kSmSmemBytes, "one CTA per SM (1 KiB reserved per CTA)");
@@ -532,7 +532,6 @@ struct WgPlan {
   int ks = 1, kps = 0, kb = 0;
   int64_t waves = 1;
   int64_t whole_tiles = 0, whole_waves = 0;
-  bool push = false;  // the k-split sum by push (WgConfig::pushes), else by pull
   int64_t ctas() const { return whole_tiles + (tiles - whole_tiles) * ks; }
 };
 
@@ -593,7 +592,6 @@ struct WgLauncher {
     w.kb = kb;
     w.kps = ceil_div(kb, ks);
     w.ks = std::max(1, ceil_div(kb, w.kps));  // no rank without k-blocks
-    w.push = Cfg::pushes(w.ks);
     const int64_t resident = int64_t(std::max(1, max_clusters(w.ks, dev))) * w.ks;
     w.waves = ceil_div(w.tiles * w.ks, resident);
     // A last round of tiles that fills half the GPU or less (Llama-3-70B gate/up at M = 512: 448
@@ -608,7 +606,6 @@ struct WgLauncher {
         WgPlan m = w;
         m.ks = 2;
         m.kps = ceil_div(kb, 2);
-        m.push = Cfg::pushes(2);
         m.whole_tiles = whole_waves * r2;  // (even: whole clusters)
         m.whole_waves = whole_waves;
         m.waves = 1;
@@ -645,7 +642,7 @@ struct WgLauncher {
   // (geometric) average and 4.3 % at worst, against 0.8 % and 19.7 % without.
   static double cost(const WgPlan& w) {
     const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : BM == 256 ? 0.9 : 0.7;
-    const double pull = w.ks > 1 && !w.push ? 2.0 + w.ks : 0.0;
+    const double pull = w.ks > 1 && !Cfg::pushes(w.ks) ? 2.0 + w.ks : 0.0;
     return per_kblock * ((35.0 + w.kps) * double(w.waves) + (35.0 + w.kb) * double(w.whole_waves)) + pull;
   }
 
@@ -674,7 +671,7 @@ struct WgLauncher {
       tuning->launched_wg_tiles = J;
       tuning->launched_variant = 3;
       tuning->launched_rows = BM;
-      tuning->launched_cluster_sum = w.ks < 2 ? 0 : w.push ? kClusterSumPush : kClusterSumPull;
+      tuning->launched_cluster_sum = w.ks < 2 ? 0 : Cfg::pushes(w.ks) ? kClusterSumPush : kClusterSumPull;
     }
     // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
     // row's 16-byte pieces swizzled by the row's index mod 8 (see the header).
