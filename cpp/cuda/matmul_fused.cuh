@@ -269,16 +269,25 @@ struct Config {
   static constexpr int kWarps = (MT >= 4 || V >= 1) ? 8 : 16;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKPW = V == 1 ? 2 : 1;  // k-blocks per warp per chunk (V0, V1)
-  // The decode path. Bits 5 in the N-split tiling reads the 64 KiB table of 16 lane copies (two
-  // wavefronts per lookup; WeightPathBits5<16>), which leaves room for two tiles per warp, as at
-  // the other bits: one had left the x loads (every row, every k-block) to a single tile
-  // (Llama-3-70B gate/up at M = 16: 0.72x the time, session 33). The 16-row tilings keep the
-  // 128 KiB table: their column group is at most 32 columns at bits 5 anyway (a box row of
-  // the weights' tensor map holds at most 256 words).
-  using Path = std::conditional_t<BITS == 5 && V == 2, WeightPathBits5<16>, WeightPath<BITS>>;
+  // The decode path. Bits 5 in the N-split tiling and in the 16-row tilings at MT = 2 reads the
+  // 64 KiB table of 16 lane copies (two wavefronts per lookup; WeightPathBits5<16>):
+  //  * N-split: it leaves room for two tiles per warp, as at the other bits; one had left the x
+  //    loads (every row, every k-block) to a single tile (Llama-3-70B gate/up at M = 16: 0.72x
+  //    the time, session 33).
+  //  * MT = 2: it leaves the ring 4 stages at 16 rows instead of 2. Harness "rows" (H200, bits 5,
+  //    ten shapes, session 36, benchmarks/results/fused_bits5_table_h200_s36.md): the 16-row
+  //    tilings at M = 16..32 take 0.79-0.94x the time (geometric mean 0.86; Llama-3-70B down at
+  //    M = 16: 94.8 -> 76.3 us), and where the launcher takes them, so does the product.
+  //  * MT = 1 keeps the 128 KiB table, whose lookups take one wavefront: the 64 KiB one took
+  //    1.04-1.27x the time on the Llama layers at M = 1..8 (0.97-1.08x on the small ones).
+  // The 16-row tilings keep 32 columns at bits 5 (two tiles per warp): with 64 (V1's four tiles,
+  // as at bits 2-4, from the 64 KiB table) the launcher's pick took 0.88-0.92x the time on three
+  // Llama layers at M = 16 but 1.03-1.14x on the small ones, whose items became too few (same
+  // harness run).
+  using Path = std::conditional_t<BITS == 5 && (V == 2 || MT == 2), WeightPathBits5<16>, WeightPath<BITS>>;
   // 16-column tiles per warp: one ldmatrix (x) and one or two LDS.128 (scales) per k-block
   // serve all kTN tiles; accumulators kTN * MT * 4 <= 32 (V2: 64). Bits 5 in the 16-row tilings
-  // uses 2 to leave shared memory for the ring next to its 128 KiB table.
+  // uses 2 to leave shared memory for the ring next to its table.
   static constexpr int kTN = V == 2 ? 2 : MT == 1 || (MT == 2 && V == 1) ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
   static constexpr int kCols = 16 * kTN * (V == 2 ? kWarps : 1);  // the column group
   static_assert(V == 2 || kCols * BITS <= 256, "the weights' tensor-map box: at most 256 words per row");
