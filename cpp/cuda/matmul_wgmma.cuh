@@ -267,10 +267,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
     fused::mbar_init(s_lut + Cfg::kRecvBarOffset, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   }
-  fused::build_table<WP, ActBF16>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid, Cfg::kThreads);
-  KBIT_TL_MARK(p, kTlTable, tid == 0);
-  __syncthreads();  // the barriers are initialized before any copy arrives on them
-  KBIT_TL_MARK(p, kTlSetup, tid == 0);
   // Chunk c's ring slot, its barriers, and the parity of its use of them (the slot's (c / S)-th)
   auto slot = [&](int c) { return s_ring + uint32_t(c % S) * Cfg::kStageBytes; };
   auto full_bar = [&](int c) { return s_full + 8u * uint32_t(c % S); };
@@ -295,6 +291,20 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
     tma_load_3d_if(me, st + Cfg::kXBytes, &wmap, 0, n0 / 16, w_row0 + kb0, full);
     tma_load_2d_if(me, st + Cfg::kXBytes + Cfg::kWBytes, &smap, n0, w_row0 + kb0, full);
   };
+  // Warp 0 issues the first S - 1 chunks' copies while warps 1-7 build the table, so that
+  // DRAM's latency runs under the build (thread 0 initialized the barriers the copies complete
+  // on; the other threads wait on them only after the __syncthreads below; the table and the ring
+  // do not overlap). Issued after the whole CTA had built the table, they went out 1.5 us (bits 4)
+  // to 2.3 us (bits 5, a 128 KiB table) after entry, and the first chunk arrived at 1.9-3.0 us
+  // (Llama-3-8B down at M = 128, benchmarks/results/wgmma_early_copies_h200_s36.md).
+  if (warp == 0)
+    for (int c = 0; c < min(S - 1, nch); ++c) issue(c);
+  else
+    fused::build_table<WP, ActBF16, true>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid - 32, Cfg::kThreads - 32);
+  KBIT_TL_MARK(p, kTlFirstCopy, tid == 0);
+  KBIT_TL_MARK(p, kTlTable, tid == 32);  // (warp 1's part of the table)
+  __syncthreads();  // every thread sees the initialized barriers, and the whole table
+  KBIT_TL_MARK(p, kTlSetup, tid == 0);
 
   float acc[J][NACC];  // [m64 tile j][wgmma accumulator]
 #pragma unroll
@@ -350,9 +360,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // predicated: under a branch on the thread, ptxas serialized every wgmma, C7520; in a warp of
   // their own, 288 threads, it capped the registers at 168 and spilled.)
   static_assert(KCH == 2, "the pipeline alternates two register sets per chunk");
-  if (warp == 0)
-    for (int c = 0; c < min(S - 1, nch); ++c) issue(c);
-  KBIT_TL_MARK(p, kTlFirstCopy, tid == 0);
   uint32_t a_even[J][2][4], a_odd[J][2][4];
   if (nch > 0) {
     fused::mbar_wait(full_bar(0), parity(0));

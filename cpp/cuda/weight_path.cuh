@@ -208,14 +208,39 @@ __device__ __forceinline__ void scale_fragments(uint32_t (&a)[2][4], float s_lo,
   }
 }
 
-// The replicated lookup table of one batch entry's codebook, written by `nthreads` threads.
-template <class WP, class Act>
+// The replicated lookup table of one batch entry's codebook, written by `nthreads` threads, in
+// one of two orders:
+//  * by piece (kByEntry = false, the fused kernels): item i is 16-byte piece i % P of entry
+//    i / P's row (P pieces per row), so consecutive lanes fill whole rows; each item computes its
+//    entry (its codebook loads and packing) again.
+//  * by entry (the wgmma kernel): a thread computes an entry once and writes its row's pieces in
+//    an order rotated by the lane, so that a warp's 32 stores spread over all banks (4
+//    wavefronts, the least for 512 bytes; a 64-byte row covers half the banks, so lanes 2i and
+//    2i + 1 share a rotation). At the wgmma kernel's start, on the first chunk's path, the bits-5
+//    table (1024 entries, 128 KiB) then took 1.1 us instead of 1.8 (Llama-3-8B down at M = 128,
+//    benchmarks/results/wgmma_early_copies_h200_s36.md). In the fused kernels the same code
+//    changed how ptxas built their hot loops (tools/sass_loops.py: several 16-36 instructions
+//    longer, a few shorter): bits 2 took 0.92-0.97x the time at M = 24..64, but the 16-row
+//    N-split tiling up to 1.09x at M = 16; they keep the order by piece until that is understood.
+template <class WP, class Act, bool kByEntry = false>
 __device__ __forceinline__ void build_table(uint32_t lut, const float* cb, int tid, int nthreads) {
   constexpr int kPieces = WP::kCopies * WP::kEntryBytes / 16;  // 16-byte stores per row
-  for (int i = tid; i < WP::kEntries * kPieces; i += nthreads) {
-    const int e = i / kPieces, piece = i % kPieces;
-    const uint2 v = WP::template lut_entry<Act>(e, cb);
-    sts128(lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
+  if constexpr (kByEntry) {
+    constexpr int kLanesPerRotation = WP::kRowBytes >= 128 ? 1 : 128 / WP::kRowBytes;
+    static_assert((kPieces & (kPieces - 1)) == 0, "pieces per row: a power of two");
+    const int rotation = (tid & 31) / kLanesPerRotation;
+    for (int e = tid; e < WP::kEntries; e += nthreads) {
+      const uint2 v = WP::template lut_entry<Act>(e, cb);
+#pragma unroll
+      for (int j = 0; j < kPieces; ++j)
+        sts128(lut + e * WP::kRowBytes + ((j + rotation) & (kPieces - 1)) * 16, v.x, v.y, v.x, v.y);
+    }
+  } else {
+    for (int i = tid; i < WP::kEntries * kPieces; i += nthreads) {
+      const int e = i / kPieces, piece = i % kPieces;
+      const uint2 v = WP::template lut_entry<Act>(e, cb);
+      sts128(lut + e * WP::kRowBytes + piece * 16, v.x, v.y, v.x, v.y);
+    }
   }
 }
 
