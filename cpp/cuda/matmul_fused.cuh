@@ -1029,9 +1029,10 @@ struct WsSizes {
   }
   // Receive slots of ItemReducer (V0/V1): one per other rank of a kMaxKSplit cluster, fewer
   // where they would cut the ring below 4 stages (or below its depth with one slot, if less);
-  // the launcher then caps the cluster size at slots + 1. (12 of the 16 tilings get all 7; four
+  // the launcher then caps the cluster size at slots + 1. (13 of the 16 tilings get all 7; four
   // lose one stage, e.g. bits 2 at MT = 1 8 -> 7, which the session-9 ring A/B put within 0-2 %;
-  // bits 5 at MT = 1, V0 gets 2 slots, at MT = 2, V0 4, bits 2 and 4 at MT = 2, V1 6.)
+  // bits 5 at MT = 1, V0 gets 2 slots, bits 2 and 4 at MT = 2, V1 6. Bits 5 at MT = 2, V0 had 4
+  // next to the 128 KiB table, until session 36.)
   static constexpr int recv_slots() {
     using R = ItemReducer<kWarps, C::kAcc, 1>;
     const int want = std::min(stages_with(R::bytes_with(1)), 4);

@@ -92,6 +92,12 @@
 //  over 6-CTA clusters) pulled with every rank's loads before the first add; a pull from more
 //  than 3 ranks now adds rank by rank (0.93-0.94x the time at 5-8 ranks), and WgLauncher::cost
 //  charges a pull, so 128-row tiles that push win there (Qwen3 o at M = 256: 0.78x the time).
+//  Session 36 (H200, benchmarks/results/wgmma_early_copies_h200_s36.md): the first chunks' copies
+//  go out before the table is built, and the table is built by entry: the first chunk arrives at
+//  1.3 us instead of 1.9 (bits 4) / 3.0 (bits 5); harness M = 16..128 0.94-0.99x the time. ncu at
+//  M = 512 (Llama-3-70B down, bits 4): ~94 % of the tensor cores' rate, as the dense dot; at
+//  M = 128 on Llama-3-8B down, 36 SMs idle (16 tiles of 256 columns x 6 ranks) and ~17 % of the
+//  samples in the pull's remote adds.
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
