@@ -213,15 +213,19 @@ __device__ __forceinline__ void scale_fragments(uint32_t (&a)[2][4], float s_lo,
 //  * by piece (kByEntry = false, the fused kernels): item i is 16-byte piece i % P of entry
 //    i / P's row (P pieces per row), so consecutive lanes fill whole rows; each item computes its
 //    entry (its codebook loads and packing) again.
-//  * by entry (the wgmma kernel): a thread computes an entry once and writes its row's pieces in
-//    an order rotated by the lane, so that a warp's 32 stores spread over all banks (4
-//    wavefronts, the least for 512 bytes; a 64-byte row covers half the banks, so lanes 2i and
-//    2i + 1 share a rotation). At the wgmma kernel's start, on the first chunk's path, the bits-5
-//    table (1024 entries, 128 KiB) then took 1.1 us instead of 1.8 (Llama-3-8B down at M = 128,
-//    benchmarks/results/wgmma_early_copies_h200_s36.md). In the fused kernels the same code
-//    changed how ptxas built their hot loops (tools/sass_loops.py: several 16-36 instructions
-//    longer, a few shorter): bits 2 took 0.92-0.97x the time at M = 24..64, but the 16-row
-//    N-split tiling up to 1.09x at M = 16; they keep the order by piece until that is understood.
+//  * by entry (the wgmma kernel, and the fused kernels' build at entry): a thread computes an
+//    entry once and writes its row's pieces in an order rotated by the lane, so that a warp's 32
+//    stores spread over all banks (4 wavefronts, the least for 512 bytes; a 64-byte row covers
+//    half the banks, so lanes 2i and 2i + 1 share a rotation). At the wgmma kernel's start, on
+//    the first chunk's path, the bits-5 table (1024 entries, 128 KiB) then took 1.1 us instead
+//    of 1.8 (Llama-3-8B down at M = 128, benchmarks/results/wgmma_early_copies_h200_s36.md); at
+//    the fused kernel's, 1.6 us instead of 2.4 (Llama-3-70B down, M = 1;
+//    fused_early_table_h200_s37.md).
+//    The fused kernels' rebuild inside their item loop keeps the order by piece: by entry there,
+//    ptxas built their hot loops 16-36 instructions longer or shorter (tools/sass_loops.py), and
+//    the 16-row N-split tiling took up to 1.09x the time at M = 16 (session 36). The build at
+//    entry leaves the loops' lengths as they were, but not their order (bits 5 at M <= 8 took
+//    1.02-1.04x the time where that build does not run, under PDL).
 template <class WP, class Act, bool kByEntry = false>
 __device__ __forceinline__ void build_table(uint32_t lut, const float* cb, int tid, int nthreads) {
   constexpr int kPieces = WP::kCopies * WP::kEntryBytes / 16;  // 16-byte stores per row
