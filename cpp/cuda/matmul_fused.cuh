@@ -1150,7 +1150,12 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   if (tid == NT) {
     const Cursor c0 = walk.first();
     if (ready) {
-      mbar_init(s_full, 1);
+      // This thread initializes every full barrier here: with warp 0 initializing those of the
+      // other stages meanwhile (as without `ready`), compute-sanitizer's racecheck reported this
+      // first arrival as racing with warp 0's initializations (its per-lane loop over the
+      // barriers' addresses); this way no other thread touches a full barrier before the setup
+      // barrier.
+      for (int s = 0; s < D; ++s) mbar_init(s_full + 8 * s, 1);
       asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
       if (Q > 0) {
         issue(0, c0);
@@ -1165,7 +1170,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     }
   }
   if (tid < D) {
-    if (tid > 0 || !ready) mbar_init(s_full + 8 * tid, 1);  // the producer's arrival (with the byte count)
+    if (!ready) mbar_init(s_full + 8 * tid, 1);  // the producer's arrival (with the byte count)
     mbar_init(s_empty + 8 * tid, NW);
   }
   if (tid == 0) reducer.init();
