@@ -578,6 +578,7 @@ static void test_dispatch() {
   for (const Want& w : wants)
     for (int bits = w.bits_lo; bits <= w.bits_hi; ++bits) {
       kbit::cuda::MatmulTuning tune;
+      tune.variant = -2;  // matmul_fused.cuh's own choice (with bf16 at M = 32 users get the wgmma kernel)
       launch_zeros(w.K, w.N, w.M, w.dt, bits, tune);
       const bool ok = w.nsplit_rows > 0
                           ? tune.launched_variant == 2 && tune.launched_rows == w.nsplit_rows
@@ -587,7 +588,7 @@ static void test_dispatch() {
              w.nsplit_rows == 32 ? "the N-split tiling of 32 rows"
              : w.nsplit_rows == 16 ? "the N-split tiling of 16 rows" : "a 16-row tiling");
     }
-  if (!kbit::cuda::wgmma_max_rows_here(0)) return;  // (no wgmma kernel on this device or build)
+  if (!kbit::cuda::wgmma_rule_here().max_rows) return;  // (no wgmma kernel on this device or build)
   struct WgWant { int K, N, M, bits, rows, tiles; bool split; };
   const WgWant wg_wants[] = {{8192, 28672, 512, 2, 256, 1, true}, {8192, 28672, 512, 3, 256, 1, true},
                              {8192, 28672, 512, 4, 256, 1, true}, {4096, 14336, 512, 5, 256, 1, false},
@@ -990,9 +991,9 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 //   1..8: <us>/<k_split launched>/<ctas>   (a size the launcher rejects runs as another)
 // Fewer repetitions than "sel" (5 batches of 10 launches): it is for choosing, not reporting.
 // KBIT_HARNESS_SWEEP_M="128 256 512" sweeps other M (up to 4096), KBIT_HARNESS_SWEEP_BITS="3"
-// other bits. From 65 rows (the module's wgmma range; from any M with KBIT_HARNESS_SWEEP_WGMMA=1)
-// it times the wgmma kernel, and a line ends with " fused <us>" (M <= 128): matmul_fused.cuh's
-// time at that M (the module's choice below 65 rows, its 16-row tilings above), and " tiles <J>":
+// other bits. From 65 rows (from any M with KBIT_HARNESS_SWEEP_WGMMA=1) it times the wgmma
+// kernel, and a line ends with " fused <us>" (M <= 128): matmul_fused.cuh's time at that M (its
+// launcher's choice below 65 rows, its 16-row tilings above), and " tiles <J>":
 // the weight tiles per warpgroup the launcher chose. At M <= 128 the forced sizes of the SWEEP
 // line run the 256-column tile, and a second line, "BN128 ..." (same fields), the 128-column
 // tile (tuning.wg_tiles).
@@ -1029,8 +1030,9 @@ static void bench_sweep() {
         };
         double fused_us = 0;
         if (wgmma && M <= 128) {
-          if (M < 65) {  // the module's own choice at this M (matmul_fused.cuh, any tiling)
+          if (M < 65) {  // matmul_fused.cuh's own choice at this M (any tiling)
             kbit::cuda::MatmulTuning t;
+            t.variant = -2;
             fused_us = time_tuned(tm, env.matmul_args(s, bits, M), w, t, 5, 10);
           } else {  // (variant -1 would pick the wgmma kernel here)
             double us_v[2];

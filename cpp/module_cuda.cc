@@ -36,14 +36,18 @@ NB_MODULE(_kbit_cuda, m) {
     d["cuda_driver_version"] = cudaDriverGetVersion(&driver) == cudaSuccess ? driver : -1;
     d["fused_matmul"] = "bf16/f16 activations, fragment layout (layout=1); others: generic SIMT kernel";
     // bf16 products of wgmma_min_m..wgmma_max_m rows take the wgmma kernel (0: not on this
-    // device); those of N >= wgmma_wide_n columns or bits >= wgmma_wide_bits from
-    // wgmma_wide_min_m rows, and those of bits >= wgmma_wide_bits up to wgmma_wide_bits_max_m
-    d["wgmma_min_m"] = kbit::cuda::wgmma_min_rows_here(0, 0);
-    d["wgmma_max_m"] = kbit::cuda::wgmma_max_rows_here(0);
-    d["wgmma_wide_bits_max_m"] = kbit::cuda::wgmma_max_rows_here(kbit::cuda::wgmma_wide_bits());
-    d["wgmma_wide_n"] = kbit::cuda::wgmma_wide_n();
-    d["wgmma_wide_bits"] = kbit::cuda::wgmma_wide_bits();
-    d["wgmma_wide_min_m"] = kbit::cuda::wgmma_min_rows_here(kbit::cuda::wgmma_wide_n(), 0);
+    // device); the early ones (bits >= wgmma_early_bits with N >= wgmma_early_bits_n, or
+    // N >= wgmma_early_n with K * N <= wgmma_early_max_weights) from wgmma_early_min_m rows;
+    // those of bits >= wgmma_early_bits up to wgmma_wide_bits_max_m (kbit::cuda::WgmmaRule).
+    const kbit::cuda::WgmmaRule rule = kbit::cuda::wgmma_rule_here();
+    d["wgmma_min_m"] = rule.min_rows;
+    d["wgmma_early_min_m"] = rule.early_min_rows;
+    d["wgmma_max_m"] = rule.max_rows;
+    d["wgmma_wide_bits_max_m"] = rule.wide_bits_max_rows;
+    d["wgmma_early_bits"] = rule.early_bits;
+    d["wgmma_early_bits_n"] = rule.early_bits_n;
+    d["wgmma_early_n"] = rule.early_n;
+    d["wgmma_early_max_weights"] = rule.early_max_weights;
     return d;
   });
 }

@@ -225,20 +225,25 @@ def test_cuda_lowering_glu():
 
 def test_cuda_lowering_follows_the_wgmma_rows(monkeypatch):
     """On a device with the wgmma kernel (simulated: the module's build_info as on an H100), the
-    lowering mirrors cpp/cuda/matmul.cu's rule -- from 33 rows where N >= 4096 or bits = 5, else
-    from 65, up to 1024 (bits 5: 512) -- where it decides who gates a GLU and whether M > 128
-    stays fused."""
+    lowering mirrors cpp/cuda/matmul.cu's rule -- from 33 rows, or from 17 at bits 5 where N >=
+    2560 and where N >= 5120 with K * N <= 48 Mi, up to 1024 (bits 5: 512) -- where it decides
+    who gates a GLU and whether M > 128 stays fused."""
     if not kj.build_info()["cuda_module"]:
         pytest.skip("the CUDA module is not built")
     from kbit_jax.primitives import matmul as mp
-    monkeypatch.setattr(mp, "_wgmma_info", lambda: (65, 1024, 4096, 5, 33, 512))
-    assert mp.wgmma_rows(4096, 4) == (33, 1024) and mp.wgmma_rows(2048, 5) == (33, 512)
-    assert mp.wgmma_rows(2048, 4) == (65, 1024) and mp.wgmma_rows() == (65, 1024)
-    assert mp.wgmma_rows(4096, 5) == (33, 512)
+    rule = dict(min_m=33, early_min_m=17, max_m=1024, wide_bits_max_m=512, early_bits=5,
+                early_bits_n=2560, early_n=5120, early_max_weights=48 << 20)
+    monkeypatch.setattr(mp, "_wgmma_info", lambda: rule)
+    assert mp.wgmma_rows(4096, 4, 4096) == (33, 1024) and mp.wgmma_rows(2048, 5, 2048) == (33, 512)
+    assert mp.wgmma_rows(2560, 5, 8192) == (17, 512) and mp.wgmma_rows(5120, 4, 2048) == (17, 1024)
+    assert mp.wgmma_rows(5120, 4, 8192) == (17, 1024) and mp.wgmma_rows(14336, 4, 4096) == (33, 1024)
+    assert mp.wgmma_rows(4096, 4, 2048) == (33, 1024)
+    assert mp.wgmma_rows() == (33, 1024) and mp.wgmma_rows(5120, 4) == (33, 1024)  # (K unknown)
     f = jax.jit(lambda x, w: kj.matmul(x, w, glu="silu"))
-    for n, bits, where in ((4096, 4, "kernel"), (2048, 5, "kernel"), (2048, 4, "xla after kernel")):
-        w = kj.quantize(jnp.ones((64, n)), bits)
-        text = f.trace(jnp.ones((48, 64), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    for n, bits, where in ((5120, 4, "kernel"), (2560, 5, "kernel"), (4096, 4, "xla after kernel"),
+                           (2048, 5, "xla after kernel")):
+        w = kj.quantize(jnp.ones((64, n)), bits)  # K = 64: a short layer
+        text = f.trace(jnp.ones((24, 64), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
         assert ("glu = 1" in text) == (where == "kernel"), (n, bits)
         assert ("glu = 0" in text) == (where == "xla after kernel"), (n, bits)
     w = kj.quantize(jnp.ones((64, 4096)), 4)
@@ -250,7 +255,8 @@ def test_cuda_lowering_follows_the_wgmma_rows(monkeypatch):
         text = g.trace(jnp.ones((1000, 64), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
         assert ("kbit_dequantize" in text) == (where == "dequantize"), bits
     w = kj.quantize(jnp.ones((64, 4096)), 4)
-    monkeypatch.setattr(mp, "_wgmma_info", lambda: (0, 0, 0, 0, 0, 0))  # no wgmma kernel on this device
+    monkeypatch.setattr(mp, "_wgmma_info", lambda: dict(rule, min_m=0, early_min_m=0, max_m=0,
+                                                       wide_bits_max_m=0))  # no wgmma kernel here
     assert mp.wgmma_rows(4096, 5) == (0, 0)
     assert "kbit_dequantize" in g.trace(jnp.ones((201, 64), jnp.bfloat16), w).lower(
         lowering_platforms=("cuda",)).as_text()

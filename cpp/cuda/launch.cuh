@@ -76,7 +76,8 @@ struct MatmulTuning {
   bool force_generic = false;  // use the slow SIMT kernel even where the fused one applies
   int variant = -1;            // fused tiling: 0 or 1 (the 8- and 16-row tilings), 2 (the N-split tiling
                                // of 16, 32 or 64 rows, warp-specialized kernel only), 3 (the wgmma kernel,
-                               // bf16 and N % 16 == 0 on sm_90a only); -1 = the launcher picks
+                               // bf16 and N % 16 == 0 on sm_90a only); -1 = the launcher picks; -2 =
+                               // matmul_fused.cuh's launcher picks (never the wgmma kernel)
   int ws_max_rows = -1;        // M up to which the warp-specialized kernel runs; -1 = default
   int wg_tiles = 0;            // wgmma kernel, M <= 128: m64 weight tiles per warpgroup, 2 (256 columns
                                // per CTA) or 1 (128); 0 = the launcher picks (WgLauncher::cost)
@@ -109,14 +110,18 @@ std::string launch_dequantize(const DequantizeArgs& a, cudaStream_t stream);
 std::string launch_matmul(const MatmulArgs& a, cudaStream_t stream,
                           const MatmulTuning* tuning = nullptr);
 
-// The rows of x (min..max) for which bf16 products of N columns and `bits` take the wgmma kernel
-// on this device (0, 0: not compiled, not a compute capability 9.0 device, or
-// KBIT_JAX_WGMMA_MIN_M=0), for the JAX-side dispatch; the minimum is lower from N =
-// wgmma_wide_n() and from bits = wgmma_wide_bits() up, and so is the maximum from those bits.
-int wgmma_min_rows_here(int64_t n, int bits);
-int wgmma_max_rows_here(int bits);
-int wgmma_wide_n();
-int wgmma_wide_bits();
+// Which bf16 products take the wgmma kernel (cpp/cuda/matmul.cu says why), for the JAX-side
+// dispatch: rows min_rows..max_rows, from early_min_rows for the "early" products (bits >=
+// early_bits with N >= early_bits_n columns, or N >= early_n with K * N <= early_max_weights), up
+// to wide_bits_max_rows from bits >= early_bits. The rows are 0 where the device has no wgmma
+// kernel (not compiled, not compute capability 9.0, or KBIT_JAX_WGMMA_MIN_M=0), and the
+// environment's KBIT_JAX_WGMMA_MIN_M / _MAX_M replace them for every product.
+struct WgmmaRule {
+  int min_rows = 0, early_min_rows = 0, max_rows = 0, wide_bits_max_rows = 0;
+  int early_bits = 0, early_bits_n = 0, early_n = 0;
+  int64_t early_max_weights = 0;
+};
+WgmmaRule wgmma_rule_here();
 
 // The architectures the device code was compiled for (from nvcc's __CUDA_ARCH_LIST__),
 // e.g. "90", and the CUDA toolkit version the module was built with, e.g. "13.0".

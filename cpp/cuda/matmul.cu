@@ -1,9 +1,10 @@
 // kbit_matmul dispatch: the fused tensor-core kernels where they apply (matmul_wgmma.cuh for
-// bf16 at kWgmmaMinRows..kWgmmaMaxRows rows, from kWgmmaWideMinRows where N >= kWgmmaWideN or
-// bits >= kWgmmaWideBits, and to kWgmmaWideBitsMaxRows for those bits; matmul_fused.cuh
-// otherwise), the generic SIMT kernel
-// (matmul_generic.cu) elsewhere; plus the build information of the module.
+// bf16 at kWgmmaMinRows..kWgmmaMaxRows rows, from kWgmmaEarlyMinRows for the products
+// wgmma_min_rows calls early, and to kWgmmaWideBitsMaxRows at bits 5; matmul_fused.cuh
+// otherwise), the generic SIMT kernel (matmul_generic.cu) elsewhere; plus the build information
+// of the module.
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 
 #include "cuda/common.cuh"
@@ -44,23 +45,39 @@ std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
 // 2048: 0.85-1.15x, slower on 10 of 20), but 0.81-1.19x at bits 5, slower on 11 of 20 (then on
 // the 128-row tile; session 33's 256-row tile for bits 5 read 0.89-1.17x, slower on 7 of 12:
 // benchmarks/results/bits5_tables_h200_s33.md). So bits 2-4 take it up to 1024 rows, bits 5 up
-// to 512. The environment overrides the range for every N and bits (KBIT_JAX_WGMMA_MIN_M /
-// _MAX_M, read once per process; MIN_M=0: never).
-constexpr int kWgmmaMinRows = 65, kWgmmaMaxRows = 1024, kWgmmaWideBitsMaxRows = 512;
-constexpr int kWgmmaWideMinRows = 33, kWgmmaWideN = 4096, kWgmmaWideBits = 5;
+// to 512. Session 37 (H200, harness "rows" without PDL, M = 17..64, both kernels timed on every
+// case: the 10 benchmark shapes and Llama-3-70B's per-device layers at TP 2 and 4, bits 2-5;
+// benchmarks/results/wgmma_dispatch_h200_s37.md): after sessions 34 and 36 sped up its cluster sum
+// and its start, the wgmma kernel was the faster one at every M >= 40 (N = 2048 layers at bits
+// 2-4 included: GLM-4.7 down, M = 40, bits 2: 17.3 against 21.1 us; Llama-3-70B q/k/v at TP 4,
+// M = 64: 1.68x faster), and at 17..32 on the wide layers of at most ~50 M weights (Qwen3 gate/up
+// at bits 2, M = 17: 9.5 against 15.1 us, where the fused kernel's 16-row blocks leave 160 items
+// for 132 SMs; Llama-3-70B q/k/v and o at TP 2) and at bits 5 from N = 2560. Elsewhere at 17..32
+// the fused kernel was (up to 1.31x faster: GLM-4.7 down at bits 4; the Llama gate/up and down
+// layers by 1.05-1.18x). The rule below is within 0.26 % of the faster kernel on (geometric)
+// average over those 448 cases and 22 % at worst (Llama-3-70B q/k/v at TP 4, bits 2, M = 17..32);
+// the previous one (from 33 where N >= 4096 or bits 5, else 65) was 4.2 % and 68 % off.
+// The environment overrides the range for every N and bits (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read
+// once per process; MIN_M=0: never).
+constexpr int kWgmmaMinRows = 33, kWgmmaEarlyMinRows = 17, kWgmmaMaxRows = 1024, kWgmmaWideBitsMaxRows = 512;
+constexpr int kWgmmaEarlyBits = 5, kWgmmaEarlyBitsN = 2560;            // bits 5 where N >= 2560
+constexpr int kWgmmaEarlyN = 5120;                                     // N >= 5120 where K * N
+constexpr int64_t kWgmmaEarlyMaxWeights = int64_t(48) << 20;           // <= 48 Mi weights
 int env_or(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return v != nullptr ? std::atoi(v) : fallback;
 }
-int wgmma_min_rows(int64_t n, int bits) {
+int wgmma_min_rows(int64_t n, int64_t k, int bits) {
   static const int forced = env_or("KBIT_JAX_WGMMA_MIN_M", -1);
   if (forced >= 0) return forced;
-  return n >= kWgmmaWideN || bits >= kWgmmaWideBits ? kWgmmaWideMinRows : kWgmmaMinRows;
+  const bool early =
+      (bits >= kWgmmaEarlyBits && n >= kWgmmaEarlyBitsN) || (n >= kWgmmaEarlyN && k * n <= kWgmmaEarlyMaxWeights);
+  return early ? kWgmmaEarlyMinRows : kWgmmaMinRows;
 }
 int wgmma_max_rows(int bits) {
   static const int forced = env_or("KBIT_JAX_WGMMA_MAX_M", -1);
   if (forced >= 0) return forced;
-  return bits >= kWgmmaWideBits ? kWgmmaWideBitsMaxRows : kWgmmaMaxRows;
+  return bits >= kWgmmaEarlyBits ? kWgmmaWideBitsMaxRows : kWgmmaMaxRows;
 }
 
 // The module has the wgmma kernel (CMake compiled the sm_90a target: KBIT_WGMMA) and the current
@@ -83,19 +100,26 @@ bool wgmma_available() {
 #endif
 }
 
-int wgmma_min_rows_here(int64_t n, int bits) {
-  return wgmma_available() ? std::max(wgmma_min_rows(n, bits), 0) : 0;
+WgmmaRule wgmma_rule_here() {
+  WgmmaRule r;
+  r.early_bits = kWgmmaEarlyBits;
+  r.early_bits_n = kWgmmaEarlyBitsN;
+  r.early_n = kWgmmaEarlyN;
+  r.early_max_weights = kWgmmaEarlyMaxWeights;
+  if (!wgmma_available() || wgmma_min_rows(0, 0, 0) <= 0) return r;  // rows 0: no wgmma kernel
+  r.min_rows = wgmma_min_rows(0, 0, 0);
+  r.early_min_rows = wgmma_min_rows(kWgmmaEarlyBitsN, 0, kWgmmaEarlyBits);
+  r.max_rows = wgmma_max_rows(0);
+  r.wide_bits_max_rows = wgmma_max_rows(kWgmmaEarlyBits);
+  return r;
 }
-int wgmma_max_rows_here(int bits) { return wgmma_min_rows_here(0, 0) > 0 ? wgmma_max_rows(bits) : 0; }
-int wgmma_wide_n() { return kWgmmaWideN; }
-int wgmma_wide_bits() { return kWgmmaWideBits; }
 
 // bf16 activations, the fragment layout and 16-byte rows (N % 16 == 0); tuning->variant 3 forces
-// it where it applies, 0..2 keep matmul_fused.cuh's tilings.
+// it where it applies, 0..2 and -2 keep matmul_fused.cuh's kernels.
 bool use_wgmma(const MatmulArgs& a, const MatmulTuning* tuning) {
   if (a.dtype != DType::kBF16 || a.layout != kbit::kFragment || a.n % 16 != 0 || !wgmma_available()) return false;
-  if (tuning && tuning->variant >= 0) return tuning->variant == 3;
-  const int lo = wgmma_min_rows(a.n, a.bits);
+  if (tuning && tuning->variant != -1) return tuning->variant == 3;
+  const int lo = wgmma_min_rows(a.n, a.k, a.bits);
   return lo > 0 && a.m >= lo && a.m <= wgmma_max_rows(a.bits);
 }
 

@@ -42,29 +42,32 @@ FUSED_ANY_N_MAX_M = 16
 
 
 @functools.lru_cache(maxsize=None)
-def _wgmma_info() -> tuple[int, int, int, int, int, int]:
-    if not _ext.has_cuda():
-        return 0, 0, 0, 0, 0, 0
-    info = _ext.build_info()
-    lo, hi = int(info.get("wgmma_min_m", 0)), int(info.get("wgmma_max_m", 0))
-    return (lo, hi, int(info.get("wgmma_wide_n", 0)), int(info.get("wgmma_wide_bits", 0)),
-            int(info.get("wgmma_wide_min_m", lo)), int(info.get("wgmma_wide_bits_max_m", hi)))
+def _wgmma_info() -> dict[str, int]:
+    """The module's rule for the wgmma kernel (cpp/cuda/launch.cuh's WgmmaRule); rows 0 where
+    there is none."""
+    keys = ("min_m", "early_min_m", "max_m", "wide_bits_max_m", "early_bits", "early_bits_n",
+            "early_n", "early_max_weights")
+    info = _ext.build_info() if _ext.has_cuda() else {}
+    return {key: int(info.get("wgmma_" + key, 0)) for key in keys}
 
 
-def wgmma_rows(n: int = 0, bits: int = 0) -> tuple[int, int]:
-    """(min, max): the rows (M) for which bf16 products of ``n`` columns (N % 16 == 0) at ``bits``
-    take the CUDA module's wgmma kernel (cpp/cuda/matmul_wgmma.cuh; cpp/cuda/matmul.cu says where
-    it wins: from 33 rows where N >= 4096 or bits = 5, else from 65, up to 1024 at bits 2-4 and
-    512 at bits 5), whose epilogue applies a GLU to the staged float32 tile, after its main loop;
-    (0, 0) where there is none (no CUDA module, a build without the sm_90a target, a GPU other
-    than compute capability 9.0, or KBIT_JAX_WGMMA_MIN_M=0, which like _MAX_M sets the range for
-    every N and bits). Above FUSED_MAX_M, "auto" takes the fused kernel too where this range
-    covers M."""
-    lo, hi, wide_n, wide_bits, wide_lo, wide_bits_hi = _wgmma_info()
-    if lo == 0:
+def wgmma_rows(n: int = 0, bits: int = 0, k: int = 0) -> tuple[int, int]:
+    """(min, max): the rows (M) for which bf16 products of ``n`` columns (N % 16 == 0), ``k``
+    rows of W and ``bits`` take the CUDA module's wgmma kernel (cpp/cuda/matmul_wgmma.cuh;
+    cpp/cuda/matmul.cu says where it wins: from 33 rows, or from 17 at bits 5 with N >= 2560 and
+    where N >= 5120 with K * N <= 48 Mi; up to 1024 at bits 2-4 and 512 at bits 5), whose
+    epilogue applies a GLU to the staged float32 tile, after its main loop; (0, 0) where there is
+    none (no CUDA module, a build without the sm_90a target, a GPU other than compute capability
+    9.0, or KBIT_JAX_WGMMA_MIN_M=0, which like _MAX_M sets the range for every product). ``k`` =
+    0: unknown (the rule then leaves out the K * N test). Above FUSED_MAX_M, "auto" takes the
+    fused kernel too where this range covers M."""
+    r = _wgmma_info()
+    if r["min_m"] == 0:
         return 0, 0
-    wide = (wide_n and n >= wide_n) or (wide_bits and bits >= wide_bits)
-    return (wide_lo if wide else lo), (wide_bits_hi if wide_bits and bits >= wide_bits else hi)
+    early = ((r["early_bits"] and bits >= r["early_bits"] and n >= r["early_bits_n"])
+             or (k > 0 and r["early_n"] and n >= r["early_n"] and k * n <= r["early_max_weights"]))
+    wide_bits = r["early_bits"] and bits >= r["early_bits"]
+    return (r["early_min_m"] if early else r["min_m"]), (r["wide_bits_max_m"] if wide_bits else r["max_m"])
 
 
 #: On CUDA under method "auto", rows up to which the fused bf16/f16 kernel applies a GLU itself;
@@ -125,7 +128,7 @@ def _cuda_lowering(ctx, x, planes, scales, codebook, tensor_scale, *, layout, me
     m = x_aval.shape[1]
     n, bits = ctx.avals_in[1].shape[2:]  # planes: [B, K/32, N, bits]
     small = m <= FUSED_ANY_N_MAX_M or (m <= FUSED_MAX_M and n % 16 == 0)
-    lo, hi = wgmma_rows(n, bits)
+    lo, hi = wgmma_rows(n, bits, x_aval.shape[2])
     tensor_core = x_aval.dtype == jnp.bfloat16 and layout == "fragment" and n % 16 == 0 and 0 < lo <= m <= hi
     fused = method == "fused" or (method == "auto" and (x_aval.dtype == jnp.float32 or
                                                          (fast and (small or tensor_core))))
