@@ -1150,12 +1150,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   if (tid == NT) {
     const Cursor c0 = walk.first();
     if (ready) {
-      // This thread initializes every full barrier here: with warp 0 initializing those of the
-      // other stages meanwhile (as without `ready`), compute-sanitizer's racecheck reported this
-      // first arrival as racing with warp 0's initializations (its per-lane loop over the
-      // barriers' addresses); this way no other thread touches a full barrier before the setup
-      // barrier.
-      for (int s = 0; s < D; ++s) mbar_init(s_full + 8 * s, 1);
+      mbar_init(s_full, 1);
       asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
       if (Q > 0) {
         issue(0, c0);
@@ -1169,8 +1164,13 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       tma_prefetch_l2_2d(&smap, c0.col0, row_of(c0));
     }
   }
+  // (With inputs ready, compute-sanitizer's racecheck reports the producer's first arrival above
+  // as a RAW hazard with "thread 3 or 4" writing stage 0's full barrier here. No thread but the
+  // producer writes it: ptxas makes the loop below over the lanes' barriers a uniform-predicated
+  // SYNCS.EXCH, and the report points at the NOP before it and stays when warp 0 skips every full
+  // barrier with ready inputs (session 37, benchmarks/results/fused_early_table_h200_s37.md).)
   if (tid < D) {
-    if (!ready) mbar_init(s_full + 8 * tid, 1);  // the producer's arrival (with the byte count)
+    if (tid > 0 || !ready) mbar_init(s_full + 8 * tid, 1);  // the producer's arrival (with the byte count)
     mbar_init(s_empty + 8 * tid, NW);
   }
   if (tid == 0) reducer.init();
