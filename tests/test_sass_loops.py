@@ -106,3 +106,18 @@ def test_loops_pair_kernels_by_template_arguments(capsys):
     assert [ln.split() for ln in lines[1:]] == [
         ["matmul_wgmma_b4:", "wgmma", "bits", "4", "BM", "128", "2", "->", "3", "(+1)"],
         ["matmul_wgmma_b4:", "wgmma", "bits", "4", "BM", "256", "-", "->", "2", "(new)"]]
+
+
+def test_loops_of_equal_length_in_another_order_are_marked_reordered(capsys):
+    # renamed registers and other immediates are the same loop; two instructions swapped are not
+    loop = [(0x00, "LDS R4, [R2+0x10]"), (0x10, "HMMA.16816.F32.BF16 R8, R4, R6, R8"),
+            (0x20, "IADD3 R2, R2, 0x20, RZ"), (0x30, "@P0 BRA 0x0")]
+    renamed = [(a, i.replace("R4", "R5").replace("0x10]", "0x30]")) for a, i in loop]
+    swapped = [loop[0], (0x10, loop[2][1]), (0x20, loop[1][1]), loop[3]]
+    assert sass_loops.moved(loop, renamed) == 0 and sass_loops.moved(loop, swapped) == 2
+    sass = {"matmul_fused_b4": {"ref": function(WS, loop), "new": function(WS, swapped)},
+            "matmul_fused_b2": {"ref": function(WS, loop), "new": function(WS, renamed)}}
+    assert sass_loops.report_loops(sass, "HEAD", max_growth=0) == 0  # (not growth)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-4:] == ["4", "(reordered:", "2", "moved)"]
+    assert lines[2].split()[-3:] == ["4", "->", "4"]

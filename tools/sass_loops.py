@@ -10,7 +10,11 @@ For every kernel in the compiled `cpp/cuda/matmul_fused_b*.cu` and `matmul_wgmma
 trees, the hot loop is taken as the shortest loop that contains an HMMA (mma.sync) or HGMMA
 (wgmma) instruction: the instructions from a backward branch's target to the branch. Each kernel
 gets one line, with the loop's instruction count in REF and in the working tree. (The wgmma
-kernel's loop is one chunk, two k-blocks, and includes warp 0's copy code.)
+kernel's loop is one chunk, two k-blocks, and includes warp 0's copy code.) A loop of the same
+length whose instructions sit in another order (beyond register names) is marked "reordered":
+in session 37 a change before the fused kernels' loops left their lengths alone but reordered
+the bits-5 loops, which then took 1.02-1.04x the time
+(benchmarks/results/fused_early_table_h200_s37.md).
 
     python3 tools/sass_loops.py [REF] [--only b4] [--max-growth N]   (b4: both kernels' bits 4)
 
@@ -87,6 +91,17 @@ def hot_loop_size(code: list[tuple[int, str]]) -> int | None:
     """Instructions in hot_loop(code) (None: no loop)."""
     loop = hot_loop(code)
     return None if loop is None else len(loop)
+
+
+def _shape(ins: str) -> str:
+    """An instruction without its register numbers and immediates (what a renaming changes)."""
+    return re.sub(r"\bU?R\d+", "R", re.sub(r"0x[0-9a-f]+", "X", ins))
+
+
+def moved(ref_loop: list[tuple[int, str]], new_loop: list[tuple[int, str]]) -> int:
+    """Of two loops of equal length, the positions whose instruction differs beyond register
+    names and immediates: ptxas's schedule changed (0: the same loop, possibly renamed)."""
+    return sum(1 for (_, a), (_, b) in zip(ref_loop, new_loop) if _shape(a) != _shape(b))
 
 
 def label(mangled: str) -> str:
@@ -167,10 +182,12 @@ def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | No
     status = 0
     print(f"hot loop (instructions), {ref} -> working tree")
     for name, trees in sass.items():
-        sizes = {tree: {label(fn): hot_loop_size(code) for fn, code in functions(text).items()}
+        loops = {tree: {label(fn): hot_loop(code) for fn, code in functions(text).items()}
                  for tree, text in trees.items()}
-        for kernel in sorted(set(sizes["ref"]) | set(sizes["new"]), key=_natural):
-            before, after = sizes["ref"].get(kernel), sizes["new"].get(kernel)
+        for kernel in sorted(set(loops["ref"]) | set(loops["new"]), key=_natural):
+            ref_loop, new_loop = loops["ref"].get(kernel), loops["new"].get(kernel)
+            before = None if ref_loop is None else len(ref_loop)
+            after = None if new_loop is None else len(new_loop)
             if before is None and after is None:
                 continue  # no loop around an MMA in either tree
             mark = ""
@@ -182,6 +199,8 @@ def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | No
                 mark = f"  ({after - before:+d})"
                 if max_growth is not None and after - before > max_growth:
                     status = 1
+            elif moved(ref_loop, new_loop):
+                mark = f"  (reordered: {moved(ref_loop, new_loop)} moved)"
             print(f"  {name}: {kernel:34s} {_count(before):>5} -> {_count(after):>5}{mark}")
     return status
 
