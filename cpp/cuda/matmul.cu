@@ -106,8 +106,9 @@ WgmmaRule wgmma_rule_here() {
   r.early_bits_n = kWgmmaEarlyBitsN;
   r.early_n = kWgmmaEarlyN;
   r.early_max_weights = kWgmmaEarlyMaxWeights;
-  if (!wgmma_available() || wgmma_min_rows(0, 0, 0) <= 0) return r;  // rows 0: no wgmma kernel
-  r.min_rows = wgmma_min_rows(0, 0, 0);
+  const int min_rows = wgmma_min_rows(0, 0, 0);
+  if (!wgmma_available() || min_rows <= 0) return r;  // rows 0: no wgmma kernel
+  r.min_rows = min_rows;
   r.early_min_rows = wgmma_min_rows(kWgmmaEarlyBitsN, 0, kWgmmaEarlyBits);
   r.max_rows = wgmma_max_rows(0);
   r.wide_bits_max_rows = wgmma_max_rows(kWgmmaEarlyBits);

@@ -64,9 +64,9 @@ def wgmma_rows(n: int = 0, bits: int = 0, k: int = 0) -> tuple[int, int]:
     r = _wgmma_info()
     if r["min_m"] == 0:
         return 0, 0
-    early = ((r["early_bits"] and bits >= r["early_bits"] and n >= r["early_bits_n"])
-             or (k > 0 and r["early_n"] and n >= r["early_n"] and k * n <= r["early_max_weights"]))
     wide_bits = r["early_bits"] and bits >= r["early_bits"]
+    early = ((wide_bits and n >= r["early_bits_n"])
+             or (k > 0 and r["early_n"] and n >= r["early_n"] and k * n <= r["early_max_weights"]))
     return (r["early_min_m"] if early else r["min_m"]), (r["wide_bits_max_m"] if wide_bits else r["max_m"])
 
 
