@@ -679,11 +679,15 @@ static void test_matmul(bool quick) {
   }
   // The wgmma kernel (variant 3) with both weight tiles (128 and 256 columns per CTA) at every
   // row tile (BM 64, 128; 256 takes 128 columns): partial column tiles (N % 128 != 0), k-split
-  // clusters, partial k-range of the last rank, batch entries.
+  // clusters, partial k-range of the last rank, batch entries. At BM = 64 the 128-column tile
+  // splits each rank's chunks over two warpgroup pairs (WgConfig::kPairs): an odd k-block count,
+  // a pair without chunks (K = 96 over 2 ranks: 1 chunk each), one rank of 64 chunks (each pair's
+  // ring wraps many times).
   if (!quick)
     for (const MMCase& w : {MMCase{1, 100, 1024, 512, 0, false}, MMCase{2, 65, 2048, 272, 3, false},
                             MMCase{1, 128, 4096, 384, 0, false}, MMCase{1, 33, 1056, 144, 4, false},
-                            MMCase{1, 300, 2048, 208, 2, false}})
+                            MMCase{1, 300, 2048, 208, 2, false}, MMCase{2, 64, 2080, 272, 0, false},
+                            MMCase{1, 40, 96, 160, 2, false}, MMCase{1, 17, 4096, 128, 1, false}})
       for (int tiles : {1, 2}) {
         MMCase c = w;
         c.variant = 3;
@@ -1198,7 +1202,7 @@ static void bench_split_last() {
 // KBIT_HARNESS_PLANS_M (default "64 128 192 256 384 512") and KBIT_HARNESS_PLANS_BITS ("2 4 5")
 // choose the cases.
 static void bench_wgmma_plans() {
-  const std::vector<int> ms = env_int_list("KBIT_HARNESS_PLANS_M", "64 128 192 256 384 512", 33, 4096);
+  const std::vector<int> ms = env_int_list("KBIT_HARNESS_PLANS_M", "64 128 192 256 384 512", 17, 4096);
   const std::vector<int> bits_list = env_int_list("KBIT_HARNESS_PLANS_BITS", "2 4 5", 2, 5);
   BenchEnv env(*std::max_element(ms.begin(), ms.end()));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);

@@ -132,7 +132,17 @@ using WgWeightPath = std::conditional_t<BITS == 5 && BM == 256, fused::WeightPat
 template <int BITS, int BM, int J>
 struct WgConfig {
   static_assert(J == 1 || (J == 2 && BM <= 128), "accumulators: BM / 2 x J floats per thread, at most 128");
-  static constexpr int kThreads = 256;  // two warpgroups: decode and products (warp 0 copies too)
+  // Pairs of warpgroups (P): each pair computes the whole tile's columns over every P-th chunk
+  // of the rank's k-range; the epilogue adds the pairs' tiles. At BM = 64, J = 1 a chunk's
+  // decode (~100 instructions per warp and k-block) outlasts its products 3-4x, with two warps
+  // per scheduler to hide its latencies: 0.41 us per chunk on Qwen3 down at M = 32 and 64 alike
+  // (H200 timeline, session 38). With two pairs (four warps per scheduler) the main loop takes
+  // 0.68x the time there, and the launches 0.75-0.92x on Llama-3-70B's down, o and q/k/v layers
+  // at M = 17..64 (benchmarks/results/wgmma_pairs_h200_s38.md). 512 threads cap the registers
+  // at 128, which the 32 accumulators leave room for (114-126 used); the other tiles'
+  // accumulators (64-128 per thread) do not.
+  static constexpr int kPairs = BM == 64 && J == 1 ? 2 : 1;
+  static constexpr int kThreads = 256 * kPairs;  // per pair two warpgroups: decode and products (its warp 0 copies too)
   static constexpr int kTiles = J;
   static constexpr int kBN = 128 * kTiles;          // weight columns per CTA: 2 warpgroups x J tiles
   static constexpr int kKCH = 2;        // k-blocks (32 k each) per ring stage
@@ -149,11 +159,16 @@ struct WgConfig {
   // Up to S - 2 chunks in flight beyond the one being computed (a slot is refilled once the
   // products of the chunk before are done): 6 stages where they fit (bits 2-4 at BM <= 128, bits
   // 3 at 256), else 4 or 3 (bits 5's 128 KiB table at BM <= 128; bits 2, 4 and 5 at BM = 256);
-  // 0: this BM does not fit.
+  // 0: this BM does not fit. With pairs, each pair has S / P stages of its own, at least 3: 10
+  // (5 per pair) where they fit (bits 2-4), else 6 (bits 5).
   // (+ 16 bytes of barriers per stage and the cluster sum's receive barrier)
   static constexpr int fits(int s) { return kLutBytes + s * kStageBytes + 1024 + 16 * s + 8 <= kMaxSmemBytes; }
-  static constexpr int pick_stages() { return fits(6) ? 6 : fits(4) ? 4 : fits(3) ? 3 : 0; }
+  static constexpr int pick_stages() {
+    if (kPairs == 2) return fits(10) ? 10 : fits(8) ? 8 : fits(6) ? 6 : 0;
+    return fits(6) ? 6 : fits(4) ? 4 : fits(3) ? 3 : 0;
+  }
   static constexpr int kStages = pick_stages();
+  static constexpr int kPairStages = kStages / kPairs;
   static constexpr int kBarOffset = std::max(kLutBytes + kStages * kStageBytes + 1024, kTileBytes);
   // One CTA per SM: the launcher's plan (cluster sizes, waves) counts SMs, and two CTAs on one SM
   // share its decode and tensor-core rate while other SMs idle. Bits 3's 8 KiB table leaves BM =
@@ -240,12 +255,15 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   using Cfg = WgConfig<BITS, BM, J>;
   using WP = typename Cfg::Path;
   constexpr int S = Cfg::kStages, KCH = Cfg::kKCH, BN = Cfg::kBN, NACC = BM / 2;
-  static_assert(S >= 3, "a tile that fits shared memory");
+  constexpr int P = Cfg::kPairs, SP = Cfg::kPairStages;
+  static_assert(S >= 3 && SP >= 3, "a tile that fits shared memory");
   extern __shared__ __align__(128) uint8_t smem[];
   // (the warp index through a shuffle: ptxas then knows it is warp-uniform, and the branch on it
   // below is no divergent path around the wgmma pipeline)
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-  const int wg = warp >> 2, wq = warp & 3, g = lane >> 2, t = lane & 3;
+  // pair: the warpgroup pair (its chunks, see WgConfig::kPairs); wg: the warpgroup's 64 J columns
+  const int pair = P == 1 ? 0 : warp >> 3, wg = P == 1 ? warp >> 2 : (warp >> 2) & 1;
+  const int wq = warp & 3, g = lane >> 2, t = lane & 3;
 
   // (cluster-uniform: whole_ctas is a multiple of the cluster size)
   const bool whole = int(blockIdx.x) < p.whole_ctas;
@@ -258,29 +276,40 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   const int rows = int(min(int64_t(BM), p.M - m0));
   const int kbA = rank * p.kps, kbE = whole ? p.KB : min(p.KB, kbA + p.kps);
   const int nch = kbE > kbA ? (kbE - kbA + KCH - 1) / KCH : 0;
+  const bool copier = P == 1 ? warp == 0 : (warp & 7) == 0;  // the pair's warp 0: it copies the pair's chunks
 
   KBIT_TL_MARK(p, kTlEntry, tid == 0);
   KBIT_TL_GLOBAL(p, kTlGlobalEntry, tid == 0);
   KBIT_TL_VALUE(p, kTlChunks, nch, tid == 0);
   const uint32_t s_lut = smem_u32(smem), s_full = s_lut + Cfg::kBarOffset, s_empty = s_full + 8 * S;
   const uint32_t s_ring = (s_lut + Cfg::kLutBytes + 1023u) & ~1023u;  // 1024-byte aligned stages
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      fused::mbar_init(s_full + 8 * s, 1);               // the copying lane's arrival + the bytes
-      fused::mbar_init(s_empty + 8 * s, Cfg::kThreads);  // every thread, done with the slot
+  // (each pair's copying lane initializes its pair's barriers: it copies onto them before the
+  // CTA's first barrier)
+  if (P == 1 ? tid == 0 : tid % 256 == 0) {
+    for (int s = pair * SP; s < (pair + 1) * SP; ++s) {
+      fused::mbar_init(s_full + 8 * s, 1);                   // the copying lane's arrival + the bytes
+      fused::mbar_init(s_empty + 8 * s, Cfg::kThreads / P);  // every thread of the pair, done with the slot
     }
     // the cluster sum's receive barrier (used where it pushes): this CTA's arrival + the bytes
-    fused::mbar_init(s_lut + Cfg::kRecvBarOffset, 1);
+    if (tid == 0) fused::mbar_init(s_lut + Cfg::kRecvBarOffset, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   }
-  // Chunk c's ring slot, its barriers, and the parity of its use of them (the slot's (c / S)-th)
-  auto slot = [&](int c) { return s_ring + uint32_t(c % S) * Cfg::kStageBytes; };
-  auto full_bar = [&](int c) { return s_full + 8u * uint32_t(c % S); };
-  auto empty_bar = [&](int c) { return s_empty + 8u * uint32_t(c % S); };
-  auto parity = [&](int c) { return uint32_t(c / S) & 1u; };
+  // Pair pr's chunk c (the rank's chunk P c + pr): its ring slot (one of the pair's SP), its
+  // barriers, the parity of its use of them (the slot's (c / SP)-th), its first k-block; and the
+  // pair's number of chunks. The code that runs them takes pr from an unrolled loop over the
+  // pairs, i.e. as a constant: `pair` (from the warp index) took the addresses off the uniform
+  // datapath, the bits-4 main loop 201 -> 237 instructions per chunk (tools/sass_loops.py); a
+  // generic lambda per pair changed the main loop of P = 1 too (+2..9).
+  auto slot = [&](auto pr, int c) { return s_ring + uint32_t(pr * SP + c % SP) * Cfg::kStageBytes; };
+  auto full_bar = [&](auto pr, int c) { return s_full + 8u * uint32_t(pr * SP + c % SP); };
+  auto empty_bar = [&](auto pr, int c) { return s_empty + 8u * uint32_t(pr * SP + c % SP); };
+  auto parity = [&](int c) { return uint32_t(c / SP) & 1u; };
+  auto kblock0 = [&](auto pr, int c) { return kbA + (P * c + pr) * KCH; };
+  auto chunks_of = [&](auto pr) { return P == 1 ? nch : nch > pr ? (nch - pr + P - 1) / P : 0; };
 
-  // ---- copies of chunk c (k-blocks kbA + KCH c ..) into ring slot c % S, issued by warp 0's lane
-  // 0 (the whole warp runs this, see the main loop), completing on the slot's "full" barrier: one
+  // ---- copies of the pair's chunk c (k-blocks kblock0(c) ..) into its ring slot, issued by lane 0
+  // of the pair's warp 0 (the whole warp runs this, see the main loop), completing on the slot's
+  // "full" barrier: one
   // TMA tensor copy each for x (rows past B * M and k past K arrive as zeros), the chunk's two
   // k-block rows of the CTA's weight cells and of its scale bytes (columns past N and rows past
   // B * KB arrive as zeros; a rank's last chunk may bring a k-block it skips). Their operands are
@@ -288,9 +317,9 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // instructions per chunk.
   const int w_row0 = b * p.KB;  // the weight's first k-block row of batch entry b
   const int lane_pinned = pinned_to_lane(lane, lane);  // (see the decode's constants below)
-  auto issue = [&](int c) {
-    const uint32_t st = slot(c), full = full_bar(c);
-    const int kb0 = kbA + c * KCH;
+  auto issue = [&](auto pr, int c) {
+    const uint32_t st = slot(pr, c), full = full_bar(pr, c);
+    const int kb0 = kblock0(pr, c);
     const bool me = lane_pinned == 0;
     mbar_arrive_expect_tx_if(me, full, Cfg::kXBytes + Cfg::kWBytes + Cfg::kSBytes);
     tma_load_2d_if(me, st, &xmap, 32 * kb0, int(int64_t(b) * p.M + m0), full);
@@ -303,10 +332,20 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // do not overlap). Issued after the whole CTA had built the table, they went out 1.5 us (bits 4)
   // to 2.3 us (bits 5, a 128 KiB table) after entry, and the first chunk arrived at 1.9-3.0 us
   // (Llama-3-8B down at M = 128, benchmarks/results/wgmma_early_copies_h200_s36.md).
-  if (warp == 0)
-    for (int c = 0; c < min(S - 1, nch); ++c) issue(c);
-  else
-    fused::build_table<WP, ActBF16, true>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid - 32, Cfg::kThreads - 32);
+  // With pairs, each pair's warp 0 (warps 0 and 8, which build no part of the table) issues its
+  // first kEarly chunks here and the rest of its first SP - 1 after the barrier: with all eight
+  // here, the first chunk arrived 0.3 us later than the five of one warpgroup pair (Qwen3 down at
+  // M = 32, harness timeline), and with one warp issuing all eight the barrier waited 0.4 us more.
+  constexpr int kEarly = P == 1 ? SP - 1 : 2;
+  if (copier) {
+    if (P == 1 || pair == 0)
+      for (int c = 0; c < min(kEarly, chunks_of(0)); ++c) issue(0, c);
+    else
+      for (int c = 0; c < min(kEarly, chunks_of(1)); ++c) issue(1, c);
+  } else {
+    fused::build_table<WP, ActBF16, true>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid - 32 * (pair + 1),
+                                          Cfg::kThreads - 32 * P);
+  }
   KBIT_TL_MARK(p, kTlFirstCopy, tid == 0);
   KBIT_TL_MARK(p, kTlTable, tid == 32);  // (warp 1's part of the table)
   __syncthreads();  // every thread sees the initialized barriers, and the whole table
@@ -360,56 +399,77 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // Three sets with wgmma_wait<2> (two groups queued during a decode) were tried: ptxas gave two
   // of the sets the same physical registers, the forced-wgmma test failed (cause not found),
   // and it was no faster.
-  // Ring: every thread arrives on chunk c - 1's "empty" barrier once that chunk's groups are
-  // done (early in chunk c); warp 0 waits there, then copies chunk c + S - 1 into that slot. No
-  // CTA-wide barrier in the loop. (Warp 0 runs the copies whole, lane 0's instructions
-  // predicated: under a branch on the thread, ptxas serialized every wgmma, C7520; in a warp of
-  // their own, 288 threads, it capped the registers at 168 and spilled.)
+  // Ring: every thread of the pair arrives on its chunk c - 1's "empty" barrier once that chunk's
+  // groups are done (early in chunk c); the pair's warp 0 waits there, then copies the pair's
+  // chunk c + SP - 1 into that slot. No CTA-wide barrier in the loop: the pairs run on their own.
+  // (Warp 0 runs the copies whole, lane 0's instructions predicated: under a branch on the
+  // thread, ptxas serialized every wgmma, C7520; in a warp of their own, 288 threads, it capped
+  // the registers at 168 and spilled.)
   static_assert(KCH == 2, "the pipeline alternates two register sets per chunk");
-  uint32_t a_even[J][2][4], a_odd[J][2][4];
-  if (nch > 0) {
-    fused::mbar_wait(full_bar(0), parity(0));
-    KBIT_TL_MARK(p, kTlFirstChunk, tid == 0);
-    decode(a_even, slot(0), 0);
-  }
-  for (int c = 0; c < nch; ++c) {
-    const uint32_t st = slot(c);
-    multiply(a_even, st, 0);
-    wgmma_commit();   // group 2c
-    wgmma_wait<1>();  // group 2c - 1 (a_odd, chunk c - 1) is done
-    if (c > 0) fused::mbar_arrive(empty_bar(c - 1));
-    if (kbA + c * KCH + 1 < kbE) {  // CTA-uniform
-      decode(a_odd, st, 1);
-      multiply(a_odd, st, 1);
-    }
-    wgmma_commit();  // group 2c + 1 (empty past K)
-    if (warp == 0 && c + S - 1 < nch) {  // refill chunk c - 1's slot (at c = 0: the unused one)
-      if (c > 0) fused::mbar_wait(empty_bar(c - 1), parity(c - 1));
-      issue(c + S - 1);
-    }
-    if (c + 1 < nch) {
-      fused::mbar_wait(full_bar(c + 1), parity(c + 1));
-      wgmma_wait<1>();  // group 2c (a_even) is done
-      decode(a_even, slot(c + 1), 0);
-    }
-  }
-  wgmma_wait<0>();
 #pragma unroll
-  for (int j = 0; j < J; ++j) fence_operands(acc[j]);
+  for (int pr = 0; pr < P; ++pr) {  // (the thread's pair as a constant, see slot)
+    if (pr != pair) continue;
+    const int nch_pair = chunks_of(pr);
+    if (copier)
+      for (int c = kEarly; c < min(SP - 1, nch_pair); ++c) issue(pr, c);  // (P = 1: none)
+    uint32_t a_even[J][2][4], a_odd[J][2][4];
+    if (nch_pair > 0) {
+      fused::mbar_wait(full_bar(pr, 0), parity(0));
+      KBIT_TL_MARK(p, kTlFirstChunk, tid == 0);
+      decode(a_even, slot(pr, 0), 0);
+    }
+    for (int c = 0; c < nch_pair; ++c) {
+      const uint32_t st = slot(pr, c);
+      multiply(a_even, st, 0);
+      wgmma_commit();   // group 2c
+      wgmma_wait<1>();  // group 2c - 1 (a_odd, chunk c - 1) is done
+      if (c > 0) fused::mbar_arrive(empty_bar(pr, c - 1));
+      if (kblock0(pr, c) + 1 < kbE) {  // pair-uniform
+        decode(a_odd, st, 1);
+        multiply(a_odd, st, 1);
+      }
+      wgmma_commit();  // group 2c + 1 (empty past K)
+      if (copier && c + SP - 1 < nch_pair) {  // refill chunk c - 1's slot (at c = 0: the unused one)
+        if (c > 0) fused::mbar_wait(empty_bar(pr, c - 1), parity(c - 1));
+        issue(pr, c + SP - 1);
+      }
+      if (c + 1 < nch_pair) {
+        fused::mbar_wait(full_bar(pr, c + 1), parity(c + 1));
+        wgmma_wait<1>();  // group 2c (a_even) is done
+        decode(a_even, slot(pr, c + 1), 0);
+      }
+    }
+    // (inside each pair's copy of the loop: the two copies' accumulators may sit in different
+    // registers, and moves at their join before this wait serialized every wgmma, C7515)
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < J; ++j) fence_operands(acc[j]);
+  }
   KBIT_TL_MARK(p, kTlFirstItemEnd, tid == 0);  // (the products are done)
   __syncthreads();  // every warp is done with the table and the ring (and every copy has landed): the
                     // tile overlays them
 
-  // ---- epilogue: this rank's f32 tile into shared memory ([m][n], padded rows) ----
+  // ---- epilogue: this rank's f32 tile into shared memory ([m][n], padded rows); with pairs, pair
+  // 1 stores its sums, then pair 0 adds its own (thread t + 256 holds thread t's outputs) ----
   float* tile_f = reinterpret_cast<float*>(smem);
+  auto stage_tile = [&](bool add) {
 #pragma unroll
-  for (int j = 0; j < J; ++j)
+    for (int j = 0; j < J; ++j)
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) {
-      const int m = 8 * (i >> 2) + 2 * t + (i & 1);
-      const int n = 64 * J * wg + 64 * j + 16 * wq + g + 8 * ((i >> 1) & 1);
-      tile_f[m * Cfg::kTileStride + n] = acc[j][i];
-    }
+      for (int i = 0; i < NACC; ++i) {
+        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+        const int n = 64 * J * wg + 64 * j + 16 * wq + g + 8 * ((i >> 1) & 1);
+        float& dst = tile_f[m * Cfg::kTileStride + n];
+        dst = add ? dst + acc[j][i] : acc[j][i];
+      }
+  };
+  if constexpr (P == 1) {
+    stage_tile(false);
+  } else {
+    if (pair == 1) stage_tile(false);
+    __syncthreads();
+    if (pair == 0) stage_tile(true);
+  }
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   if (ks > 1) cluster.sync(); else __syncthreads();
@@ -470,6 +530,9 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.y) + (int64_t(b) * p.M + m0) * n_out;
   auto sum_and_store = [&](auto e_const) {
     constexpr int E = decltype(e_const)::value, kGroups = BN / E;
+    // The item's loads from every rank go out EP columns at a time: all E at 256 threads; 8 at
+    // 512, whose 128 registers E = 16's 8 ranks x 4 pieces of loads would exceed (ptxas spilled).
+    constexpr int EP = Cfg::kThreads > 256 ? 8 : E;
     const GluLogit logit(p.glu);
     for (int it = tid; it < my_rows * kGroups; it += Cfg::kThreads) {
       const int rr = it / kGroups, r = rank + ks * rr, c0 = (it % kGroups) * E;
@@ -488,29 +551,34 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
           v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
         }
       } else {
-        float4 u[E / 4][fused::kMaxKSplit];  // [16-byte piece][rank]
 #pragma unroll
-        for (int q = 0; q < fused::kMaxKSplit; ++q) {
-          if (q >= ks) break;
-#pragma unroll
-          for (int e4 = 0; e4 < E / 4; ++e4) {
-            if (q == rank)
-              u[e4][q] = *reinterpret_cast<const float4*>(tile_f + own + 4 * e4);
-            else if (push)
-              u[e4][q] = *reinterpret_cast<const float4*>(tile_f + recv + (q < rank ? q : q - 1) * slot_floats + 4 * e4);
-            else
-              u[e4][q] = *cluster.map_shared_rank(reinterpret_cast<const float4*>(tile_f + own + 4 * e4), q);
-          }
-        }
-#pragma unroll
-        for (int e4 = 0; e4 < E / 4; ++e4) {
-          float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int h = 0; h < E / EP; ++h) {
+          float4 u[EP / 4][fused::kMaxKSplit];  // [16-byte piece][rank]
 #pragma unroll
           for (int q = 0; q < fused::kMaxKSplit; ++q) {
             if (q >= ks) break;
-            s.x += u[e4][q].x; s.y += u[e4][q].y; s.z += u[e4][q].z; s.w += u[e4][q].w;
+#pragma unroll
+            for (int e4 = EP / 4 * h; e4 < EP / 4 * (h + 1); ++e4) {
+              float4& dst = u[e4 - EP / 4 * h][q];
+              if (q == rank)
+                dst = *reinterpret_cast<const float4*>(tile_f + own + 4 * e4);
+              else if (push)
+                dst = *reinterpret_cast<const float4*>(tile_f + recv + (q < rank ? q : q - 1) * slot_floats + 4 * e4);
+              else
+                dst = *cluster.map_shared_rank(reinterpret_cast<const float4*>(tile_f + own + 4 * e4), q);
+            }
           }
-          v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
+#pragma unroll
+          for (int e4 = EP / 4 * h; e4 < EP / 4 * (h + 1); ++e4) {
+            float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int q = 0; q < fused::kMaxKSplit; ++q) {
+              if (q >= ks) break;
+              const float4& a = u[e4 - EP / 4 * h][q];
+              s.x += a.x; s.y += a.y; s.z += a.z; s.w += a.w;
+            }
+            v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
+          }
         }
       }
       uint32_t packed[4];
@@ -653,10 +721,19 @@ struct WgLauncher {
   // 256-row tiles that pull over 6 ranks where 128-row tiles push over 3 (Qwen3 o at M = 256:
   // 22.0 against 18.4 us). With it, the pick is within 0.04 % of the fastest tile on
   // (geometric) average and 4.3 % at worst, against 0.8 % and 19.7 % without.
+  // Warpgroup pairs (WgConfig::kPairs: BM = 64, J = 1) take kPairKBlock of a k-block's time, the
+  // fixed cost unchanged: fitted on harness "wgplans" (H200, session 38: 13 shapes x bits 2, 4, 5
+  // x M 17, 32, 48, 64, both tiles timed with their plans) by an offline replica of the plan,
+  // 0.6-0.65 picks the faster tile within 0.26 % on (geometric) average, 7.9 % at worst (Qwen3
+  // gate/up, bits 4, M = 17); 0.8 is 1.0 % and 10.7 % off, 0.5 took the 128-column tile on
+  // Llama-3-70B q/k/v at TP 2 (1.18x the time), 0.9 the 256-column one on its down layer (1.33x).
+  static constexpr double kPairKBlock = 0.65;
   static double cost(const WgPlan& w) {
     const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : BM == 256 ? 0.9 : 0.7;
+    const double k_share = Cfg::kPairs == 2 ? kPairKBlock : 1.0;
     const double pull = w.ks > 1 && !Cfg::pushes(w.ks) ? 2.0 + w.ks : 0.0;
-    return per_kblock * ((35.0 + w.kps) * double(w.waves) + (35.0 + w.kb) * double(w.whole_waves)) + pull;
+    return per_kblock * ((35.0 + k_share * w.kps) * double(w.waves) + (35.0 + k_share * w.kb) * double(w.whole_waves)) +
+           pull;
   }
 
   static std::string launch(const MatmulArgs& a, const WgPlan& w, cudaStream_t stream, const MatmulTuning* tuning) {
