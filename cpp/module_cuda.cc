@@ -36,8 +36,9 @@ NB_MODULE(_kbit_cuda, m) {
     d["cuda_driver_version"] = cudaDriverGetVersion(&driver) == cudaSuccess ? driver : -1;
     d["fused_matmul"] = "bf16/f16 activations, fragment layout (layout=1); others: generic SIMT kernel";
     // bf16 products of wgmma_min_m..wgmma_max_m rows take the wgmma kernel (0: not on this
-    // device); the early ones (bits >= wgmma_early_bits, N of wgmma_early_min_n..wgmma_early_max_n,
-    // or wider N with K * N <= wgmma_early_max_weights) from wgmma_early_min_m rows;
+    // device); the early ones (bits >= wgmma_early_bits; else N >= wgmma_early_min_n with K * N <=
+    // wgmma_early_max_weights, or N of wgmma_early_band_min_n..wgmma_early_band_max_n) from
+    // wgmma_early_min_m rows;
     // those of bits >= wgmma_early_bits up to wgmma_wide_bits_max_m (kbit::cuda::WgmmaRule).
     const kbit::cuda::WgmmaRule rule = kbit::cuda::wgmma_rule_here();
     d["wgmma_min_m"] = rule.min_rows;
@@ -46,8 +47,9 @@ NB_MODULE(_kbit_cuda, m) {
     d["wgmma_wide_bits_max_m"] = rule.wide_bits_max_rows;
     d["wgmma_early_bits"] = rule.early_bits;
     d["wgmma_early_min_n"] = rule.early_min_n;
-    d["wgmma_early_max_n"] = rule.early_max_n;
     d["wgmma_early_max_weights"] = rule.early_max_weights;
+    d["wgmma_early_band_min_n"] = rule.early_band_min_n;
+    d["wgmma_early_band_max_n"] = rule.early_band_max_n;
     return d;
   });
 }

@@ -225,22 +225,23 @@ def test_cuda_lowering_glu():
 
 def test_cuda_lowering_follows_the_wgmma_rows(monkeypatch):
     """On a device with the wgmma kernel (simulated: the module's build_info as on an H100), the
-    lowering mirrors cpp/cuda/matmul.cu's rule -- from 33 rows, or from 17 at bits 5, on N of
-    2560..8192 and on wider N with K * N <= 48 Mi, up to 1024 (bits 5: 512) -- where it decides
+    lowering mirrors cpp/cuda/matmul.cu's rule -- from 33 rows, or from 17 at bits 5 and where N
+    >= 2560 with K * N <= 48 Mi or N of 5120..8192, up to 1024 (bits 5: 512) -- where it decides
     who gates a GLU and whether M > 128 stays fused."""
     if not kj.build_info()["cuda_module"]:
         pytest.skip("the CUDA module is not built")
     from kbit_jax.primitives import matmul as mp
     rule = dict(min_m=33, early_min_m=17, max_m=1024, wide_bits_max_m=512, early_bits=5,
-                early_min_n=2560, early_max_n=8192, early_max_weights=48 << 20)
+                early_min_n=2560, early_max_weights=48 << 20, early_band_min_n=5120, early_band_max_n=8192)
     monkeypatch.setattr(mp, "_wgmma_info", lambda: rule)
     assert mp.wgmma_rows(2048, 4, 4096) == (33, 1024) and mp.wgmma_rows(2048, 2, 10240) == (33, 1024)
     assert mp.wgmma_rows(2048, 5, 2048) == (17, 512) and mp.wgmma_rows(14336, 5, 4096) == (17, 512)
     assert mp.wgmma_rows(2560, 4, 8192) == (17, 1024) and mp.wgmma_rows(8192, 3, 28672) == (17, 1024)
     assert mp.wgmma_rows(10240, 4, 2048) == (17, 1024) and mp.wgmma_rows(14336, 4, 4096) == (33, 1024)
-    assert mp.wgmma_rows(8208, 4, 8192) == (33, 1024)  # past 8192 columns: K * N = 64 Mi
+    assert mp.wgmma_rows(4096, 4, 14336) == (33, 1024) and mp.wgmma_rows(4096, 2, 2048) == (17, 1024)
+    assert mp.wgmma_rows(8208, 4, 8192) == (33, 1024)  # past the band: K * N = 64 Mi
     assert mp.wgmma_rows() == (33, 1024) and mp.wgmma_rows(5120, 4) == (17, 1024)  # (K unknown)
-    assert mp.wgmma_rows(10240, 4) == (33, 1024)  # (K unknown: no K * N test)
+    assert mp.wgmma_rows(10240, 4) == (33, 1024) and mp.wgmma_rows(4096, 4) == (33, 1024)
     f = jax.jit(lambda x, w: kj.matmul(x, w, glu="silu"))
     for n, bits, where in ((5120, 4, "kernel"), (2048, 5, "kernel"), (2048, 4, "xla after kernel"),
                            (2048, 2, "xla after kernel")):

@@ -112,14 +112,16 @@ std::string launch_matmul(const MatmulArgs& a, cudaStream_t stream,
 
 // Which bf16 products take the wgmma kernel (cpp/cuda/matmul.cu says why), for the JAX-side
 // dispatch: rows min_rows..max_rows, from early_min_rows for the "early" products (bits >=
-// early_bits, N of early_min_n..early_max_n columns, or N > early_max_n with K * N <=
-// early_max_weights), up to wide_bits_max_rows from bits >= early_bits. The rows are 0 where the device has no wgmma
-// kernel (not compiled, not compute capability 9.0, or KBIT_JAX_WGMMA_MIN_M=0), and the
-// environment's KBIT_JAX_WGMMA_MIN_M / _MAX_M replace them for every product.
+// early_bits; else N >= early_min_n columns with K * N <= early_max_weights, or N of
+// early_band_min_n..early_band_max_n), up to wide_bits_max_rows from bits >= early_bits. The
+// rows are 0 where the device has no wgmma kernel (not compiled, not compute capability 9.0, or
+// KBIT_JAX_WGMMA_MIN_M=0), and the environment's KBIT_JAX_WGMMA_MIN_M / _MAX_M replace them for
+// every product.
 struct WgmmaRule {
   int min_rows = 0, early_min_rows = 0, max_rows = 0, wide_bits_max_rows = 0;
-  int early_bits = 0, early_min_n = 0, early_max_n = 0;
+  int early_bits = 0, early_min_n = 0;
   int64_t early_max_weights = 0;
+  int early_band_min_n = 0, early_band_max_n = 0;
 };
 WgmmaRule wgmma_rule_here();
 

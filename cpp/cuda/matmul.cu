@@ -57,23 +57,26 @@ std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
 // layers by 1.05-1.18x). The rule below is within 0.26 % of the faster kernel on (geometric)
 // average over those 448 cases and 22 % at worst (Llama-3-70B q/k/v at TP 4, bits 2, M = 17..32);
 // the previous one (from 33 where N >= 4096 or bits 5, else 65) was 4.2 % and 68 % off.
-// Session 38 (H200, the same harness "rows" cases, one call; benchmarks/results/
+// Session 38 (H200, harness "rows" without PDL, both kernels timed on the ten shapes and
+// Llama-3-70B's layers at TP 2 and 4, bits 2-5, M = 17..64: 408 cases; benchmarks/results/
 // wgmma_pairs_h200_s38.md) split the 64-row, 128-column tile's chunks over two warpgroup pairs
-// (WgConfig::kPairs). Its launches take 0.75-0.92x the time on the Llama-3-70B down, o and q/k/v
-// layers at M = 17..64, and the wgmma kernel now wins at 17..32 on every N of 2560..8192 (the
-// Llama-3-70B layers at TP 1-4: 0.62-0.95x the fused kernel's time; Llama-3-8B down at bits 3/4
-// is the exception, 1.15x), at bits 5 on every N (N = 2048: 0.88-0.98x), and still on the wide
-// layers of at most 48 Mi weights; the fused kernel keeps the Llama gate/up layers (N >= 14336,
-// by 1.04-1.12x) and N = 2048 at bits 2-4 (by up to 1.10x). The rule below is within 0.37 % of
-// the faster kernel on (geometric) average over the 336 cases of M = 17..64 and 17 % at worst
-// (Llama-3-8B down, bits 3, M = 32); session 37's rule was 2.0 % and 61 % off on the same data
-// (Llama-3-70B q/k/v at TP 4, bits 2).
+// (WgConfig::kPairs): 0.81-0.90x the time (geometric means) on the Llama-3-70B down, o and
+// q/k/v layers at M = 17..64. Now the wgmma kernel wins at 17..32 on every N of 2560..8192 (the
+// Llama-3-70B layers at TP 1-4: 0.62-0.95x the fused kernel's time) but Llama-3-8B down (K
+// 14336, N 4096) at bits 3-4 (1.15x), at bits 5 on every N (N = 2048: 0.88-0.98x), and still on
+// the wide layers of at most 48 Mi weights; the fused kernel keeps the Llama gate/up layers
+// (N >= 14336, by 1.04-1.12x) and N = 2048 at bits 2-4 (by up to 1.10x). The rule below is
+// within 0.15 % of the faster kernel on (geometric) average over those cases and 9 % at worst
+// (Qwen3 down, bits 2, M = 17); session 37's rule was 2.0 % and 61 % off on the same data
+// (Llama-3-70B q/k/v at TP 4, bits 2), and taking every N of 2560..8192 from 17 rows 0.37 % and
+// 17 % (Llama-3-8B down at bits 3; benchmarks/results/wgmma_pairs_s38_fit.py).
 // The environment overrides the range for every N and bits (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read
 // once per process; MIN_M=0: never).
 constexpr int kWgmmaMinRows = 33, kWgmmaEarlyMinRows = 17, kWgmmaMaxRows = 1024, kWgmmaWideBitsMaxRows = 512;
-constexpr int kWgmmaEarlyBits = 5;                          // early: bits 5 at any N,
-constexpr int kWgmmaEarlyMinN = 2560, kWgmmaEarlyMaxN = 8192;  // N of 2560..8192 at any bits,
-constexpr int64_t kWgmmaEarlyMaxWeights = int64_t(48) << 20;   // and wider N where K * N <= 48 Mi
+// Early: bits 5 at any N; else N >= 2560 with K * N <= 48 Mi weights, or N of 5120..8192.
+constexpr int kWgmmaEarlyBits = 5, kWgmmaEarlyMinN = 2560;
+constexpr int64_t kWgmmaEarlyMaxWeights = int64_t(48) << 20;
+constexpr int kWgmmaEarlyBandMinN = 5120, kWgmmaEarlyBandMaxN = 8192;
 int env_or(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return v != nullptr ? std::atoi(v) : fallback;
@@ -81,8 +84,9 @@ int env_or(const char* name, int fallback) {
 int wgmma_min_rows(int64_t n, int64_t k, int bits) {
   static const int forced = env_or("KBIT_JAX_WGMMA_MIN_M", -1);
   if (forced >= 0) return forced;
-  const bool early = bits >= kWgmmaEarlyBits || (n >= kWgmmaEarlyMinN && n <= kWgmmaEarlyMaxN) ||
-                     (n > kWgmmaEarlyMaxN && k * n <= kWgmmaEarlyMaxWeights);
+  const bool early = bits >= kWgmmaEarlyBits ||
+                     (n >= kWgmmaEarlyMinN && (k * n <= kWgmmaEarlyMaxWeights ||
+                                               (n >= kWgmmaEarlyBandMinN && n <= kWgmmaEarlyBandMaxN)));
   return early ? kWgmmaEarlyMinRows : kWgmmaMinRows;
 }
 int wgmma_max_rows(int bits) {
@@ -115,8 +119,9 @@ WgmmaRule wgmma_rule_here() {
   WgmmaRule r;
   r.early_bits = kWgmmaEarlyBits;
   r.early_min_n = kWgmmaEarlyMinN;
-  r.early_max_n = kWgmmaEarlyMaxN;
   r.early_max_weights = kWgmmaEarlyMaxWeights;
+  r.early_band_min_n = kWgmmaEarlyBandMinN;
+  r.early_band_max_n = kWgmmaEarlyBandMaxN;
   const int min_rows = wgmma_min_rows(0, 0, 0);
   if (!wgmma_available() || min_rows <= 0) return r;  // rows 0: no wgmma kernel
   r.min_rows = min_rows;

@@ -137,12 +137,13 @@ struct WgConfig {
   // decode (~100 instructions per warp and k-block) outlasts its products 3-4x, with two warps
   // per scheduler to hide its latencies: 0.41 us per chunk on Qwen3 down at M = 32 and 64 alike
   // (H200 timeline, session 38). With two pairs (four warps per scheduler) the main loop takes
-  // 0.68x the time there, and the launches 0.75-0.92x on Llama-3-70B's down, o and q/k/v layers
-  // at M = 17..64 (benchmarks/results/wgmma_pairs_h200_s38.md). 512 threads cap the registers
-  // at 128, which the 32 accumulators leave room for (114-126 used); the other tiles'
-  // accumulators (64-128 per thread) do not.
+  // 0.68x the time there, and the products 0.81-0.90x (geometric means) on Llama-3-70B's down, o
+  // and TP-4 q/k/v layers at M = 17..64 (benchmarks/results/wgmma_pairs_h200_s38.md). 512
+  // threads cap the registers at 128, which the 32 accumulators leave room for (114-126 used);
+  // the other tiles' accumulators (64-128 per thread) do not.
   static constexpr int kPairs = BM == 64 && J == 1 ? 2 : 1;
-  static constexpr int kThreads = 256 * kPairs;  // per pair two warpgroups: decode and products (its warp 0 copies too)
+  // per pair, two warpgroups: decode and products (the pair's warp 0 copies too)
+  static constexpr int kThreads = 256 * kPairs;
   static constexpr int kTiles = J;
   static constexpr int kBN = 128 * kTiles;          // weight columns per CTA: 2 warpgroups x J tiles
   static constexpr int kKCH = 2;        // k-blocks (32 k each) per ring stage
@@ -732,8 +733,9 @@ struct WgLauncher {
     const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : BM == 256 ? 0.9 : 0.7;
     const double k_share = Cfg::kPairs == 2 ? kPairKBlock : 1.0;
     const double pull = w.ks > 1 && !Cfg::pushes(w.ks) ? 2.0 + w.ks : 0.0;
-    return per_kblock * ((35.0 + k_share * w.kps) * double(w.waves) + (35.0 + k_share * w.kb) * double(w.whole_waves)) +
-           pull;
+    const double split = (35.0 + k_share * w.kps) * double(w.waves);
+    const double whole = (35.0 + k_share * w.kb) * double(w.whole_waves);
+    return per_kblock * (split + whole) + pull;
   }
 
   static std::string launch(const MatmulArgs& a, const WgPlan& w, cudaStream_t stream, const MatmulTuning* tuning) {

@@ -46,7 +46,7 @@ def _wgmma_info() -> dict[str, int]:
     """The module's rule for the wgmma kernel (cpp/cuda/launch.cuh's WgmmaRule); rows 0 where
     there is none."""
     keys = ("min_m", "early_min_m", "max_m", "wide_bits_max_m", "early_bits", "early_min_n",
-            "early_max_n", "early_max_weights")
+            "early_max_weights", "early_band_min_n", "early_band_max_n")
     info = _ext.build_info() if _ext.has_cuda() else {}
     return {key: int(info.get("wgmma_" + key, 0)) for key in keys}
 
@@ -54,8 +54,8 @@ def _wgmma_info() -> dict[str, int]:
 def wgmma_rows(n: int = 0, bits: int = 0, k: int = 0) -> tuple[int, int]:
     """(min, max): the rows (M) for which bf16 products of ``n`` columns (N % 16 == 0), ``k``
     rows of W and ``bits`` take the CUDA module's wgmma kernel (cpp/cuda/matmul_wgmma.cuh;
-    cpp/cuda/matmul.cu says where it wins: from 33 rows, or from 17 at bits 5, on N of 2560..8192
-    and on wider N with K * N <= 48 Mi; up to 1024 at bits 2-4 and 512 at bits 5), whose
+    cpp/cuda/matmul.cu says where it wins: from 33 rows, or from 17 at bits 5 and where N >= 2560
+    with K * N <= 48 Mi or N of 5120..8192; up to 1024 at bits 2-4 and 512 at bits 5), whose
     epilogue applies a GLU to the staged float32 tile, after its main loop; (0, 0) where there is
     none (no CUDA module, a build without the sm_90a target, a GPU other than compute capability
     9.0, or KBIT_JAX_WGMMA_MIN_M=0, which like _MAX_M sets the range for every product). ``k`` =
@@ -65,8 +65,9 @@ def wgmma_rows(n: int = 0, bits: int = 0, k: int = 0) -> tuple[int, int]:
     if r["min_m"] == 0:
         return 0, 0
     wide_bits = r["early_bits"] and bits >= r["early_bits"]
-    early = (wide_bits or r["early_min_n"] <= n <= r["early_max_n"]
-             or (k > 0 and n > r["early_max_n"] and k * n <= r["early_max_weights"]))
+    early = wide_bits or (r["early_min_n"] and n >= r["early_min_n"] and (
+        (k > 0 and k * n <= r["early_max_weights"])
+        or r["early_band_min_n"] <= n <= r["early_band_max_n"]))
     return (r["early_min_m"] if early else r["min_m"]), (r["wide_bits_max_m"] if wide_bits else r["max_m"])
 
 
