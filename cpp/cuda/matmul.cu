@@ -62,7 +62,7 @@ std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
 // wgmma_pairs_h200_s38.md) split the 64-row, 128-column tile's chunks over two warpgroup pairs
 // (WgConfig::kPairs): 0.81-0.90x the time (geometric means) on the Llama-3-70B down, o and
 // q/k/v layers at M = 17..64. Now the wgmma kernel wins at 17..32 on every N of 2560..8192 (the
-// Llama-3-70B layers at TP 1-4: 0.62-0.95x the fused kernel's time) but Llama-3-8B down (K
+// Llama-3-70B layers at TP 1-4: 0.62-0.98x the fused kernel's time) but Llama-3-8B down (K
 // 14336, N 4096) at bits 3-4 (1.15x), at bits 5 on every N (N = 2048: 0.88-0.98x), and still on
 // the wide layers of at most 48 Mi weights; the fused kernel keeps the Llama gate/up layers
 // (N >= 14336, by 1.04-1.12x) and N = 2048 at bits 2-4 (by up to 1.10x). The rule below is
