@@ -38,8 +38,8 @@ NB_MODULE(_kbit_cuda, m) {
     // bf16 products of wgmma_min_m..wgmma_max_m rows take the wgmma kernel (0: not on this
     // device); the early ones (bits >= wgmma_early_bits; else N >= wgmma_early_min_n with K * N <=
     // wgmma_early_max_weights, or N of wgmma_early_band_min_n..wgmma_early_band_max_n) from
-    // wgmma_early_min_m rows;
-    // those of bits >= wgmma_early_bits up to wgmma_wide_bits_max_m (kbit::cuda::WgmmaRule).
+    // wgmma_early_min_m rows; those of bits >= wgmma_early_bits up to wgmma_wide_bits_max_m
+    // (kbit::cuda::WgmmaRule).
     const kbit::cuda::WgmmaRule rule = kbit::cuda::wgmma_rule_here();
     d["wgmma_min_m"] = rule.min_rows;
     d["wgmma_early_min_m"] = rule.early_min_rows;

@@ -87,10 +87,13 @@ def hot_loop(code: list[tuple[int, str]]) -> list[tuple[int, str]] | None:
     return best
 
 
+def _size(loop: list[tuple[int, str]] | None) -> int | None:
+    return None if loop is None else len(loop)
+
+
 def hot_loop_size(code: list[tuple[int, str]]) -> int | None:
     """Instructions in hot_loop(code) (None: no loop)."""
-    loop = hot_loop(code)
-    return None if loop is None else len(loop)
+    return _size(hot_loop(code))
 
 
 def _shape(ins: str) -> str:
@@ -186,8 +189,7 @@ def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | No
                  for tree, text in trees.items()}
         for kernel in sorted(set(loops["ref"]) | set(loops["new"]), key=_natural):
             ref_loop, new_loop = loops["ref"].get(kernel), loops["new"].get(kernel)
-            before = None if ref_loop is None else len(ref_loop)
-            after = None if new_loop is None else len(new_loop)
+            before, after = _size(ref_loop), _size(new_loop)
             if before is None and after is None:
                 continue  # no loop around an MMA in either tree
             mark = ""
@@ -199,8 +201,8 @@ def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | No
                 mark = f"  ({after - before:+d})"
                 if max_growth is not None and after - before > max_growth:
                     status = 1
-            elif moved(ref_loop, new_loop):
-                mark = f"  (reordered: {moved(ref_loop, new_loop)} moved)"
+            elif (n_moved := moved(ref_loop, new_loop)):
+                mark = f"  (reordered: {n_moved} moved)"
             print(f"  {name}: {kernel:34s} {_count(before):>5} -> {_count(after):>5}{mark}")
     return status
 
