@@ -113,3 +113,15 @@ def test_products_seconds_keeps_the_smaller_of_two_medians(monkeypatch):
     x, ws = jnp.ones((1, 4)), [jnp.ones((4, 2)), jnp.zeros((4, 2))]
     t, passes, host_bound = products_seconds(lambda x, w: x @ w, x, ws, repeats=1)
     assert (t, passes, host_bound) == (1e-3 / 2, 1, False)
+
+
+def test_products_seconds_doubles_on_when_the_smaller_median_is_host_bound(monkeypatch):
+    """The second median can be fast enough that queueing now takes most of the call: the host
+    set the pace, so the passes double on rather than report one host-bound pass below the cap
+    (a CPU CI run once returned passes = 1 with host_bound = True)."""
+    medians = iter([4e-3, 1e-3, 2e-3, 2e-3])   # pass 1: slow, then fast; pass 2: steady
+    monkeypatch.setattr(timing, "median_call_seconds", lambda *a, **k: next(medians))
+    monkeypatch.setattr(timing, "queue_seconds", lambda *a, **k: 1e-3)   # 0.25, then 1.0 of pass 1
+    x, ws = jnp.ones((1, 4)), [jnp.ones((4, 2)), jnp.zeros((4, 2))]
+    t, passes, host_bound = products_seconds(lambda x, w: x @ w, x, ws, repeats=1, max_passes=4)
+    assert (t, passes, host_bound) == (2e-3 / (2 * 2), 2, False)
