@@ -550,10 +550,12 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
 // (448 tiles of 256 x 128 on 132 SMs; 0.88-0.91x the time); Llama-3-8B gate/up (K 4096, N 14336)
 // at M = 512, bits 5, runs 224 tiles of 256 x 128 unsplit (session 33: bits 5 takes the 256-row
 // tile too; the last round fills 92 of 132 SMs). With the wrong count of resident CTAs the
-// session-32 launcher split it. At M = 384 (session 33, WgLauncher::cost's row tile), Llama-3-70B
-// q/k/v at TP 2 (K 8192, N 5120) takes 128-row tiles of 256 columns (60 tiles over 2-CTA clusters:
-// 0.65x the time of 80 256-row tiles) and Llama-3-70B down (K 28672, N 8192) 256-row tiles (128
-// of them, against 96 of 128 rows: 0.87x).
+// session-32 launcher split it. At M = 384 (WgLauncher::cost's row tile) the 128 x 128 tile on
+// two warpgroup pairs (session 39, H100 wgplans; benchmarks/results/wgmma_pairs128_h100_s39.md):
+// Llama-3-70B q/k/v at TP 2 (K 8192, N 5120) in 120 unsplit tiles (54.9 us, against 60.2 for
+// 128 x 256 over 2-CTA clusters, session 33's pick, and 88.3 for 256 x 128), and Llama-3-70B down
+// (K 28672, N 8192) in 252 tiles with the last round split (308.6 us, against 357.1 for the 128
+// 256-row tiles session 33 picked).
 // Only the choice is checked (the data are zeros); the results of these tilings are checked in
 // test_matmul.
 static void test_dispatch() {
@@ -592,7 +594,7 @@ static void test_dispatch() {
   struct WgWant { int K, N, M, bits, rows, tiles; bool split; };
   const WgWant wg_wants[] = {{8192, 28672, 512, 2, 256, 1, true}, {8192, 28672, 512, 3, 256, 1, true},
                              {8192, 28672, 512, 4, 256, 1, true}, {4096, 14336, 512, 5, 256, 1, false},
-                             {8192, 5120, 384, 4, 128, 2, false},  {28672, 8192, 384, 4, 256, 1, false}};
+                             {8192, 5120, 384, 4, 128, 1, false},  {28672, 8192, 384, 4, 128, 1, true}};
   for (const WgWant& w : wg_wants) {
     kbit::cuda::MatmulTuning tune;
     launch_zeros(w.K, w.N, w.M, DType::kBF16, w.bits, tune);
@@ -679,15 +681,17 @@ static void test_matmul(bool quick) {
   }
   // The wgmma kernel (variant 3) with both weight tiles (128 and 256 columns per CTA) at every
   // row tile (BM 64, 128; 256 takes 128 columns): partial column tiles (N % 128 != 0), k-split
-  // clusters, partial k-range of the last rank, batch entries. At BM = 64 the 128-column tile
-  // splits each rank's chunks over two warpgroup pairs (WgConfig::kPairs): an odd k-block count,
-  // a pair without chunks (K = 96 over 2 ranks: 1 chunk each), one rank of 64 chunks (each pair's
-  // ring wraps many times).
+  // clusters, partial k-range of the last rank, batch entries. At BM = 64, and at 128 with bits
+  // 2-4, the 128-column tile splits each rank's chunks over two warpgroup pairs
+  // (WgConfig::kPairs): an odd k-block count, a pair without chunks (K = 96 over 2 ranks: 1 chunk
+  // each), one rank of 64 chunks (each pair's ring wraps many times), at both row tiles.
   if (!quick)
     for (const MMCase& w : {MMCase{1, 100, 1024, 512, 0, false}, MMCase{2, 65, 2048, 272, 3, false},
                             MMCase{1, 128, 4096, 384, 0, false}, MMCase{1, 33, 1056, 144, 4, false},
                             MMCase{1, 300, 2048, 208, 2, false}, MMCase{2, 64, 2080, 272, 0, false},
-                            MMCase{1, 40, 96, 160, 2, false}, MMCase{1, 17, 4096, 128, 1, false}})
+                            MMCase{1, 40, 96, 160, 2, false}, MMCase{1, 17, 4096, 128, 1, false},
+                            MMCase{1, 80, 1056, 144, 4, false}, MMCase{1, 96, 96, 160, 2, false},
+                            MMCase{1, 72, 4096, 128, 1, false}})
       for (int tiles : {1, 2}) {
         MMCase c = w;
         c.variant = 3;

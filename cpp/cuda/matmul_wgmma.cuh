@@ -98,6 +98,10 @@
 //  M = 512 (Llama-3-70B down, bits 4): ~94 % of the tensor cores' rate, as the dense dot; at
 //  M = 128 on Llama-3-8B down, 36 SMs idle (16 tiles of 256 columns x 6 ranks) and ~17 % of the
 //  samples in the pull's remote adds.
+//  Sessions 38-39 (H200, H100; benchmarks/results/wgmma_pairs_h200_s38.md,
+//  wgmma_pairs128_h100_s39.md): the 128-column tile on two warpgroup pairs (WgConfig::kPairs) at
+//  64 rows, and at 128 for bits 2-4: the 64-row main loop takes 0.68x the time, the 128-row tile
+//  0.86x (M = 96..128), and above 128 rows the launcher now picks it for about half the cases.
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
@@ -138,10 +142,14 @@ struct WgConfig {
   // per scheduler to hide its latencies: 0.41 us per chunk on Qwen3 down at M = 32 and 64 alike
   // (H200 timeline, session 38). With two pairs (four warps per scheduler) the main loop takes
   // 0.68x the time there, and the products 0.81-0.90x (geometric means) on Llama-3-70B's down, o
-  // and TP-4 q/k/v layers at M = 17..64 (benchmarks/results/wgmma_pairs_h200_s38.md). 512
-  // threads cap the registers at 128, which the 32 accumulators leave room for (114-126 used);
-  // the other tiles' accumulators (64-128 per thread) do not.
-  static constexpr int kPairs = BM == 64 && J == 1 ? 2 : 1;
+  // and TP-4 q/k/v layers at M = 17..64 (benchmarks/results/wgmma_pairs_h200_s38.md). The
+  // 128-row tile gains less (each decoded weight feeds twice the rows): 0.90x its time at M = 128
+  // (H200, session 38); above 128 rows the launcher now picks it for about half the products
+  // (wgmma_pairs128_h100_s39.md). 512 threads cap the registers at 128: the 32 (BM = 64) and 64
+  // (BM = 128) accumulators per thread of the 128-column tile leave room (ptxas: 114, no
+  // spills); the 128 of 128 x 256 and 256 x 128 do not (64 x 256, with 64, is untried). Bits 5's
+  // 128 KiB table leaves no room for 3 stages per pair at BM = 128.
+  static constexpr int kPairs = J == 1 && (BM == 64 || (BM == 128 && BITS <= 4)) ? 2 : 1;
   // per pair, two warpgroups: decode and products (the pair's warp 0 copies too)
   static constexpr int kThreads = 256 * kPairs;
   static constexpr int kTiles = J;
@@ -724,16 +732,22 @@ struct WgLauncher {
   // 256-row tiles that pull over 6 ranks where 128-row tiles push over 3 (Qwen3 o at M = 256:
   // 22.0 against 18.4 us). With it, the pick is within 0.04 % of the fastest tile on
   // (geometric) average and 4.3 % at worst, against 0.8 % and 19.7 % without.
-  // Warpgroup pairs (WgConfig::kPairs: BM = 64, J = 1) take kPairKBlock of a k-block's time, the
-  // fixed cost unchanged: fitted on harness "wgplans" (H200, session 38: 13 shapes x bits 2, 4, 5
-  // x M 17, 32, 48, 64, both tiles timed with their plans) by an offline replica of the plan,
-  // 0.6-0.65 picks the faster tile within 0.26 % on (geometric) average, 7.9 % at worst (Qwen3
-  // gate/up, bits 4, M = 17); 0.8 is 1.0 % and 10.7 % off, 0.5 took the 128-column tile on
-  // Llama-3-70B q/k/v at TP 2 (1.18x the time), 0.9 the 256-column one on its down layer (1.33x).
-  static constexpr double kPairKBlock = 0.65;
+  // Warpgroup pairs (WgConfig::kPairs: J = 1 at BM = 64, and 128 at bits 2-4) take a share of a
+  // k-block's time, the fixed cost unchanged. At BM = 64, kPairKBlock64: fitted on harness
+  // "wgplans" (H200, session 38: 13 shapes x bits 2, 4, 5 x M 17, 32, 48, 64, both tiles timed
+  // with their plans) by an offline replica of the plan, 0.6-0.65 picks the faster tile within
+  // 0.26 % on (geometric) average, 7.9 % at worst (Qwen3 gate/up, bits 4, M = 17); 0.8 is 1.0 %
+  // and 10.7 % off, 0.5 took the 128-column tile on Llama-3-70B q/k/v at TP 2 (1.18x the time),
+  // 0.9 the 256-column one on its down layer (1.33x). At BM = 128, kPairKBlock128: fitted the
+  // same way on H100 "wgplans" (session 39: 13 shapes x bits 2-4 x M 96..512, every tile of 128
+  // and 256 rows timed with its plan; the replica matched the launcher's 234 picks), 0.7-0.75
+  // picks within 0.2 % of the fastest tile on average, 9.1 % at worst; 0.65 took 128 x 128 on
+  // Llama-3-70B down at M = 256 (1.22x the 256-row tile's time), 0.8 128 x 256 on its q/k/v at TP
+  // 2, M = 384 (1.11x) (benchmarks/results/wgmma_pairs128_h100_s39.md).
+  static constexpr double kPairKBlock64 = 0.65, kPairKBlock128 = 0.75;
   static double cost(const WgPlan& w) {
     const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : BM == 256 ? 0.9 : 0.7;
-    const double k_share = Cfg::kPairs == 2 ? kPairKBlock : 1.0;
+    const double k_share = Cfg::kPairs == 1 ? 1.0 : BM == 64 ? kPairKBlock64 : kPairKBlock128;
     const double pull = w.ks > 1 && !Cfg::pushes(w.ks) ? 2.0 + w.ks : 0.0;
     const double split = (35.0 + k_share * w.kps) * double(w.waves);
     const double whole = (35.0 + k_share * w.kb) * double(w.whole_waves);
