@@ -147,7 +147,7 @@ struct WgConfig {
   // (H200, session 38); above 128 rows the launcher now picks it for about half the products
   // (wgmma_pairs128_h100_s39.md). 512 threads cap the registers at 128: the 32 (BM = 64) and 64
   // (BM = 128) accumulators per thread of the 128-column tile leave room (ptxas: 114, no
-  // spills); the 128 of 128 x 256 and 256 x 128 do not (64 x 256, with 64, is untried). Bits 5's
+  // spills); the 128 of 128 x 256 and 256 x 128 do not, nor 64 x 256 (177 registers). Bits 5's
   // 128 KiB table leaves no room for 3 stages per pair at BM = 128.
   static constexpr int kPairs = J == 1 && (BM == 64 || (BM == 128 && BITS <= 4)) ? 2 : 1;
   // per pair, two warpgroups: decode and products (the pair's warp 0 copies too)
