@@ -1,6 +1,7 @@
 // nanobind module _kbit_cuda: the CUDA FFI targets and the build information.
 //   registrations() -> {"kbit_quantize": capsule, "kbit_dequantize": capsule, "kbit_matmul": capsule}
 //   build_info()    -> {"cuda_version": "13.0", "cuda_archs": "90", "cudart_version": 13000, ...}
+//   wgmma_rule_rows(n, k, bits) -> (min, max): kbit::cuda::wgmma_rule_rows, for tests
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -51,5 +52,9 @@ NB_MODULE(_kbit_cuda, m) {
     d["wgmma_early_band_min_n"] = rule.early_band_min_n;
     d["wgmma_early_band_max_n"] = rule.early_band_max_n;
     return d;
+  });
+  m.def("wgmma_rule_rows", [](int64_t n, int64_t k, int bits) {
+    const auto [lo, hi] = kbit::cuda::wgmma_rule_rows(n, k, bits);
+    return nb::make_tuple(lo, hi);
   });
 }

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import kbit_jax as kj
+from kbit_jax import _ext
 from kbit_jax import reference as kbit_reference
 from helpers import GLU_KINDS, dense64, glu64, matmul_error_bound, random_weight
 
@@ -221,6 +222,31 @@ def test_cuda_lowering_glu():
         assert ("exponential" in text) == where.startswith("xla"), (m, where)
     forced = jax.jit(lambda x, w: kj.matmul(x, w, glu="gelu_tanh", method="fused"))
     assert "glu = 2" in forced.trace(jnp.ones((64, 256), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_wgmma_rows_mirror_the_modules_rule(monkeypatch):
+    """primitives.matmul.wgmma_rows restates cpp/cuda/matmul.cu's rule for the lowering (it runs at
+    trace time, with the module's constants from build_info): both agree on every bits value and
+    on layer sizes at and around each of the rule's bounds (the module's wgmma_rule_rows is the
+    rule alone, as on a device with the wgmma kernel)."""
+    cuda = _ext._load("_kbit_cuda")
+    if cuda is None or not hasattr(cuda, "wgmma_rule_rows"):
+        pytest.skip("the CUDA module is not built")
+    from kbit_jax.primitives import matmul as mp
+    info, rule = kj.build_info(), cuda.wgmma_rule_rows
+    early_bits = info["wgmma_early_bits"]
+    simulated = {key: info["wgmma_" + key] for key in ("early_bits", "early_min_n", "early_max_weights",
+                                                       "early_band_min_n", "early_band_max_n")}
+    simulated.update(min_m=rule(0, 0, 2)[0], max_m=rule(0, 0, 2)[1],  # (as WgmmaRule on a wgmma device)
+                     early_min_m=rule(0, 0, early_bits)[0], wide_bits_max_m=rule(0, 0, early_bits)[1])
+    monkeypatch.setattr(mp, "_wgmma_info", lambda: simulated)
+    bounds = (info["wgmma_early_min_n"], info["wgmma_early_band_min_n"], info["wgmma_early_band_max_n"])
+    ns = sorted({16, 2048, 4096, 14336, 28672} | {b + d for b in bounds for d in (-16, 0, 16)})
+    ks = sorted({32, 4096, 8192, 28672} | {info["wgmma_early_max_weights"] // n for n in ns})
+    for bits in (2, 3, 4, 5):
+        for n in ns:
+            for k in ks + [k + 32 for k in ks]:
+                assert mp.wgmma_rows(n, bits, k) == tuple(rule(n, k, bits)), (n, k, bits)
 
 
 def test_cuda_lowering_follows_the_wgmma_rows(monkeypatch):

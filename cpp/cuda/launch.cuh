@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace kbit::cuda {
 
@@ -124,6 +125,10 @@ struct WgmmaRule {
   int early_band_min_n = 0, early_band_max_n = 0;
 };
 WgmmaRule wgmma_rule_here();
+// The rule alone, as on a device with the wgmma kernel and without the environment's override:
+// (min, max) rows for bf16 products of n columns, k rows of W and bits (the module exports it to
+// check primitives/matmul.py's copy, which the lowering runs at trace time).
+std::pair<int, int> wgmma_rule_rows(int64_t n, int64_t k, int bits);
 
 // The architectures the device code was compiled for (from nvcc's __CUDA_ARCH_LIST__),
 // e.g. "90", and the CUDA toolkit version the module was built with, e.g. "13.0".

@@ -81,18 +81,19 @@ int env_or(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return v != nullptr ? std::atoi(v) : fallback;
 }
-int wgmma_min_rows(int64_t n, int64_t k, int bits) {
-  static const int forced = env_or("KBIT_JAX_WGMMA_MIN_M", -1);
-  if (forced >= 0) return forced;
+std::pair<int, int> wgmma_rule_rows(int64_t n, int64_t k, int bits) {
   const bool early = bits >= kWgmmaEarlyBits ||
                      (n >= kWgmmaEarlyMinN && (k * n <= kWgmmaEarlyMaxWeights ||
                                                (n >= kWgmmaEarlyBandMinN && n <= kWgmmaEarlyBandMaxN)));
-  return early ? kWgmmaEarlyMinRows : kWgmmaMinRows;
+  return {early ? kWgmmaEarlyMinRows : kWgmmaMinRows, bits >= kWgmmaEarlyBits ? kWgmmaWideBitsMaxRows : kWgmmaMaxRows};
+}
+int wgmma_min_rows(int64_t n, int64_t k, int bits) {
+  static const int forced = env_or("KBIT_JAX_WGMMA_MIN_M", -1);
+  return forced >= 0 ? forced : wgmma_rule_rows(n, k, bits).first;
 }
 int wgmma_max_rows(int bits) {
   static const int forced = env_or("KBIT_JAX_WGMMA_MAX_M", -1);
-  if (forced >= 0) return forced;
-  return bits >= kWgmmaEarlyBits ? kWgmmaWideBitsMaxRows : kWgmmaMaxRows;
+  return forced >= 0 ? forced : wgmma_rule_rows(0, 0, bits).second;
 }
 
 // The module has the wgmma kernel (CMake compiled the sm_90a target: KBIT_WGMMA) and the current
