@@ -60,7 +60,8 @@ def wgmma_rows(n: int = 0, bits: int = 0, k: int = 0) -> tuple[int, int]:
     none (no CUDA module, a build without the sm_90a target, a GPU other than compute capability
     9.0, or KBIT_JAX_WGMMA_MIN_M=0, which like _MAX_M sets the range for every product). ``k`` =
     0: unknown (the rule then leaves out the K * N test). Above FUSED_MAX_M, "auto" takes the
-    fused kernel too where this range covers M."""
+    fused kernel too where this range covers M. (A copy of the module's rule, from its constants
+    in build_info; tests/test_transforms.py holds it to the module's own wgmma_rule_rows.)"""
     r = _wgmma_info()
     if r["min_m"] == 0:
         return 0, 0
