@@ -590,7 +590,7 @@ static void test_dispatch() {
              w.nsplit_rows == 32 ? "the N-split tiling of 32 rows"
              : w.nsplit_rows == 16 ? "the N-split tiling of 16 rows" : "a 16-row tiling");
     }
-  if (!kbit::cuda::wgmma_rule_here().max_rows) return;  // (no wgmma kernel on this device or build)
+  if (!kbit::cuda::wgmma_rows_here(0, 0, 2).second) return;  // (no wgmma kernel on this device or build)
   struct WgWant { int K, N, M, bits, rows, tiles; bool split; };
   const WgWant wg_wants[] = {{8192, 28672, 512, 2, 256, 1, true}, {8192, 28672, 512, 3, 256, 1, true},
                              {8192, 28672, 512, 4, 256, 1, true}, {4096, 14336, 512, 5, 256, 1, false},

@@ -1,7 +1,8 @@
 // nanobind module _kbit_cuda: the CUDA FFI targets and the build information.
 //   registrations() -> {"kbit_quantize": capsule, "kbit_dequantize": capsule, "kbit_matmul": capsule}
 //   build_info()    -> {"cuda_version": "13.0", "cuda_archs": "90", "cudart_version": 13000, ...}
-//   wgmma_rule_rows(n, k, bits) -> (min, max): kbit::cuda::wgmma_rule_rows, for tests
+//   wgmma_rows(n, k, bits)      -> (min, max): the rows that take the wgmma kernel here (the lowering)
+//   wgmma_rule_rows(n, k, bits) -> (min, max): the rule alone, as on a wgmma device (tests)
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -36,23 +37,15 @@ NB_MODULE(_kbit_cuda, m) {
     // 0 when no driver is installed (a machine without a GPU); never raises.
     d["cuda_driver_version"] = cudaDriverGetVersion(&driver) == cudaSuccess ? driver : -1;
     d["fused_matmul"] = "bf16/f16 activations, fragment layout (layout=1); others: generic SIMT kernel";
-    // bf16 products of wgmma_min_m..wgmma_max_m rows take the wgmma kernel (0: not on this
-    // device); the early ones (bits >= wgmma_early_bits; else N >= wgmma_early_min_n with K * N <=
-    // wgmma_early_max_weights, or N of wgmma_early_band_min_n..wgmma_early_band_max_n) from
-    // wgmma_early_min_m rows; those of bits >= wgmma_early_bits up to wgmma_wide_bits_max_m
-    // (kbit::cuda::WgmmaRule).
-    const kbit::cuda::WgmmaRule rule = kbit::cuda::wgmma_rule_here();
-    d["wgmma_min_m"] = rule.min_rows;
-    d["wgmma_early_min_m"] = rule.early_min_rows;
-    d["wgmma_max_m"] = rule.max_rows;
-    d["wgmma_wide_bits_max_m"] = rule.wide_bits_max_rows;
-    d["wgmma_early_bits"] = rule.early_bits;
-    d["wgmma_early_min_n"] = rule.early_min_n;
-    d["wgmma_early_max_weights"] = rule.early_max_weights;
-    d["wgmma_early_band_min_n"] = rule.early_band_min_n;
-    d["wgmma_early_band_max_n"] = rule.early_band_max_n;
     return d;
   });
+  // (min, max) rows for which bf16 products take the wgmma kernel on the current device ((0, 0):
+  // none), as launch_matmul decides; the lowering asks at trace time.
+  m.def("wgmma_rows", [](int64_t n, int64_t k, int bits) {
+    const auto [lo, hi] = kbit::cuda::wgmma_rows_here(n, k, bits);
+    return nb::make_tuple(lo, hi);
+  });
+  // The rule alone, as on a device with the wgmma kernel (tests lower for one on any machine).
   m.def("wgmma_rule_rows", [](int64_t n, int64_t k, int bits) {
     const auto [lo, hi] = kbit::cuda::wgmma_rule_rows(n, k, bits);
     return nb::make_tuple(lo, hi);

@@ -224,50 +224,41 @@ def test_cuda_lowering_glu():
     assert "glu = 2" in forced.trace(jnp.ones((64, 256), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_wgmma_rows_mirror_the_modules_rule(monkeypatch):
-    """primitives.matmul.wgmma_rows restates cpp/cuda/matmul.cu's rule for the lowering (it runs at
-    trace time, with the module's constants from build_info): both agree on every bits value and
-    on layer sizes at and around each of the rule's bounds (the module's wgmma_rule_rows is the
-    rule alone, as on a device with the wgmma kernel)."""
+def test_wgmma_rows_come_from_the_module(monkeypatch):
+    """The lowering's wgmma rows are the CUDA module's answer (its launcher's own decision, with
+    the device check and the environment): (0, 0) on a machine without a wgmma GPU, and without
+    the module."""
     cuda = _ext._load("_kbit_cuda")
-    if cuda is None or not hasattr(cuda, "wgmma_rule_rows"):
+    if cuda is None:
         pytest.skip("the CUDA module is not built")
     from kbit_jax.primitives import matmul as mp
-    info, rule = kj.build_info(), cuda.wgmma_rule_rows
-    early_bits = info["wgmma_early_bits"]
-    simulated = {key: info["wgmma_" + key] for key in ("early_bits", "early_min_n", "early_max_weights",
-                                                       "early_band_min_n", "early_band_max_n")}
-    simulated.update(min_m=rule(0, 0, 2)[0], max_m=rule(0, 0, 2)[1],  # (as WgmmaRule on a wgmma device)
-                     early_min_m=rule(0, 0, early_bits)[0], wide_bits_max_m=rule(0, 0, early_bits)[1])
-    monkeypatch.setattr(mp, "_wgmma_info", lambda: simulated)
-    bounds = (info["wgmma_early_min_n"], info["wgmma_early_band_min_n"], info["wgmma_early_band_max_n"])
-    ns = sorted({16, 2048, 4096, 14336, 28672} | {b + d for b in bounds for d in (-16, 0, 16)})
-    ks = sorted({32, 4096, 8192, 28672} | {info["wgmma_early_max_weights"] // n for n in ns})
-    for bits in (2, 3, 4, 5):
-        for n in ns:
-            for k in ks + [k + 32 for k in ks]:
-                assert mp.wgmma_rows(n, bits, k) == tuple(rule(n, k, bits)), (n, k, bits)
+    for n, k, bits in ((4096, 4096, 4), (2048, 2048, 5), (28672, 8192, 2), (0, 0, 0)):
+        assert mp.wgmma_rows(n, bits, k) == tuple(cuda.wgmma_rows(n, k, bits)), (n, k, bits)
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        assert mp.wgmma_rows(4096, 4, 4096) == (0, 0)
+    monkeypatch.setattr(_ext, "has_cuda", lambda: False)
+    assert mp.wgmma_rows(4096, 4, 4096) == (0, 0)
 
 
 def test_cuda_lowering_follows_the_wgmma_rows(monkeypatch):
-    """On a device with the wgmma kernel (simulated: the module's build_info as on an H100), the
-    lowering mirrors cpp/cuda/matmul.cu's rule -- from 33 rows, or from 17 at bits 5 and where N
+    """On a device with the wgmma kernel (simulated: the module's rule alone, wgmma_rule_rows), the
+    lowering follows cpp/cuda/matmul.cu's rule -- from 33 rows, or from 17 at bits 5 and where N
     >= 2560 with K * N <= 48 Mi or N of 5120..8192, up to 1024 (bits 5: 512) -- where it decides
     who gates a GLU and whether M > 128 stays fused."""
-    if not kj.build_info()["cuda_module"]:
+    cuda = _ext._load("_kbit_cuda")
+    if cuda is None:
         pytest.skip("the CUDA module is not built")
     from kbit_jax.primitives import matmul as mp
-    rule = dict(min_m=33, early_min_m=17, max_m=1024, wide_bits_max_m=512, early_bits=5,
-                early_min_n=2560, early_max_weights=48 << 20, early_band_min_n=5120, early_band_max_n=8192)
-    monkeypatch.setattr(mp, "_wgmma_info", lambda: rule)
+    monkeypatch.setattr(mp, "_module_wgmma_rows", cuda.wgmma_rule_rows)
     assert mp.wgmma_rows(2048, 4, 4096) == (33, 1024) and mp.wgmma_rows(2048, 2, 10240) == (33, 1024)
     assert mp.wgmma_rows(2048, 5, 2048) == (17, 512) and mp.wgmma_rows(14336, 5, 4096) == (17, 512)
     assert mp.wgmma_rows(2560, 4, 8192) == (17, 1024) and mp.wgmma_rows(8192, 3, 28672) == (17, 1024)
     assert mp.wgmma_rows(10240, 4, 2048) == (17, 1024) and mp.wgmma_rows(14336, 4, 4096) == (33, 1024)
     assert mp.wgmma_rows(4096, 4, 14336) == (33, 1024) and mp.wgmma_rows(4096, 2, 2048) == (17, 1024)
     assert mp.wgmma_rows(8208, 4, 8192) == (33, 1024)  # past the band: K * N = 64 Mi
-    assert mp.wgmma_rows() == (33, 1024) and mp.wgmma_rows(5120, 4) == (17, 1024)  # (K unknown)
-    assert mp.wgmma_rows(10240, 4) == (33, 1024) and mp.wgmma_rows(4096, 4) == (33, 1024)
+    assert mp.wgmma_rows() == (33, 1024) and mp.wgmma_rows(5120, 4) == (17, 1024)  # (K = 0: small)
+    assert mp.wgmma_rows(10240, 4) == (17, 1024) and mp.wgmma_rows(4096, 4) == (17, 1024)
+    assert mp.wgmma_rows(2048, 4) == (33, 1024)
     f = jax.jit(lambda x, w: kj.matmul(x, w, glu="silu"))
     for n, bits, where in ((5120, 4, "kernel"), (2048, 5, "kernel"), (2048, 4, "xla after kernel"),
                            (2048, 2, "xla after kernel")):
@@ -284,8 +275,7 @@ def test_cuda_lowering_follows_the_wgmma_rows(monkeypatch):
         text = g.trace(jnp.ones((1000, 64), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
         assert ("kbit_dequantize" in text) == (where == "dequantize"), bits
     w = kj.quantize(jnp.ones((64, 4096)), 4)
-    monkeypatch.setattr(mp, "_wgmma_info", lambda: dict(rule, min_m=0, early_min_m=0, max_m=0,
-                                                       wide_bits_max_m=0))  # no wgmma kernel here
+    monkeypatch.setattr(mp, "_module_wgmma_rows", lambda n, k, bits: (0, 0))  # no wgmma kernel here
     assert mp.wgmma_rows(4096, 5) == (0, 0)
     assert "kbit_dequantize" in g.trace(jnp.ones((201, 64), jnp.bfloat16), w).lower(
         lowering_platforms=("cuda",)).as_text()

@@ -111,23 +111,15 @@ std::string launch_dequantize(const DequantizeArgs& a, cudaStream_t stream);
 std::string launch_matmul(const MatmulArgs& a, cudaStream_t stream,
                           const MatmulTuning* tuning = nullptr);
 
-// Which bf16 products take the wgmma kernel (cpp/cuda/matmul.cu says why), for the JAX-side
-// dispatch: rows min_rows..max_rows, from early_min_rows for the "early" products (bits >=
-// early_bits; else N >= early_min_n columns with K * N <= early_max_weights, or N of
-// early_band_min_n..early_band_max_n), up to wide_bits_max_rows from bits >= early_bits. The
-// rows are 0 where the device has no wgmma kernel (not compiled, not compute capability 9.0, or
-// KBIT_JAX_WGMMA_MIN_M=0), and the environment's KBIT_JAX_WGMMA_MIN_M / _MAX_M replace them for
-// every product.
-struct WgmmaRule {
-  int min_rows = 0, early_min_rows = 0, max_rows = 0, wide_bits_max_rows = 0;
-  int early_bits = 0, early_min_n = 0;
-  int64_t early_max_weights = 0;
-  int early_band_min_n = 0, early_band_max_n = 0;
-};
-WgmmaRule wgmma_rule_here();
-// The rule alone, as on a device with the wgmma kernel and without the environment's override:
-// (min, max) rows for bf16 products of n columns, k rows of W and bits (the module exports it to
-// check primitives/matmul.py's copy, which the lowering runs at trace time).
+// The rows (min, max) for which bf16 products of n columns (N % 16 == 0, the fragment layout), k
+// rows of W and bits take the wgmma kernel on the current device: what launch_matmul uses, and
+// what the module exports for the JAX lowering's dispatch at trace time. (0, 0) where there is
+// none (not compiled, not compute capability 9.0, or KBIT_JAX_WGMMA_MIN_M=0); the environment's
+// KBIT_JAX_WGMMA_MIN_M / _MAX_M replace the rule's rows for every product. cpp/cuda/matmul.cu
+// says why the rule is what it is.
+std::pair<int, int> wgmma_rows_here(int64_t n, int64_t k, int bits);
+// The rule alone, as on a device with the wgmma kernel and without the environment's override
+// (the module exports it so that tests can lower for such a device on any machine).
 std::pair<int, int> wgmma_rule_rows(int64_t n, int64_t k, int bits);
 
 // The architectures the device code was compiled for (from nvcc's __CUDA_ARCH_LIST__),

@@ -116,20 +116,10 @@ bool wgmma_available() {
 #endif
 }
 
-WgmmaRule wgmma_rule_here() {
-  WgmmaRule r;
-  r.early_bits = kWgmmaEarlyBits;
-  r.early_min_n = kWgmmaEarlyMinN;
-  r.early_max_weights = kWgmmaEarlyMaxWeights;
-  r.early_band_min_n = kWgmmaEarlyBandMinN;
-  r.early_band_max_n = kWgmmaEarlyBandMaxN;
-  const int min_rows = wgmma_min_rows(0, 0, 0);
-  if (!wgmma_available() || min_rows <= 0) return r;  // rows 0: no wgmma kernel
-  r.min_rows = min_rows;
-  r.early_min_rows = wgmma_min_rows(0, 0, kWgmmaEarlyBits);
-  r.max_rows = wgmma_max_rows(0);
-  r.wide_bits_max_rows = wgmma_max_rows(kWgmmaEarlyBits);
-  return r;
+std::pair<int, int> wgmma_rows_here(int64_t n, int64_t k, int bits) {
+  const int lo = wgmma_min_rows(n, k, bits);
+  if (!wgmma_available() || lo <= 0) return {0, 0};
+  return {lo, wgmma_max_rows(bits)};
 }
 
 // bf16 activations, the fragment layout and 16-byte rows (N % 16 == 0); tuning->variant 3 forces
@@ -137,8 +127,8 @@ WgmmaRule wgmma_rule_here() {
 bool use_wgmma(const MatmulArgs& a, const MatmulTuning* tuning) {
   if (a.dtype != DType::kBF16 || a.layout != kbit::kFragment || a.n % 16 != 0 || !wgmma_available()) return false;
   if (tuning && tuning->variant != -1) return tuning->variant == 3;
-  const int lo = wgmma_min_rows(a.n, a.k, a.bits);
-  return lo > 0 && a.m >= lo && a.m <= wgmma_max_rows(a.bits);
+  const auto [lo, hi] = wgmma_rows_here(a.n, a.k, a.bits);
+  return lo > 0 && a.m >= lo && a.m <= hi;
 }
 
 // The fused kernel needs 16-bit activations (float32 activations keep float32 accuracy on the

@@ -10,8 +10,6 @@ the GPU (see `FUSED_MAX_M`, `wgmma_rows`) and the fused kernel elsewhere; and ``
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,14 +39,12 @@ FUSED_MAX_M = 128
 FUSED_ANY_N_MAX_M = 16
 
 
-@functools.lru_cache(maxsize=None)
-def _wgmma_info() -> dict[str, int]:
-    """The module's rule for the wgmma kernel (cpp/cuda/launch.cuh's WgmmaRule); rows 0 where
-    there is none."""
-    keys = ("min_m", "early_min_m", "max_m", "wide_bits_max_m", "early_bits", "early_min_n",
-            "early_max_weights", "early_band_min_n", "early_band_max_n")
-    info = _ext.build_info() if _ext.has_cuda() else {}
-    return {key: int(info.get("wgmma_" + key, 0)) for key in keys}
+def _module_wgmma_rows(n: int, k: int, bits: int) -> tuple[int, int]:
+    """The CUDA module's wgmma_rows (cpp/cuda/matmul.cu's wgmma_rows_here, what its launcher
+    uses); (0, 0) without the module. (Tests replace it with the module's wgmma_rule_rows to
+    lower for a device with the wgmma kernel on any machine.)"""
+    cuda = _ext._load("_kbit_cuda") if _ext.has_cuda() else None
+    return tuple(cuda.wgmma_rows(n, k, bits)) if cuda is not None else (0, 0)
 
 
 def wgmma_rows(n: int = 0, bits: int = 0, k: int = 0) -> tuple[int, int]:
@@ -58,18 +54,12 @@ def wgmma_rows(n: int = 0, bits: int = 0, k: int = 0) -> tuple[int, int]:
     with K * N <= 48 Mi or N of 5120..8192; up to 1024 at bits 2-4 and 512 at bits 5), whose
     epilogue applies a GLU to the staged float32 tile, after its main loop; (0, 0) where there is
     none (no CUDA module, a build without the sm_90a target, a GPU other than compute capability
-    9.0, or KBIT_JAX_WGMMA_MIN_M=0, which like _MAX_M sets the range for every product). ``k`` =
-    0: unknown (the rule then leaves out the K * N test). Above FUSED_MAX_M, "auto" takes the
-    fused kernel too where this range covers M. (A copy of the module's rule, from its constants
-    in build_info; tests/test_transforms.py holds it to the module's own wgmma_rule_rows.)"""
-    r = _wgmma_info()
-    if r["min_m"] == 0:
-        return 0, 0
-    wide_bits = r["early_bits"] and bits >= r["early_bits"]
-    early = wide_bits or (r["early_min_n"] and n >= r["early_min_n"] and (
-        (k > 0 and k * n <= r["early_max_weights"])
-        or r["early_band_min_n"] <= n <= r["early_band_max_n"]))
-    return (r["early_min_m"] if early else r["min_m"]), (r["wide_bits_max_m"] if wide_bits else r["max_m"])
+    9.0, or KBIT_JAX_WGMMA_MIN_M=0, which like _MAX_M sets the range for every product). The
+    module answers, as its launcher decides, for the current device; ``k`` = 0 counts as a layer
+    within the K * N bound. Above FUSED_MAX_M, "auto" takes the fused kernel too where this range
+    covers M."""
+    lo, hi = _module_wgmma_rows(n, k, bits)
+    return int(lo), int(hi)
 
 
 #: On CUDA under method "auto", rows up to which the fused bf16/f16 kernel applies a GLU itself;
