@@ -681,8 +681,8 @@ static void test_matmul(bool quick) {
   }
   // The wgmma kernel (variant 3) with both weight tiles (128 and 256 columns per CTA) at every
   // row tile (BM 64, 128; 256 takes 128 columns): partial column tiles (N % 128 != 0), k-split
-  // clusters, partial k-range of the last rank, batch entries. At BM = 64, and at 128 with bits
-  // 2-4, the 128-column tile splits each rank's chunks over two warpgroup pairs
+  // clusters, partial k-range of the last rank, batch entries. At BM = 64 and 128 the
+  // 128-column tile splits each rank's chunks over two warpgroup pairs
   // (WgConfig::kPairs): an odd k-block count, a pair without chunks (K = 96 over 2 ranks: 1 chunk
   // each), one rank of 64 chunks (each pair's ring wraps many times), at both row tiles.
   if (!quick)

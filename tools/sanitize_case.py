@@ -65,11 +65,11 @@ def glu():
 def wgmma():
     # The wgmma kernel (bf16, N % 16 == 0, M = 33..512 here): K = 544 ends in a partial
     # ring stage, N = 400 in a partial column tile; K = 4096, N = 256 splits K over a cluster;
-    # a GLU. These small layers take 128-column tiles, on two warpgroup pairs at M <= 64 and at
-    # bits 2-4 up to 128 rows, at M = 200 two row tiles of 128, the second partial; N = 20480
-    # keeps the 256-column one (the launcher's cost model, matmul_wgmma.cuh). K = 8192, N = 2048
-    # at M = 256 takes the 256-row tile over 6-CTA clusters, whose sum pulls rank by rank (bits 4
-    # only: the largest case here).
+    # a GLU. These small layers take 128-column tiles, on two warpgroup pairs up to 128 rows
+    # (bits 5 at 65..128 with the 64 KiB table), at M = 200 two row tiles of 128, the second
+    # partial; N = 20480 keeps the 256-column one (the launcher's cost model, matmul_wgmma.cuh).
+    # K = 8192, N = 2048 at M = 256 takes the 256-row tile over 6-CTA clusters, whose sum pulls
+    # rank by rank (bits 4 only: the largest case here).
     for bits in (2, 3, 4, 5):
         shapes = [((544, 400), (33, 65, 128, 200)), ((4096, 256), (48, 100, 200)), ((512, 20480), (100,))]
         if bits == 4:

@@ -98,10 +98,11 @@
 //  M = 512 (Llama-3-70B down, bits 4): ~94 % of the tensor cores' rate, as the dense dot; at
 //  M = 128 on Llama-3-8B down, 36 SMs idle (16 tiles of 256 columns x 6 ranks) and ~17 % of the
 //  samples in the pull's remote adds.
-//  Sessions 38-39 (H200, H100; benchmarks/results/wgmma_pairs_h200_s38.md,
-//  wgmma_pairs128_h100_s39.md): the 128-column tile on two warpgroup pairs (WgConfig::kPairs) at
-//  64 rows, and at 128 for bits 2-4: the 64-row main loop takes 0.68x the time, the 128-row tile
-//  0.86x (M = 96..128), and above 128 rows the launcher now picks it for about half the cases.
+//  Sessions 38-40 (H200, H100; benchmarks/results/wgmma_pairs_h200_s38.md,
+//  wgmma_pairs128_h100_s39.md, wgmma_pairs128_b5_h100_s40.md): the 128-column tile on two
+//  warpgroup pairs (WgConfig::kPairs) at 64 rows, and at 128 (bits 5 from session 40, with the 64
+//  KiB table): the 64-row main loop takes 0.68x the time, the 128-row tile 0.86x (M = 96..128),
+//  and above 128 rows the launcher now picks it for about half the cases.
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
@@ -128,9 +129,12 @@ constexpr int kMaxSmemBytes = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 constexpr int kSmSmemBytes = 228 * 1024;   // ... and per SM, for all its CTAs
 
 // The decode path: bits 5 at BM = 256 takes the 64 KiB table of 16 lane copies (two wavefronts
-// per lookup) to leave room for four stages; the decode per flop is half that of BM = 128.
-template <int BITS, int BM>
-using WgWeightPath = std::conditional_t<BITS == 5 && BM == 256, fused::WeightPathBits5<16>, fused::WeightPath<BITS>>;
+// per lookup) to leave room for four stages; the decode per flop is half that of BM = 128. The
+// paired 128 x 128 tile (WgConfig::kPairs) takes it too: with the 128 KiB table its 2 x 3 stages
+// do not fit.
+template <int BITS, int BM, int J>
+using WgWeightPath = std::conditional_t<BITS == 5 && (BM == 256 || (BM == 128 && J == 1)), fused::WeightPathBits5<16>,
+                                        fused::WeightPath<BITS>>;
 
 // J: m64 A tiles per warpgroup (see the header); BM = 256 takes only J = 1 (its accumulators).
 template <int BITS, int BM, int J>
@@ -147,9 +151,11 @@ struct WgConfig {
   // (H200, session 38); above 128 rows the launcher now picks it for about half the products
   // (wgmma_pairs128_h100_s39.md). 512 threads cap the registers at 128: the 32 (BM = 64) and 64
   // (BM = 128) accumulators per thread of the 128-column tile leave room (ptxas: 114, no
-  // spills); the 128 of 128 x 256 and 256 x 128 do not, nor 64 x 256 (177 registers). Bits 5's
-  // 128 KiB table leaves no room for 3 stages per pair at BM = 128.
-  static constexpr int kPairs = J == 1 && (BM == 64 || (BM == 128 && BITS <= 4)) ? 2 : 1;
+  // spills); the 128 of 128 x 256 and 256 x 128 do not, nor 64 x 256 (177 registers). Bits 5 at
+  // BM = 128 takes the 64 KiB table (WgWeightPath) for its 3 stages per pair: 0.95x the time of
+  // one pair with the 128 KiB table and 4 stages at M = 96..128 (H100, session 40,
+  // wgmma_pairs128_b5_h100_s40.md).
+  static constexpr int kPairs = J == 1 && (BM == 64 || BM == 128) ? 2 : 1;
   // per pair, two warpgroups: decode and products (the pair's warp 0 copies too)
   static constexpr int kThreads = 256 * kPairs;
   static constexpr int kTiles = J;
@@ -161,13 +167,13 @@ struct WgConfig {
   static constexpr int kSBytes = kKCH * kBN;               // E4M4 scale bytes
   // (stages stay 1024-byte aligned: the 128-byte swizzle repeats every 8 rows of x)
   static constexpr int kStageBytes = (kXBytes + kWBytes + kSBytes + 1023) / 1024 * 1024;
-  using Path = WgWeightPath<BITS, BM>;
+  using Path = WgWeightPath<BITS, BM, J>;
   static constexpr int kLutBytes = Path::kLutBytes;
   static constexpr int kTileStride = kBN + 4;              // floats per row of the epilogue tile
   static constexpr int kTileBytes = BM * kTileStride * 4;  // overlays table and ring at the end
   // Up to S - 2 chunks in flight beyond the one being computed (a slot is refilled once the
   // products of the chunk before are done): 6 stages where they fit (bits 2-4 at BM <= 128, bits
-  // 3 at 256), else 4 or 3 (bits 5's 128 KiB table at BM <= 128; bits 2, 4 and 5 at BM = 256);
+  // 3 at 256), else 4 or 3 (bits 5's 128 KiB table at 128 x 256; bits 2, 4 and 5 at BM = 256);
   // 0: this BM does not fit. With pairs, each pair has S / P stages of its own, at least 3: 10
   // (5 per pair) where they fit (bits 2-4), else 6 (bits 5).
   // (+ 16 bytes of barriers per stage and the cluster sum's receive barrier)
@@ -732,8 +738,8 @@ struct WgLauncher {
   // 256-row tiles that pull over 6 ranks where 128-row tiles push over 3 (Qwen3 o at M = 256:
   // 22.0 against 18.4 us). With it, the pick is within 0.04 % of the fastest tile on
   // (geometric) average and 4.3 % at worst, against 0.8 % and 19.7 % without.
-  // Warpgroup pairs (WgConfig::kPairs: J = 1 at BM = 64, and 128 at bits 2-4) take a share of a
-  // k-block's time, the fixed cost unchanged. At BM = 64, kPairKBlock64: fitted on harness
+  // Warpgroup pairs (WgConfig::kPairs: J = 1 at BM = 64 and 128) take a share of a k-block's
+  // time, the fixed cost unchanged. At BM = 64, kPairKBlock64: fitted on harness
   // "wgplans" (H200, session 38: 13 shapes x bits 2, 4, 5 x M 17, 32, 48, 64, both tiles timed
   // with their plans) by an offline replica of the plan, 0.6-0.65 picks the faster tile within
   // 0.26 % on (geometric) average, 7.9 % at worst (Qwen3 gate/up, bits 4, M = 17); 0.8 is 1.0 %
