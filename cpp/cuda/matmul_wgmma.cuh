@@ -230,6 +230,7 @@ struct WgParams {
   int whole_ctas;          // the first whole_ctas CTAs (whole clusters) each compute a tile of their own over
                            // all of K; the rest split the remaining tiles' K over their cluster's ks ranks
   int n_tiles, m_tiles;    // output tiles: (b, nt, mt), mt fastest (neighbours share weights in L2)
+  int tail_rows;           // the rows of each batch entry's last row tile (M - (m_tiles - 1) BM)
   int glu;
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline;  // timeline.cuh: per-CTA milestone clocks, or null (thread 0's view)
@@ -265,7 +266,8 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 template <int BITS, int BM, int J>
 __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
     kbit_matmul_wgmma_kernel(const WgParams p, const __grid_constant__ CUtensorMap xmap,
-                             const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap smap) {
+                             const __grid_constant__ CUtensorMap xmap_tail, const __grid_constant__ CUtensorMap wmap,
+                             const __grid_constant__ CUtensorMap smap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = WgConfig<BITS, BM, J>;
   using WP = typename Cfg::Path;
@@ -324,20 +326,24 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
 
   // ---- copies of the pair's chunk c (k-blocks kblock0(c) ..) into its ring slot, issued by lane 0
   // of the pair's warp 0 (the whole warp runs this, see the main loop), completing on the slot's
-  // "full" barrier: one
-  // TMA tensor copy each for x (rows past B * M and k past K arrive as zeros), the chunk's two
+  // "full" barrier: one TMA tensor copy each for x (k past K arrives as zeros; a partial row tile
+  // brings only its rows, through xmap_tail, and its stage's rows past them keep stale data that
+  // only products of rows the epilogue never stores read), the chunk's two
   // k-block rows of the CTA's weight cells and of its scale bytes (columns past N and rows past
   // B * KB arrive as zeros; a rank's last chunk may bring a k-block it skips). Their operands are
   // uniform (tensor maps, chunk coordinates): bulk copies of computed addresses cost warp 0 ~240
   // instructions per chunk.
   const int w_row0 = b * p.KB;  // the weight's first k-block row of batch entry b
+  const bool tail = mt == p.m_tiles - 1 && p.tail_rows < BM;
+  const CUtensorMap* x_map = tail ? &xmap_tail : &xmap;
+  const uint32_t x_bytes = tail ? uint32_t(p.tail_rows) * (Cfg::kXBytes / BM) : uint32_t(Cfg::kXBytes);
   const int lane_pinned = pinned_to_lane(lane, lane);  // (see the decode's constants below)
   auto issue = [&](auto pr, int c) {
     const uint32_t st = slot(pr, c), full = full_bar(pr, c);
     const int kb0 = kblock0(pr, c);
     const bool me = lane_pinned == 0;
-    mbar_arrive_expect_tx_if(me, full, Cfg::kXBytes + Cfg::kWBytes + Cfg::kSBytes);
-    tma_load_2d_if(me, st, &xmap, 32 * kb0, int(int64_t(b) * p.M + m0), full);
+    mbar_arrive_expect_tx_if(me, full, x_bytes + Cfg::kWBytes + Cfg::kSBytes);
+    tma_load_2d_if(me, st, x_map, 32 * kb0, int(int64_t(b) * p.M + m0), full);
     tma_load_3d_if(me, st + Cfg::kXBytes, &wmap, 0, n0 / 16, w_row0 + kb0, full);
     tma_load_2d_if(me, st + Cfg::kXBytes + Cfg::kWBytes, &smap, n0, w_row0 + kb0, full);
   };
@@ -770,6 +776,7 @@ struct WgLauncher {
     p.glu = a.glu;
     p.n_tiles = ceil_div(a.n, Cfg::kBN);
     p.m_tiles = ceil_div(a.m, BM);
+    p.tail_rows = static_cast<int>(a.m - int64_t(p.m_tiles - 1) * BM);
     p.ks = w.ks;
     p.kps = w.kps;
     p.whole_ctas = static_cast<int>(w.whole_tiles);
@@ -788,13 +795,23 @@ struct WgLauncher {
       tuning->launched_cluster_sum = w.ks < 2 ? 0 : Cfg::pushes(w.ks) ? kClusterSumPush : kClusterSumPull;
     }
     // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
-    // row's 16-byte pieces swizzled by the row's index mod 8 (see the header).
-    CUtensorMap xmap, wmap, smap;
+    // row's 16-byte pieces swizzled by the row's index mod 8 (see the header). Each batch entry's
+    // last row tile, where it is partial, loads through a second map whose box has only its rows:
+    // TMA's zero fill of the box's rows past B * M is slow. With 63 of 128 rows filled (M = 65,
+    // H100, harness wgplans, session 40) the paired 128-row tile took 1.2-1.3x its time at M = 96
+    // on Llama-3-8B gate/up, Llama-3-70B down and o (e.g. 26.6 against 21.2 us), from ~40 filled
+    // rows up; with the rows read from memory instead, 65 took no longer than 96.
+    CUtensorMap xmap, xmap_tail, wmap, smap;
     const uint64_t x_dims[2] = {uint64_t(a.k), uint64_t(a.batch * a.m)};
     const uint64_t x_strides[1] = {uint64_t(a.k) * 2};
     const uint32_t x_box[2] = {uint32_t(32 * Cfg::kKCH), uint32_t(BM)};
     std::string bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_box,
                                         CU_TENSOR_MAP_SWIZZLE_128B);
+    xmap_tail = xmap;
+    const uint32_t x_tail_box[2] = {x_box[0], uint32_t(p.tail_rows)};
+    if (bad.empty() && p.tail_rows < BM)
+      bad = encode_tensor_map(&xmap_tail, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_tail_box,
+                              CU_TENSOR_MAP_SWIZZLE_128B);
     // The weight cells as {16 bits words of a 16-column piece, N / 16 pieces, B * KB k-block rows}
     // (uint32): a box of {16 bits, BN / 16, KCH} lands as the stage's KCH rows of BN cells, each
     // row contiguous, as the decode reads them. The scale bytes as {N, B * KB rows}.
@@ -812,7 +829,7 @@ struct WgLauncher {
                               CU_TENSOR_MAP_SWIZZLE_NONE);
     if (!bad.empty()) return "kbit_matmul_wgmma_kernel: " + bad + " (" + shape(a) + ")";
     const ClusterLaunch launch(static_cast<unsigned>(w.ctas()), Cfg::kThreads, Cfg::kSmemBytes, stream, w.ks);
-    cudaLaunchKernelEx(&launch.cfg, kernel, p, xmap, wmap, smap);
+    cudaLaunchKernelEx(&launch.cfg, kernel, p, xmap, xmap_tail, wmap, smap);
     if (cudaPeekAtLastError() == cudaSuccess) return std::string();
     return check_launch("kbit_matmul_wgmma_kernel", shape(a));
   }
