@@ -327,8 +327,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // ---- copies of the pair's chunk c (k-blocks kblock0(c) ..) into its ring slot, issued by lane 0
   // of the pair's warp 0 (the whole warp runs this, see the main loop), completing on the slot's
   // "full" barrier: one TMA tensor copy each for x (k past K arrives as zeros; a partial row tile
-  // brings only its rows, through xmap_tail, and its stage's rows past them keep stale data that
-  // only products of rows the epilogue never stores read), the chunk's two
+  // brings only its rows, through xmap_tail, over zeros written once below), the chunk's two
   // k-block rows of the CTA's weight cells and of its scale bytes (columns past N and rows past
   // B * KB arrive as zeros; a rank's last chunk may bring a k-block it skips). Their operands are
   // uniform (tensor maps, chunk coordinates): bulk copies of computed addresses cost warp 0 ~240
@@ -366,8 +365,22 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
     else
       for (int c = 0; c < min(kEarly, chunks_of(1)); ++c) issue(1, c);
   } else {
-    fused::build_table<WP, ActBF16, true>(s_lut, p.codebook + int64_t(b) * (1 << BITS), tid - 32 * (pair + 1),
-                                          Cfg::kThreads - 32 * P);
+    const int worker = tid - 32 * (pair + 1), workers = Cfg::kThreads - 32 * P;  // (every warp but the copiers)
+    fused::build_table<WP, ActBF16, true>(s_lut, p.codebook + int64_t(b) * (1 << BITS), worker, workers);
+    if (tail) {
+      // A partial tile's rows of x past its own, which xmap_tail's copies never write: zeros in
+      // every stage, as TMA's fill brought them before. Their products are never stored, but
+      // stale data there costs the tensor cores power: Llama-3-70B gate/up (128 x 256 tiles) took
+      // 1.07-1.10x the time at M = 72..96 and 300, bits 4-5, against the zero fill (H100, session
+      // 40). A fence makes the zeros visible to the async proxy that wgmma reads through.
+      const int pieces = (BM - p.tail_rows) * (Cfg::kXBytes / BM / 16);  // 16-byte pieces per stage
+      const uint32_t first = s_ring + uint32_t(p.tail_rows) * (Cfg::kXBytes / BM);
+      for (int i = worker; i < S * pieces; i += workers) {
+        const int stage = i / pieces;
+        sts128(first + uint32_t(stage) * Cfg::kStageBytes + 16u * uint32_t(i - stage * pieces), 0u, 0u, 0u, 0u);
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
   }
   KBIT_TL_MARK(p, kTlFirstCopy, tid == 0);
   KBIT_TL_MARK(p, kTlTable, tid == 32);  // (warp 1's part of the table)
