@@ -99,10 +99,14 @@
 //  M = 128 on Llama-3-8B down, 36 SMs idle (16 tiles of 256 columns x 6 ranks) and ~17 % of the
 //  samples in the pull's remote adds.
 //  Sessions 38-40 (H200, H100; benchmarks/results/wgmma_pairs_h200_s38.md,
-//  wgmma_pairs128_h100_s39.md, wgmma_pairs128_b5_h100_s40.md): the 128-column tile on two
-//  warpgroup pairs (WgConfig::kPairs) at 64 rows, and at 128 (bits 5 from session 40, with the 64
-//  KiB table): the 64-row main loop takes 0.68x the time, the 128-row tile 0.86x (M = 96..128),
-//  and above 128 rows the launcher now picks it for about half the cases.
+//  wgmma_pairs128_h100_s39.md, wgmma_tails_s40.md): the 128-column tile on two warpgroup pairs
+//  (WgConfig::kPairs) at 64 rows, and at 128 (bits 5 from session 40, with the 64 KiB table): the
+//  64-row main loop takes 0.68x the time, the 128-row tile 0.86x (M = 96..128), and above 128
+//  rows the launcher now picks it for about half the cases.
+//  Session 40 (H100 and H200, benchmarks/results/wgmma_tails_s40.md): a partial last row tile
+//  copies only its rows of x (TMA's zero fill of a box's missing rows was slow) over zeros written
+//  once. With bits 5's pairs, harness picks against the session's start: 0.975x the time over 676
+//  cases on both GPUs; M = 65 at bits 4 0.93x, M = 300 at bits 5 0.90x.
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
@@ -152,9 +156,9 @@ struct WgConfig {
   // (wgmma_pairs128_h100_s39.md). 512 threads cap the registers at 128: the 32 (BM = 64) and 64
   // (BM = 128) accumulators per thread of the 128-column tile leave room (ptxas: 114, no
   // spills); the 128 of 128 x 256 and 256 x 128 do not, nor 64 x 256 (177 registers). Bits 5 at
-  // BM = 128 takes the 64 KiB table (WgWeightPath) for its 3 stages per pair: 0.95x the time of
-  // one pair with the 128 KiB table and 4 stages at M = 96..128 (H100, session 40,
-  // wgmma_pairs128_b5_h100_s40.md).
+  // BM = 128 takes the 64 KiB table (WgWeightPath) for its 3 stages per pair: 0.94-0.95x the
+  // time of one pair with the 128 KiB table and 4 stages at M = 96..128 (H100, session 40,
+  // wgmma_tails_s40.md).
   static constexpr int kPairs = J == 1 && (BM == 64 || BM == 128) ? 2 : 1;
   // per pair, two warpgroups: decode and products (the pair's warp 0 copies too)
   static constexpr int kThreads = 256 * kPairs;
