@@ -1,6 +1,6 @@
 // kbit_matmul dispatch: the fused tensor-core kernels where they apply (matmul_wgmma.cuh for
 // bf16 at kWgmmaMinRows..kWgmmaMaxRows rows, from kWgmmaEarlyMinRows for the products
-// wgmma_min_rows calls early, and to kWgmmaWideBitsMaxRows at bits 5; matmul_fused.cuh
+// wgmma_rule_rows calls early, and to kWgmmaWideBitsMaxRows at bits 5; matmul_fused.cuh
 // otherwise), the generic SIMT kernel (matmul_generic.cu) elsewhere; plus the build information
 // of the module.
 #include <algorithm>
@@ -87,14 +87,6 @@ std::pair<int, int> wgmma_rule_rows(int64_t n, int64_t k, int bits) {
                                                (n >= kWgmmaEarlyBandMinN && n <= kWgmmaEarlyBandMaxN)));
   return {early ? kWgmmaEarlyMinRows : kWgmmaMinRows, bits >= kWgmmaEarlyBits ? kWgmmaWideBitsMaxRows : kWgmmaMaxRows};
 }
-int wgmma_min_rows(int64_t n, int64_t k, int bits) {
-  static const int forced = env_or("KBIT_JAX_WGMMA_MIN_M", -1);
-  return forced >= 0 ? forced : wgmma_rule_rows(n, k, bits).first;
-}
-int wgmma_max_rows(int bits) {
-  static const int forced = env_or("KBIT_JAX_WGMMA_MAX_M", -1);
-  return forced >= 0 ? forced : wgmma_rule_rows(0, 0, bits).second;
-}
 
 // The module has the wgmma kernel (CMake compiled the sm_90a target: KBIT_WGMMA) and the current
 // device runs it (compute capability 9.0; sm_90a code runs nowhere else).
@@ -117,9 +109,11 @@ bool wgmma_available() {
 }
 
 std::pair<int, int> wgmma_rows_here(int64_t n, int64_t k, int bits) {
-  const int lo = wgmma_min_rows(n, k, bits);
+  static const int forced_min = env_or("KBIT_JAX_WGMMA_MIN_M", -1), forced_max = env_or("KBIT_JAX_WGMMA_MAX_M", -1);
+  const auto [rule_min, rule_max] = wgmma_rule_rows(n, k, bits);
+  const int lo = forced_min >= 0 ? forced_min : rule_min;
   if (!wgmma_available() || lo <= 0) return {0, 0};
-  return {lo, wgmma_max_rows(bits)};
+  return {lo, forced_max >= 0 ? forced_max : rule_max};
 }
 
 // bf16 activations, the fragment layout and 16-byte rows (N % 16 == 0); tuning->variant 3 forces
