@@ -165,7 +165,8 @@ struct WgConfig {
   static constexpr int kTiles = J;
   static constexpr int kBN = 128 * kTiles;          // weight columns per CTA: 2 warpgroups x J tiles
   static constexpr int kKCH = 2;        // k-blocks (32 k each) per ring stage
-  static constexpr int kXBytes = BM * kKCH * 64;           // [row][64 k] (128 bytes), swizzled
+  static constexpr int kXRowBytes = kKCH * 64;            // a row of x in a stage: 64 k (128 bytes)
+  static constexpr int kXBytes = BM * kXRowBytes;          // [row][64 k], swizzled
   static constexpr int kWRowBytes = kBN * BITS * 4;        // one k-block of the CTA's cells
   static constexpr int kWBytes = kKCH * kWRowBytes;
   static constexpr int kSBytes = kKCH * kBN;               // E4M4 scale bytes
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   const int w_row0 = b * p.KB;  // the weight's first k-block row of batch entry b
   const bool tail = mt == p.m_tiles - 1 && p.tail_rows < BM;
   const CUtensorMap* x_map = tail ? &xmap_tail : &xmap;
-  const uint32_t x_bytes = tail ? uint32_t(p.tail_rows) * (Cfg::kXBytes / BM) : uint32_t(Cfg::kXBytes);
+  const uint32_t x_bytes = tail ? uint32_t(p.tail_rows * Cfg::kXRowBytes) : uint32_t(Cfg::kXBytes);
   const int lane_pinned = pinned_to_lane(lane, lane);  // (see the decode's constants below)
   auto issue = [&](auto pr, int c) {
     const uint32_t st = slot(pr, c), full = full_bar(pr, c);
@@ -377,8 +378,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       // stale data there costs the tensor cores power: Llama-3-70B gate/up (128 x 256 tiles) took
       // 1.07-1.10x the time at M = 72..96 and 300, bits 4-5, against the zero fill (H100, session
       // 40). A fence makes the zeros visible to the async proxy that wgmma reads through.
-      const int pieces = (BM - p.tail_rows) * (Cfg::kXBytes / BM / 16);  // 16-byte pieces per stage
-      const uint32_t first = s_ring + uint32_t(p.tail_rows) * (Cfg::kXBytes / BM);
+      const int pieces = (BM - p.tail_rows) * (Cfg::kXRowBytes / 16);  // 16-byte pieces per stage
+      const uint32_t first = s_ring + uint32_t(p.tail_rows * Cfg::kXRowBytes);
       for (int i = worker; i < S * pieces; i += workers) {
         const int stage = i / pieces;
         sts128(first + uint32_t(stage) * Cfg::kStageBytes + 16u * uint32_t(i - stage * pieces), 0u, 0u, 0u, 0u);
