@@ -491,13 +491,17 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
                     // tile overlays them
 
   // ---- epilogue: this rank's f32 tile into shared memory ([m][n], padded rows); with pairs, pair
-  // 1 stores its sums, then pair 0 adds its own (thread t + 256 holds thread t's outputs) ----
+  // 1 stores its sums, then pair 0 adds its own (thread t + 256 holds thread t's outputs). At
+  // J = 1 only the tile's rows of x (nothing reads the others; at BM = 128 the three passes over
+  // the whole tile are ~1,500 shared-memory wavefronts, ~0.8 us); at J = 2 that test made ptxas
+  // reorder the main loop, and Llama-3-70B gate/up took 1.03-1.05x the time (H100, session 41). ----
   float* tile_f = reinterpret_cast<float*>(smem);
   auto stage_tile = [&](bool add) {
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
       for (int i = 0; i < NACC; ++i) {
+        if (J == 1 && 8 * (i >> 2) >= rows) continue;  // (the accumulator's 8-row group: a constant)
         const int m = 8 * (i >> 2) + 2 * t + (i & 1);
         const int n = 64 * J * wg + 64 * j + 16 * wq + g + 8 * ((i >> 1) & 1);
         float& dst = tile_f[m * Cfg::kTileStride + n];
@@ -513,7 +517,18 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   }
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  if (ks > 1) cluster.sync(); else __syncthreads();
+  const bool push = Cfg::pushes(ks);  // (cluster-uniform)
+  // A pull reads the other ranks' tiles: their stores must be released to it (cluster.sync's
+  // arrive compiles to MEMBAR.GPU). A push only needs every rank past its main loop before
+  // another writes into its receive slots, which overlay the table and the ring: their reads
+  // are complete (consumed by the finished wgmma groups), so the arrive is relaxed, after a
+  // CTA barrier for this CTA's own reads of the staged tile.
+  if (ks > 1 && !push) {
+    cluster.sync();
+  } else {
+    __syncthreads();
+    if (ks > 1) fused::cluster_barrier_relaxed();
+  }
   KBIT_TL_MARK(p, kTlFirstStored, tid == 0);  // (every rank's tile is staged)
 
   // ---- rank q owns every ks-th row from q: it sums it over the ranks (in rank order: the same
@@ -529,7 +544,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // (harness, against the pull with the same main loop): 0.95x the time at M = 33..128, 0.97x at
   // 192..1024 (wgmma_push_h200_s34.md). ----
   const float ts = p.tensor_scale[b];
-  const bool push = Cfg::pushes(ks);  // (cluster-uniform)
   const uint32_t s_recv_bar = s_lut + Cfg::kRecvBarOffset;
   const int my_rows = rows > rank ? (rows - rank + ks - 1) / ks : 0;
   const int slot_floats = (BM + ks - 1) / ks * BN;  // a receive slot: the most rows any rank owns
