@@ -433,7 +433,14 @@ struct WarpClusterReducer {
           acc[4 * e4] += q.x; acc[4 * e4 + 1] += q.y; acc[4 * e4 + 2] += q.z; acc[4 * e4 + 3] += q.w;
         }
       }
-      for (int r = 1; r < ks; ++r) mbar_arrive_rank(cl_empty + 8 * warp, r);
+      // "Your slot is free again": the loads from it are complete once the adds have consumed
+      // them, which the empty asm pins before the arrivals (asm volatile keeps its order). So
+      // the arrivals release at CTA scope: at cluster scope each compiled to a MEMBAR.GPU, and
+      // this tiling forced took 1.07-1.28x today's time on the Qwen3/GLM layers at M = 16-32
+      // (harness "rows", H100, session 41).
+#pragma unroll
+      for (int e = 0; e < NACC; ++e) asm volatile("" ::"f"(acc[e]));
+      for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty + 8 * warp, r);
       store(acc);
     }
 #pragma unroll
