@@ -107,6 +107,12 @@
 //  copies only its rows of x (TMA's zero fill of a box's missing rows was slow) over zeros written
 //  once. With bits 5's pairs, harness picks against the session's start: 0.975x the time over 676
 //  cases on both GPUs; M = 65 at bits 4 0.93x, M = 300 at bits 5 0.90x.
+//  Session 41 (H100, benchmarks/results/epilogue_s41.md): the push path's cluster barrier is
+//  relaxed (cluster.sync()'s release was a MEMBAR.GPU) and a partial tile at J = 1 stages only
+//  its rows: harness picks 0.98x the time at M = 33..256, 0.96-0.98x on the Qwen3 layers. What
+//  is left of a small layer's epilogue (Qwen3 o, M = 64: 3.3 of 7.8 us) is the push itself at
+//  the rate of distributed shared memory (1.55 us), and 0.7 us from "own rows in" to the first
+//  store, not understood.
 //
 // ---- Limits ----
 //  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
