@@ -1375,7 +1375,8 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
                                  "first chunk arrived", "first item computed", "first item stored",
                                  "last chunk arrived", "all stored", "exit",
                                  "last warp: first computed", "last warp: first stored",
-                                 "leader: warps summed", "rank 0: ranks' sums in"};
+                                 "leader: warps summed", "rank 0: ranks' sums in", "last item: warps' sums in",
+                                 "-"};
   // per mark: the per-launch median and maximum over CTAs (ns from the CTA's entry)
   std::vector<std::vector<double>> med(kTlMarks), mx(kTlMarks);
   std::vector<double> entry_min, entry_med, entry_max, exit_max, chunks_min, chunks_max, rate, host_us;
@@ -1428,7 +1429,8 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
     const char* wg_names[kTlMarks] = {"entry", "setup (table, barriers)", "-", "first copies issued",
                                       "table built", "first chunk arrived", "products done",
                                       "tiles staged (cluster)", "own rows in (push)", "reduced and stored", "exit",
-                                      "last warp: sent (push)", "last warp: stored", "thread 0: first stored", "-"};
+                                      "last warp: sent (push)", "last warp: stored", "thread 0: first stored", "-",
+                                      "thread 0: sum entered", "thread 0: first added"};
     std::copy(std::begin(wg_names), std::end(wg_names), std::begin(names));
   }
   Timer tm;

@@ -277,6 +277,7 @@ struct ItemReducer {
         sts128f(slot_addr(slot_of(warp, e4 % NW), e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2],
                 acc[4 * e4 + 3]);
     asm volatile("bar.sync 2, %0;\n" ::"n"(NW * 32) : "memory");  // every consumer warp's groups are in
+    KBIT_TL_MARK_TO(timeline, kTlSumEntered, seq == 0 && warp == 0 && lane == 0);
     if (warp >= NACC / 4) return;  // (owns no group)
     uint32_t mine = 0;
 #pragma unroll

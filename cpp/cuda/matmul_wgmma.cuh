@@ -595,6 +595,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
     // 512, whose 128 registers E = 16's 8 ranks x 4 pieces of loads would exceed (ptxas spilled).
     constexpr int EP = Cfg::kThreads > 256 ? 8 : E;
     const GluLogit logit(p.glu);
+    KBIT_TL_MARK(p, kTlSumEntered, tid == 0);
     for (int it = tid; it < my_rows * kGroups; it += Cfg::kThreads) {
       const int rr = it / kGroups, r = rank + ks * rr, c0 = (it % kGroups) * E;
       if (n0 + c0 >= p.N) continue;
@@ -642,6 +643,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
           }
         }
       }
+      KBIT_TL_MARK(p, kTlSumAdded, tid == 0 && it == tid && __float_as_uint(v[0]) != 1u);  // (after the adds)
       uint32_t packed[4];
 #pragma unroll
       for (int o = 0; o < 4; ++o)

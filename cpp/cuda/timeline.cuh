@@ -30,6 +30,9 @@ enum TimelineMark : int {
   kTlLastWarpStored,  // the last consumer warp to end its first item (reduced and stored)
   kTlWarpsSummed,     // V0/V1, first item: its leader (warp 0) has added the CTA's warps' sums
   kTlRanksIn,         // k-split cluster, first item, rank 0's warp 0: the other ranks' sums are in
+  kTlSumEntered,      // the CTA's last item (finish_last_shared), warp 0: past the warps' barrier;
+                      // wgmma kernel: thread 0 at its first sum of the cluster's rows
+  kTlSumAdded,        // wgmma kernel: thread 0's first item added, before its store
   kTlMarks,
   kTlGlobalEntry = kTlMarks,  // %globaltimer at kTlEntry
   kTlGlobalExit,              // %globaltimer at kTlExit
