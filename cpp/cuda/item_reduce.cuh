@@ -384,7 +384,11 @@ template <int NW, int NACC>
 struct WarpClusterReducer {
   static_assert(NACC % 4 == 0, "accumulators move as float4");
   static constexpr int kMaxRanks = kMaxKSplit;
-  static constexpr bool kExitNeedsRelease = true;  // rank 0 reads the other ranks' shared memory
+  // Rank 0 reads the other ranks' shared memory, but its loads are complete once its adds have
+  // consumed them (finish pins that), and its last item sends no "slot free" arrivals: nothing
+  // is in flight between the CTAs at exit, so the exit barrier is relaxed (its release compiled
+  // to a MEMBAR.GPU, which also waited for rank 0's stores of the sums).
+  static constexpr bool kExitNeedsRelease = false;
   static constexpr int kSlotBytes = NACC * 32 * 4;
   static constexpr int kPartBytes = NW * kSlotBytes;  // this rank's sums, one slot per warp
   static constexpr int kBarBytes = 2 * NW * 8;
@@ -411,10 +415,11 @@ struct WarpClusterReducer {
     return part + uint32_t(warp * kSlotBytes + (e4 * 32 + lane) * 16);
   }
 
-  // Called by every consumer warp at the end of its seq-th item; on rank 0 (or without a
-  // cluster) calls store(sum) with the warp's columns' sums. acc is zeroed.
+  // Called by every consumer warp at the end of its seq-th item; `last`: the CTA's last item (the
+  // same on every rank). On rank 0 (or without a cluster) calls store(sum) with the warp's
+  // columns' sums. acc is zeroed.
   template <class Store>
-  __device__ void finish(float (&acc)[NACC], int seq, bool /*last*/, int warp, int lane, Store&& store) const {
+  __device__ void finish(float (&acc)[NACC], int seq, bool last, int warp, int lane, Store&& store) const {
     if (ks == 1) {
       store(acc);
     } else if (rank > 0) {
@@ -438,10 +443,12 @@ struct WarpClusterReducer {
       // them, which the empty asm pins before the arrivals (asm volatile keeps its order). So
       // the arrivals release at CTA scope: at cluster scope each compiled to a MEMBAR.GPU, and
       // this tiling forced took 1.07-1.28x today's time on the Qwen3/GLM layers at M = 16-32
-      // (harness "rows", H100, session 41).
+      // (harness "rows", H100, session 41). The last item sends none (nothing waits for them),
+      // so nothing is in flight towards another rank at exit (kExitNeedsRelease).
 #pragma unroll
       for (int e = 0; e < NACC; ++e) asm volatile("" ::"f"(acc[e]));
-      for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty + 8 * warp, r);
+      if (!last)
+        for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty + 8 * warp, r);
       store(acc);
     }
 #pragma unroll
