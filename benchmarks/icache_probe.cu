@@ -2,15 +2,15 @@
 // time of N independent FMAs run once (cold: fetched at this launch) against the same code run
 // again right after (warm), per SM. Why: Nsight Compute put 11-21 % of the warp samples of the
 // small kbit matmul launches in stall_no_inst, at every 128-byte line of their epilogues, which
-// run once per launch (benchmarks/results/epilogue_h100_s41.md).
+// run once per launch (benchmarks/results/epilogue_s41.md).
 //
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/icache_probe benchmarks/icache_probe.cu
 //   /tmp/icache_probe            (one line per code size and launch)
 //
-// Each CTA (one warp, one per SM) times both passes with clock64; the kernel is launched 3 times
-// in a row and after an unrelated kernel has run, so the lines show a launch's cold pass with
-// the code in L2 or not. Each FMA is independent of the 7 before it (8 accumulators), so a warm
-// pass issues one per cycle: a 128-byte line (8 instructions) every 8 cycles.
+// Each CTA (one warp, one per SM) times both passes with clock64. The kernel is launched 3 times
+// in a row, then once more after another kernel has run: whether the SMs keep a kernel's code
+// from one launch to the next. Each FMA is independent of the 7 before it (8 accumulators), so a
+// warm pass issues one per cycle: a 128-byte line (8 instructions) every 8 cycles.
 #include <cuda_runtime.h>
 
 #include <algorithm>

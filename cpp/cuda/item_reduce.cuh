@@ -377,9 +377,10 @@ struct ItemReducer {
 // its slot and arrives on rank 0's cl_full[w] (release, cluster scope); rank 0's warp w waits
 // there, adds its own sums and the ranks' in rank order (deterministic), stores, and arrives on
 // every rank's cl_empty[w] (release at CTA scope, see finish), which rank r's warp w waits on
-// before it rewrites its slot. The barriers are per warp, so no warp waits for another warp of its CTA. Phases: rank r's warp w
-// arrives for item seq only after rank 0's warp w has finished item seq - 1, so each barrier is
-// within one phase of its waiter. Without a cluster each warp stores its sums at once.
+// before it rewrites its slot. The barriers are per warp, so no warp waits for another warp of
+// its CTA. Phases: rank r's warp w arrives for item seq only after rank 0's warp w has finished
+// item seq - 1, so each barrier is within one phase of its waiter. Without a cluster each warp
+// stores its sums at once.
 template <int NW, int NACC>
 struct WarpClusterReducer {
   static_assert(NACC % 4 == 0, "accumulators move as float4");
