@@ -30,7 +30,8 @@
 // KBIT_HARNESS_SWEEP_BITS its bits (2 4 5), KBIT_HARNESS_ROWS_M and _BITS those of "rows",
 // KBIT_HARNESS_SPLIT_M and _BITS those of "split", KBIT_HARNESS_PLANS_M and _BITS those of
 // "wgplans";
-// KBIT_HARNESS_TEST_VARIANTS="2 3" runs only those tiling variants' matmul tests.
+// KBIT_HARNESS_TEST_VARIANTS="2 3" runs only those tiling variants' matmul tests;
+// KBIT_HARNESS_F16=1 times fp16 products instead of bf16 (see BenchEnv::matmul_args).
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
 // Correctness: quantize (both layouts, three input dtypes) bit-exact against a host quantizer
@@ -902,9 +903,13 @@ struct BenchEnv {
   // scales are set per launch by WeightCopies). KBIT_HARNESS_GLU=1 (silu) or 2 (gelu_tanh):
   // every such product gates its column pairs (the GLU epilogue; the seed shapes' N are even),
   // e.g. `tools/kernel_profile.sh ab env:KBIT_HARNESS_GLU=1` times the epilogue's cost.
+  // KBIT_HARNESS_F16=1: fp16 activations instead (x's bf16 bits read as fp16: timing only),
+  // the path without the wgmma kernel.
   kbit::cuda::MatmulArgs matmul_args(const Shape& s, int bits, int m) const {
     kbit::cuda::MatmulArgs a;
-    a.x = x; a.dtype = DType::kBF16; a.codebook = cb; a.tensor_scale = ts; a.y = y;
+    const char* f16 = std::getenv("KBIT_HARNESS_F16");
+    a.x = x; a.dtype = f16 && std::atoi(f16) ? DType::kF16 : DType::kBF16;
+    a.codebook = cb; a.tensor_scale = ts; a.y = y;
     a.batch = 1; a.m = m; a.k = s.K; a.n = s.N; a.bits = bits; a.layout = kbit::kFragment;
     const char* glu = std::getenv("KBIT_HARNESS_GLU");
     a.glu = glu ? std::atoi(glu) : 0;
