@@ -128,17 +128,14 @@ __device__ __forceinline__ void sts128f(uint32_t addr, float a, float b, float c
 }
 // Cluster barrier, all threads of every rank; each thread alternates arrive and wait. Split at
 // the start (arrive after the barrier init, wait before the first remote arrival) and whole
-// before exit (no rank's shared memory may still be addressed by another): with release when
-// the exit may follow reads of another rank's shared memory (cluster_barrier), relaxed when
-// nothing is left in flight (cluster_barrier_relaxed; see ItemReducer).
+// before exit (no rank's shared memory may still be addressed by another). The exit's is
+// relaxed: neither reducer below leaves anything in flight between the CTAs after its last item
+// (a release there compiled to MEMBAR.GPU).
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_barrier_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
@@ -151,7 +148,6 @@ struct ItemReducer {
   static_assert(NACC % 4 == 0, "accumulators move as float4");
   static_assert(RECV >= 1 && RECV < kMaxKSplit, "receive slots");
   static constexpr int kMaxRanks = RECV + 1;
-  static constexpr bool kExitNeedsRelease = false;  // nothing in flight between CTAs at exit
   static constexpr int kSlotBytes = NACC * 32 * 4;
   static constexpr int kRedBytes = (NW - 1) * kSlotBytes;  // one slot per non-leader warp
   static constexpr int kRecvBytes = RECV * kSlotBytes;     // (rank 0) one per other rank
@@ -385,11 +381,6 @@ template <int NW, int NACC>
 struct WarpClusterReducer {
   static_assert(NACC % 4 == 0, "accumulators move as float4");
   static constexpr int kMaxRanks = kMaxKSplit;
-  // Rank 0 reads the other ranks' shared memory, but its loads are complete once its adds have
-  // consumed them (finish pins that), and its last item sends no "slot free" arrivals: nothing
-  // is in flight between the CTAs at exit, so the exit barrier is relaxed (its release compiled
-  // to a MEMBAR.GPU, which also waited for rank 0's stores of the sums).
-  static constexpr bool kExitNeedsRelease = false;
   static constexpr int kSlotBytes = NACC * 32 * 4;
   static constexpr int kPartBytes = NW * kSlotBytes;  // this rank's sums, one slot per warp
   static constexpr int kBarBytes = 2 * NW * 8;
@@ -444,8 +435,10 @@ struct WarpClusterReducer {
       // them, which the empty asm pins before the arrivals (asm volatile keeps its order). So
       // the arrivals release at CTA scope: at cluster scope each compiled to a MEMBAR.GPU, and
       // this tiling forced took 1.07-1.28x today's time on the Qwen3/GLM layers at M = 16-32
-      // (harness "rows", H100, session 41). The last item sends none (nothing waits for them),
-      // so nothing is in flight towards another rank at exit (kExitNeedsRelease).
+      // (harness "rows", H100, session 41). The last item sends none (nothing waits for them):
+      // with rank 0's remote loads complete, nothing is in flight towards another rank at exit,
+      // and the kernel's exit barrier is relaxed (a release there was a MEMBAR.GPU that also
+      // waited for rank 0's stores of the sums).
 #pragma unroll
       for (int e = 0; e < NACC; ++e) asm volatile("" ::"f"(acc[e]));
       if (!last)

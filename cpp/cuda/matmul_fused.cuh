@@ -1443,12 +1443,9 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     if (KS > 1 && item_seq == 0) cluster_wait();  // (no item: still pair the start's arrive)
     KBIT_TL_MARK(p, kTlLoopEnd, tid == 0);
   }  // consumer warps
-  if (KS > 1) {  // no rank's shared memory may still be addressed by another
-    if constexpr (WC::Reducer::kExitNeedsRelease)
-      cluster_barrier();  // rank 0 may still read this CTA's sums
-    else
-      cluster_barrier_relaxed();
-  }
+  // no rank's shared memory may still be addressed by another (relaxed: the reducers leave nothing
+  // in flight between the CTAs after their last item, item_reduce.cuh)
+  if (KS > 1) cluster_barrier_relaxed();
   KBIT_TL_MARK(p, kTlExit, tid == 0);
   KBIT_TL_GLOBAL(p, kTlGlobalExit, tid == 0);
 }

@@ -645,7 +645,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
           }
         }
       }
-      KBIT_TL_MARK(p, kTlSumAdded, tid == 0 && it == tid && __float_as_uint(v[0]) != 1u);  // (after the adds)
+      // (the test on v[0], always true, keeps the mark's clock read behind the adds)
+      KBIT_TL_MARK(p, kTlSumAdded, tid == 0 && it == tid && __float_as_uint(v[0]) != 1u);
       uint32_t packed[4];
 #pragma unroll
       for (int o = 0; o < 4; ++o)
