@@ -1099,7 +1099,9 @@ static void bench_sel() {
 // 1), its N-split tiling (variant 2, blocks of 8, 16, 32 or 64 rows), the launcher's choice, and
 // the cp.async kernel (32- and 64-row tilings); one line per case
 //   ROWS <shape> K N bits M <16-row us> <N-split us> <default us> <cp.async us> <default / best>
-//        v<the default's variant>/<rows of its blocks>
+//        v<the default's variant>/<rows of its blocks> plan <16-row cost> <N-split cost> <its price>
+// (the plan costs of matmul_fused.cuh's launcher, MatmulTuning::planned_*, from one more launch
+// with its own choice: what benchmarks/nsplit_price_fit.py fits the N-split prices on)
 // KBIT_HARNESS_ROWS_M="1 4 16" times other M (1..128) instead, KBIT_HARNESS_ROWS_BITS="2 3 4 5"
 // other bits, and KBIT_HARNESS_ROWS_TP="2 4" adds a Llama-3-70B layer's products at those
 // tensor-parallel sizes to the ten shapes.
@@ -1109,7 +1111,9 @@ static void bench_rows() {
   const std::vector<Shape> shapes = shapes_and_llama70b_layers(
       getenv("KBIT_HARNESS_ROWS_TP") ? env_int_list("KBIT_HARNESS_ROWS_TP", "", 2, 8) : std::vector<int>());
   BenchEnv env(128);
-  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  const char* f16 = std::getenv("KBIT_HARNESS_F16");
+  printf("device: %s; device-to-device copy: %.0f GB/s; activations %s\n", env.prop.name, env.copy_gbs,
+         f16 && std::atoi(f16) ? "fp16" : "bf16");
   Timer tm;
   kbit::cuda::MatmulTuning tune;  // (the last launch's choice)
   auto time_variant = [&](const kbit::cuda::MatmulArgs& a, const WeightCopies& w, int variant) {
@@ -1127,8 +1131,16 @@ static void bench_rows() {
         const double nsplit = time_variant(a, w, 2), dflt = time_variant(a, w, -1);
         const int dflt_variant = tune.launched_variant, dflt_rows = tune.launched_rows;
         const double cp = time_variants(tm, a, w, 0, us_v, 5, 10, nullptr, 0);
-        printf("ROWS %-18s %5d %6d %d %3d %8.2f %8.2f %8.2f %8.2f %6.3f v%d/%d\n", s.name, s.K, s.N, bits, M, ws,
-               nsplit, dflt, cp, dflt / std::min(std::min(ws, nsplit), cp), dflt_variant, dflt_rows);
+        kbit::cuda::MatmulTuning fused_pick;
+        fused_pick.variant = -2;
+        kbit::cuda::MatmulArgs a0 = a;
+        a0.planes = w.planes(0);
+        a0.scales = w.scales(0);
+        const std::string err = kbit::cuda::launch_matmul(a0, 0, &fused_pick);
+        if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+        printf("ROWS %-18s %5d %6d %d %3d %8.2f %8.2f %8.2f %8.2f %6.3f v%d/%d plan %.3f %.3f %.2f\n", s.name, s.K,
+               s.N, bits, M, ws, nsplit, dflt, cp, dflt / std::min(std::min(ws, nsplit), cp), dflt_variant, dflt_rows,
+               fused_pick.planned_rows16_cost, fused_pick.planned_nsplit_cost, fused_pick.planned_nsplit_price);
       }
     }
 }

@@ -101,6 +101,12 @@ struct MatmulTuning {
   mutable int launched_k_split = 0, launched_ctas = 0, launched_balanced = 0, launched_wg_tiles = 0;
   mutable int launched_whole_ctas = 0, launched_cluster_sum = 0;
   mutable int launched_variant = -1, launched_rows = 0;
+  // matmul_fused.cuh's launcher at M > 8 on the warp-specialized kernel (for fitting its prices,
+  // benchmarks/nsplit_price_fit.py): the cost of its 16-row plan (V0 or V1, whichever it takes),
+  // and of the N-split plan (V2) with the price of V2's chunk that cost includes
+  // (Config::chunk_cost); -1 where a plan cannot be made. The N-split tiling is taken where its
+  // cost is lower (and the dtype may take it at that M). 0: that launcher did not compare them.
+  mutable double planned_rows16_cost = 0, planned_nsplit_cost = 0, planned_nsplit_price = 0;
 };
 
 // Which kernel launch_matmul would use, for logs: "fused" or "generic" plus the reason.

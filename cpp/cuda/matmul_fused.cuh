@@ -1502,6 +1502,9 @@ struct Launcher {
            " MT=" + std::to_string(MT) + " V=" + std::to_string(V) + " glu=" + std::to_string(a.glu);
   }
 
+  // A chunk's time in V0 chunks of this MT (Config::chunk_cost, by the activations' dtype).
+  static constexpr double chunk_price() { return Cfg::chunk_cost(std::is_same_v<Act, ActBF16>); }
+
   // How a launch covers the problem: shared memory, cluster size (k-split) and clusters, and the
   // critical path's estimated length in chunk times of the V0 tiling of this MT (`cost`), which
   // launch_fused_bits compares between the tilings. `error` is set if the shared memory cannot
@@ -1581,7 +1584,7 @@ struct Launcher {
       // time of 16-row blocks (fused_rows_tp_h200_s35_m40-64.log).)
       const double nsplit_rank_end = V == 2 && MT == 4 ? 1.25 : V == 2 && MT == 8 ? 2.5 : 0.5;
       const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + nsplit_rank_end * ks : 1.0;
-      const double cost = per_cluster * (chunks + item_end) * Cfg::chunk_cost(std::is_same_v<Act, ActBF16>);
+      const double cost = per_cluster * (chunks + item_end) * chunk_price();
       if (cost < best_cost - 1e-9) { best_cost = cost; pl.ks = ks; }
     }
     pl.cost = best_cost;
@@ -1615,7 +1618,7 @@ struct Launcher {
         if (senders > kRecv) continue;
         const double pieces = double((per_rank + nchi - 1) / nchi + 1);
         const double cost = (double(per_rank) + 0.5 * pieces + 0.5 * double(senders)) *
-                            Cfg::chunk_cost(std::is_same_v<Act, ActBF16>);
+                            chunk_price();
         if (cost < best_bal - 1e-9) {
           best_bal = cost;
           pl.balanced = true;
@@ -1793,14 +1796,21 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
           const auto p1 = L1::plan(a, tuning);
           const bool v1 = p1.error.empty() && (!p0.error.empty() || p1.cost <= p0.cost);
           // The N-split tiling where its plan is shorter (costs in the same unit); at M <= 16
-          // with bf16 only (fp16's slower scale path was not timed there).
-          if (a.m > 16 || std::is_same_v<A, ActBF16>) {
+          // with bf16 only (fp16's slower scale path was not timed there). A caller's tuning
+          // gets both plans' costs either way.
+          const bool nsplit_allowed = a.m > 16 || std::is_same_v<A, ActBF16>;
+          if (nsplit_allowed || tuning) {
             const double best = v1 ? p1.cost : p0.error.empty() ? p0.cost : 1e300;
             bool taken = false;
             std::string out = with_nsplit(act_tag, [&](auto ln) {
               using LN = decltype(ln);
               const auto pn = LN::plan(a, tuning);
-              if (!pn.error.empty() || pn.cost >= best) return std::string();
+              if (tuning) {
+                tuning->planned_rows16_cost = best < 1e300 ? best : -1.0;
+                tuning->planned_nsplit_cost = pn.error.empty() ? pn.cost : -1.0;
+                tuning->planned_nsplit_price = LN::chunk_price();
+              }
+              if (!nsplit_allowed || !pn.error.empty() || pn.cost >= best) return std::string();
               taken = true;
               return LN::launch(a, stream, tuning, pn);
             });
