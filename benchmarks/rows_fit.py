@@ -17,7 +17,8 @@ geometric-mean and worst ratio. Prints the best few and the cases the best one g
 It mirrors the launcher of the logs it was fitted on, not today's: since session 31 the N-split
 tiling at 32 rows ends an item in 1 + 1.25 chunks per rank (results/last_block_s31_fit.py), and
 since session 33 it has two tiles per warp at bits 5 too, priced like the other bits
-(results/nsplit_bits5_s33_fit.py scores that on the H200's rows).
+(results/nsplit_bits5_s33_fit.py scores that on the H200's rows). Logs from session 42 on carry
+the launcher's own plan costs; `nsplit_price_fit.py` fits the prices on those exactly.
 """
 
 from __future__ import annotations
