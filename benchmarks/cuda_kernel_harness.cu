@@ -540,8 +540,12 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
 
 // The launcher's tiling choice where the harness's "rows" fitted it (Config::chunk_cost and
 // Launcher::plan in matmul_fused.cuh): bf16 at M = 9..16 on a wide, short layer (K 256, N 32768)
-// takes the N-split tiling in blocks of 16 rows, fp16 there and bf16 on a narrow layer (K 5120,
-// N 2048) a 16-row tiling (variant 0 or 1). On Qwen3 gate/up (K 2048, N 5120) at M = 32 bits 2-4
+// takes the N-split tiling in blocks of 16 rows, bf16 on a narrow layer (K 5120, N 2048) a
+// 16-row tiling (variant 0 or 1). fp16 (session 42's prices, nsplit_price_f16; H100 "rows",
+// benchmarks/results/nsplit_f16_s42.md) on Llama-3-8B gate/up (K 4096, N 14336) at M = 16 takes
+// the N-split tiling at bits 2, 4 and 5 (18.8-25.7 against 21.1-29.4 us) and a 16-row tiling at
+// bits 3; on GLM-4.7 gate/up (K 2048, N 10240) at M = 64, bits 5, the N-split tiling (28.2
+// against 36.4 us: before, a 16-row tiling). On Qwen3 gate/up (K 2048, N 5120) at M = 32 bits 2-4
 // take a 16-row tiling and bits 5 the N-split tiling in blocks of 32 rows. On Llama-3-8B down
 // (K 14336, N 4096) at M = 17, whose second 16-row block has one row, bits 2 and 4 take a 16-row
 // tiling: 0.83-0.88x the N-split tiling's time since that block's copy is shifted (session 32,
@@ -574,10 +578,12 @@ static void test_dispatch() {
     EXPECT(err.empty(), "dispatch K=%d N=%d M=%d bits=%d: %s\n", K, N, M, bits, err.c_str());
   };
   struct Want { int K, N, M; DType dt; int nsplit_rows, bits_lo, bits_hi; };  // nsplit_rows 0: a 16-row tiling
-  const Want wants[] = {{256, 32768, 9, DType::kBF16, 16, 2, 5},  {256, 32768, 16, DType::kBF16, 16, 2, 5},
-                        {256, 32768, 16, DType::kF16, 0, 2, 5},   {5120, 2048, 16, DType::kBF16, 0, 2, 5},
-                        {2048, 5120, 32, DType::kBF16, 0, 2, 4},  {2048, 5120, 32, DType::kBF16, 32, 5, 5},
-                        {14336, 4096, 17, DType::kBF16, 0, 2, 2}, {14336, 4096, 17, DType::kBF16, 0, 4, 4}};
+  const Want wants[] = {{256, 32768, 9, DType::kBF16, 16, 2, 5},   {256, 32768, 16, DType::kBF16, 16, 2, 5},
+                        {5120, 2048, 16, DType::kBF16, 0, 2, 5},    {4096, 14336, 16, DType::kF16, 16, 2, 2},
+                        {4096, 14336, 16, DType::kF16, 0, 3, 3},    {4096, 14336, 16, DType::kF16, 16, 4, 5},
+                        {2048, 10240, 64, DType::kF16, 64, 5, 5},   {2048, 5120, 32, DType::kBF16, 0, 2, 4},
+                        {2048, 5120, 32, DType::kBF16, 32, 5, 5},   {14336, 4096, 17, DType::kBF16, 0, 2, 2},
+                        {14336, 4096, 17, DType::kBF16, 0, 4, 4}};
   for (const Want& w : wants)
     for (int bits = w.bits_lo; bits <= w.bits_hi; ++bits) {
       kbit::cuda::MatmulTuning tune;
@@ -586,10 +592,10 @@ static void test_dispatch() {
       const bool ok = w.nsplit_rows > 0
                           ? tune.launched_variant == 2 && tune.launched_rows == w.nsplit_rows
                           : (tune.launched_variant == 0 || tune.launched_variant == 1) && tune.launched_rows == 16;
-      EXPECT(ok, "dispatch K=%d N=%d M=%d bits=%d dtype=%s: variant %d in blocks of %d rows (%s expected)\n", w.K,
-             w.N, w.M, bits, kbit::cuda::dtype_name(w.dt), tune.launched_variant, tune.launched_rows,
-             w.nsplit_rows == 32 ? "the N-split tiling of 32 rows"
-             : w.nsplit_rows == 16 ? "the N-split tiling of 16 rows" : "a 16-row tiling");
+      EXPECT(ok, "dispatch K=%d N=%d M=%d bits=%d dtype=%s: variant %d in blocks of %d rows (%s%s expected)\n",
+             w.K, w.N, w.M, bits, kbit::cuda::dtype_name(w.dt), tune.launched_variant, tune.launched_rows,
+             w.nsplit_rows > 0 ? "the N-split tiling of rows: " : "a 16-row tiling",
+             w.nsplit_rows > 0 ? std::to_string(w.nsplit_rows).c_str() : "");
     }
   if (!kbit::cuda::wgmma_rows_here(0, 0, 2).second) return;  // (no wgmma kernel on this device or build)
   struct WgWant { int K, N, M, bits, rows, tiles; bool split; };

@@ -217,6 +217,9 @@
 //  the 64-row N-split block's item end at 2.5 chunks per cluster rank (was 0.5; 32 rows: 1.25).
 //  Llama-3-70B q/k/v at TP 4, M = 56/64: 16-row blocks instead, 0.80-0.91x the time; with the
 //  fused kernels at every M (KBIT_JAX_WGMMA_MIN_M=0) 67 of 280 picks change, 0.886x the time.
+//  Session 42 (H100, benchmarks/results/nsplit_f16_s42.md): fp16 (whose path above 16 rows
+//  this launcher is) prices V2 per bits value, refitted on the launcher's own plan costs
+//  (Config::nsplit_price_f16), and takes it at M = 9..16 too.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -310,10 +313,9 @@ struct Config {
   // 1 + 1.25 chunks per cluster rank (Launcher::plan), refitted on the H100's rows at M = 32
   // (benchmarks/results/last_block_h100_s31.md): Qwen3 gate/up at bits 2-4 now takes the 16-row
   // tiling, 0.86-0.93x the time at M = 24 and 32. fp16 activations take V2's slower scale path
-  // (see mma_k_block_scaled_weights): 2.1 at MT = 8, fitted on kernel_rows_nsplit_h200_first.log,
-  // run before V2 had the bf16 one. At MT = 2 (M = 9..16, bf16 only, see launch_fused_bits) 0.6
-  // (bits 3: 0.8), fitted on the harness's "rows" at M = 1..16 (H100, 10 shapes x bits 2..5,
-  // benchmarks/results/nsplit_rows16_h100_s28.md): it takes V2 on the wide gate/up layers at
+  // (see mma_k_block_scaled_weights) and prices of their own (nsplit_price_f16, below). At MT = 2
+  // (M = 9..16) 0.6 (bits 3: 0.8), fitted on the harness's "rows" at M = 1..16 (H100, 10 shapes x
+  // bits 2..5, benchmarks/results/nsplit_rows16_h100_s28.md): it takes V2 on the wide gate/up layers at
   // bits 2 and 4 (0.88-0.98x the time of the 16-row tilings) and nowhere else; bits 3's decode
   // is slower there (Llama-3-70B gate/up 1.10x). (Blocks of 8 rows were no faster anywhere:
   // 0.99-2.0x.) Bits 5, with two tiles per warp since session 33 (Config::Path), takes the
@@ -322,10 +324,33 @@ struct Config {
   // nsplit_bits5_s33_fit.py, bits5_tables_h200_s33.md) 0.9 at MT = 4 picks the faster tiling in
   // all 30 cases, 0.8 at MT = 2 is within 1.7 % on average (0.6 would take V2 on the Llama down
   // layers at M = 9: 1.35-1.38x the time).
-  static constexpr double chunk_cost(bool scaled_weights) {
-    if constexpr (V == 2 && MT == 2) return BITS == 3 || BITS == 5 ? 0.8 : 0.6;
-    if constexpr (V == 2 && MT == 4) return 0.9;
-    if constexpr (V == 2) return scaled_weights ? 1.3 : 2.1;  // MT = 8
+  // fp16 (session 42, H100, harness "rows" with KBIT_HARNESS_F16=1 and the launcher's own plan
+  // costs, MatmulTuning::planned_*: 13 layers x bits 2-5 x M 9..128, 572 cases; benchmarks/
+  // results/nsplit_f16_s42.md) prices V2 per bits value, fitted by nsplit_price_fit.py: at MT = 2
+  // (now taken at M = 9..16 too) 0.61 at bits 2 and 4, 0.95 at bits 5 (bits 3 as bf16: it never
+  // won there); at MT = 8 2.1 at bits 2, 1.7 at bits 3 and 4, 1.6 at bits 5. MT = 4 keeps 0.9:
+  // no price there separates Qwen3 and GLM-4.7 gate/up (V2 faster by up to 1.13x) from the
+  // Llama-3-70B down layers (slower by up to 1.16x). The fit's 1.05 (harness: those down layers
+  // 0.86-0.97x the time, GLM-4.7 gate/up 1.08-1.14x) would give up the small layers, which are
+  // the ones nearest the dense dot's time, for the large. The fp16 products then take the tiling
+  // within 0.49 % of the faster one on (geometric) average, 13 % at worst (Llama-3-70B down, M =
+  // 24); the prices before (no V2 at M <= 16, 2.1 at MT = 8) were 1.43 % and 29 % off (GLM-4.7
+  // gate/up, bits 5, M = 64). Harness against them
+  // (both rounds' faster time): 0.931x where the pick changed at M = 9..16 (27 of 156 cases),
+  // 0.919x at M = 33..128 (43 of 260; 0.78x at worst, 1.064x at best: Llama-3-70B gate/up, bits
+  // 4, M = 96); the unchanged picks read 0.99x.
+  static constexpr double nsplit_price_bf16() {
+    if constexpr (MT == 2) return BITS == 3 || BITS == 5 ? 0.8 : 0.6;
+    if constexpr (MT == 4) return 0.9;
+    return 1.3;
+  }
+  static constexpr double nsplit_price_f16() {
+    if constexpr (MT == 2) return BITS == 3 ? 0.8 : BITS == 5 ? 0.95 : 0.61;
+    if constexpr (MT == 4) return 0.9;
+    return BITS == 2 ? 2.1 : BITS == 5 ? 1.6 : 1.7;
+  }
+  static constexpr double chunk_cost(bool bf16) {
+    if constexpr (V == 2) return bf16 ? nsplit_price_bf16() : nsplit_price_f16();
     return (MT == 2 && V == 1 && BITS != 5) ? 1.4 : 1.0;
   }
   static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
@@ -1759,11 +1784,11 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   // the cp.async kernel keeps V0, and the warp-specialized kernel takes the variant whose plan
   // (cluster size and critical path, Launcher::plan) is shorter: V1 wins where the columns are
   // plentiful (llama3 gate/up and down at M = 16: 0.72-0.88x the time of V0 at bits 2..4), V0
-  // where 64-column groups would leave too few items (N = 2048: V1 up to 1.11x). At M > 16, and
-  // at M = 9..16 with bf16, the N-split tiling (V2) joins the comparison (Config::chunk_cost puts
-  // the plans in one unit). Variant 2, the N-split tiling in blocks of 16 (M <= 16, and forced
-  // at M <= 8), 32 (M <= 32) or 64 rows, runs only on the warp-specialized kernel; a request for
-  // it elsewhere gets the default.
+  // where 64-column groups would leave too few items (N = 2048: V1 up to 1.11x). At M > 8 the
+  // N-split tiling (V2) joins the comparison (Config::chunk_cost puts the plans in one unit; fp16
+  // from session 42, before only from M = 17). Variant 2, the N-split tiling in blocks of 16 (M
+  // <= 16, and forced at M <= 8), 32 (M <= 32) or 64 rows, runs only on the warp-specialized
+  // kernel; a request for it elsewhere gets the default.
   const bool forced_variant = tuning && tuning->variant >= 0 && (tuning->variant != 2 || ws);
   constexpr int kDefaultV = (BITS == 3 || BITS == 5) ? 1 : 0;
   const int variant = forced_variant ? tuning->variant : mt > 1 ? 0 : ws ? 1 : kDefaultV;
@@ -1795,27 +1820,23 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
           const auto p0 = L0::plan(a, tuning);
           const auto p1 = L1::plan(a, tuning);
           const bool v1 = p1.error.empty() && (!p0.error.empty() || p1.cost <= p0.cost);
-          // The N-split tiling where its plan is shorter (costs in the same unit); at M <= 16
-          // with bf16 only (fp16's slower scale path was not timed there). A caller's tuning
-          // gets both plans' costs either way.
-          const bool nsplit_allowed = a.m > 16 || std::is_same_v<A, ActBF16>;
-          if (nsplit_allowed || tuning) {
-            const double best = v1 ? p1.cost : p0.error.empty() ? p0.cost : 1e300;
-            bool taken = false;
-            std::string out = with_nsplit(act_tag, [&](auto ln) {
-              using LN = decltype(ln);
-              const auto pn = LN::plan(a, tuning);
-              if (tuning) {
-                tuning->planned_rows16_cost = best < 1e300 ? best : -1.0;
-                tuning->planned_nsplit_cost = pn.error.empty() ? pn.cost : -1.0;
-                tuning->planned_nsplit_price = LN::chunk_price();
-              }
-              if (!nsplit_allowed || !pn.error.empty() || pn.cost >= best) return std::string();
-              taken = true;
-              return LN::launch(a, stream, tuning, pn);
-            });
-            if (taken) return out;
-          }
+          // The N-split tiling where its plan is shorter (costs in the same unit; a caller's
+          // tuning gets both).
+          const double best = v1 ? p1.cost : p0.error.empty() ? p0.cost : 1e300;
+          bool taken = false;
+          std::string out = with_nsplit(act_tag, [&](auto ln) {
+            using LN = decltype(ln);
+            const auto pn = LN::plan(a, tuning);
+            if (tuning) {
+              tuning->planned_rows16_cost = best < 1e300 ? best : -1.0;
+              tuning->planned_nsplit_cost = pn.error.empty() ? pn.cost : -1.0;
+              tuning->planned_nsplit_price = LN::chunk_price();
+            }
+            if (!pn.error.empty() || pn.cost >= best) return std::string();
+            taken = true;
+            return LN::launch(a, stream, tuning, pn);
+          });
+          if (taken) return out;
           if (v1) return L1::launch(a, stream, tuning, p1);
           return L0::launch(a, stream, tuning, p0);
         }
