@@ -73,6 +73,9 @@ def test_labels_name_the_template_arguments():
     assert sass_loops.label(WG) == "wgmma bits 4 BM 128"
     # since session 27 the kernel also takes J, the weight tiles per warpgroup
     assert sass_loops.label(WG.replace("Li128E", "Li128ELi1E")) == "wgmma bits 4 BM 128 J 1"
+    # session 42's activation type: fp16 kernels apart, bf16 ones paired with older trees' kernels
+    assert sass_loops.label(WG.replace("Li128E", "Li128ELi1ENS0_6ActF16E")) == "wgmma bits 4 BM 128 J 1 ActF16"
+    assert sass_loops.label(WG.replace("Li128E", "Li128ELi1ENS0_7ActBF16E")) == "wgmma bits 4 BM 128 J 1"
     assert sass_loops.label("_Z8quantizev") == "_Z8quantizev"
 
 

@@ -51,8 +51,8 @@ _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 # kbit_matmul_{ws,fused}_kernel<BITS, Act, MT, V> (warp-specialized / cp.async kernel)
 _MATMUL_KERNEL = re.compile(r"kbit_matmul_(ws|fused)_kernelILi(\d)ENS0_\d+(\w+?)ELi(\d)ELi(\d)E")
-# kbit_matmul_wgmma_kernel<BITS, BM>
-_WGMMA_KERNEL = re.compile(r"kbit_matmul_wgmma_kernelILi(\d)ELi(\d+)E(?:Li(\d)E)?")  # bits, BM, J (session 27+)
+# kbit_matmul_wgmma_kernel<BITS, BM, J, Act>: bits, BM, J (session 27+), Act (session 42+)
+_WGMMA_KERNEL = re.compile(r"kbit_matmul_wgmma_kernelILi(\d)ELi(\d+)E(?:Li(\d)E)?(?:NS0_\d+(\w+?)E)?")
 
 
 def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
@@ -114,7 +114,9 @@ def label(mangled: str) -> str:
         return f"{'ws' if kind == 'ws' else 'cp.async'} bits {bits} {act:7s} MT {mt} V{v}"
     m = _WGMMA_KERNEL.search(mangled)
     if m:
-        return f"wgmma bits {m.group(1)} BM {m.group(2)}" + (f" J {m.group(3)}" if m.group(3) else "")
+        act = m.group(4) if m.group(4) and m.group(4) != "ActBF16" else ""  # (bf16 pairs with older trees)
+        return (f"wgmma bits {m.group(1)} BM {m.group(2)}" + (f" J {m.group(3)}" if m.group(3) else "") +
+                (f" {act}" if act else ""))
     return mangled[:60]
 
 
