@@ -708,7 +708,7 @@ static void test_matmul(bool quick) {
   // ... with the last round of tiles split over 2-CTA clusters (WgLauncher::plan), 140 tiles: BM =
   // 256 (forced; bits 5 with its 16-copy table), BM = 128 with 128-column tiles, and 256-column
   // tiles over two batch entries with a partial column tile and an odd k-block count.
-  constexpr int kSplitLastLaunches = 4 + 4 + 4;
+  constexpr int kSplitLastLaunches = 2 * (4 + 4 + 4);  // (bits 2-5, bf16 and fp16)
   if (!quick)
     for (const MMCase& c : {MMCase{1, 257, 256, 8960, 0, false, 3, -1, 0, 1, 256}, MMCase{1, 65, 256, 17920, 0, false, 3, -1, 1, 1},
                             MMCase{2, 65, 288, 17680, 0, false, 3, -1, 2, 1}})
@@ -732,7 +732,7 @@ static void test_matmul(bool quick) {
       for (int layout = 1; layout >= 0; --layout)
         for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
           if (c.M * size_t(c.K) * c.N > 20000000 && (layout == 0 || dt == DType::kF32)) continue;
-          if (c.variant == 3 && (layout == 0 || dt != DType::kBF16)) continue;  // (the wgmma kernel's inputs)
+          if (c.variant == 3 && (layout == 0 || dt == DType::kF32)) continue;  // (the wgmma kernel's inputs)
           double bound_ratio = 0;
           std::string path;
           if (verbose)  // the case about to run, for a case that does not return
@@ -909,8 +909,7 @@ struct BenchEnv {
   // scales are set per launch by WeightCopies). KBIT_HARNESS_GLU=1 (silu) or 2 (gelu_tanh):
   // every such product gates its column pairs (the GLU epilogue; the seed shapes' N are even),
   // e.g. `tools/kernel_profile.sh ab env:KBIT_HARNESS_GLU=1` times the epilogue's cost.
-  // KBIT_HARNESS_F16=1: fp16 activations instead (x's bf16 bits read as fp16: timing only),
-  // the path without the wgmma kernel.
+  // KBIT_HARNESS_F16=1: fp16 activations instead (x's bf16 bits read as fp16: timing only).
   kbit::cuda::MatmulArgs matmul_args(const Shape& s, int bits, int m) const {
     kbit::cuda::MatmulArgs a;
     const char* f16 = std::getenv("KBIT_HARNESS_F16");

@@ -137,8 +137,8 @@ def matmul(x, w_q: KbitWeight, *, method: str = "auto", glu: str | None = None) 
     weight ``W[*batch, K, N]``, x must be ``[*batch, ..., K]`` (like ``jnp.matmul``).
     ``method``: "auto" (default) uses the fused kernel, except on the GPU for more than
     ``primitives.matmul.FUSED_MAX_M`` (128) rows, or more than 16 when N is not a multiple of
-    16, where dequantize + XLA's dense dot is faster; bf16 products on Hopper keep the fused
-    (wgmma) kernel up to ``primitives.matmul.wgmma_rows(N, bits)[1]`` rows (by default 1024 at
+    16, where dequantize + XLA's dense dot is faster; bf16 and fp16 products on Hopper keep the
+    fused (wgmma) kernel up to ``primitives.matmul.wgmma_rows(N, bits)[1]`` rows (by default 1024 at
     bits 2-4 and 512 at bits 5; ``KBIT_JAX_WGMMA_MAX_M``). "fused" and "dequantize" force one
     path.
 

@@ -46,10 +46,10 @@ def test_matmul_m_sweep(n, bits, dtype, method, rng):
 @pytest.mark.parametrize("n, rows", [(8192, (17, 33, 64, 100, 128)), (32768, (9, 16))], ids=["n8192", "n32768"])
 def test_matmul_nsplit_tiling(n, rows, bits, dtype, rng):
     """K = 256, N = 8192 at M = 17..128: the launcher's plan takes the N-split tiling (blocks of
-    32 or 64 rows, partial at 17, 33 and 100; 2-CTA k-split clusters; bf16 at M = 100 and 128
-    takes the wgmma kernel), which with bf16 rounds each scaled weight to bf16 (the bound counts
-    it); N = 32768 at M = 9 and 16 takes it in blocks of 16 rows with bf16 (fp16: the 16-row
-    tilings); the same result twice (deterministic)."""
+    32 or 64 rows, partial at 17, 33 and 100; 2-CTA k-split clusters; at M = 100 and 128 the
+    wgmma kernel takes them), which with bf16 rounds each scaled weight to bf16 (the bound counts
+    it); N = 32768 at M = 9 and 16 takes it in blocks of 16 rows with bf16 (fp16 where its price
+    says so); the same result twice (deterministic)."""
     gpu = jax.devices("gpu")[0]
     k = 256
     q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
@@ -110,26 +110,40 @@ _WGMMA_SCRIPT = textwrap.dedent("""
     # small layers at M <= 128, and 256-column ones on N = 20480 (80 tiles in one wave, where
     # 128-column tiles would take two). N = 8960 at M = 512 is 140 tiles of 256 x 128: the last 8
     # split K over 2-CTA clusters after a round of 132 whole tiles; at M = 300 it takes 105 tiles
-    # of 128 x 256.
-    for bits in (2, 3, 4, 5):
-        for k, n, ms in [(544, 400, (1, 17, 64, 65, 129)), (4096, 256, (1, 33, 128, 200)), (256, 4096, (100, 300)),
-                         (512, 20480, (48, 100)), (256, 8960, (300, 512))]:
-            q = kj.quantize(random_weight(rng, (k, n)), bits)
-            w64 = dense64(q)
-            for m in ms:
-                x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-                y64, bound = matmul_error_bound(x, w64, jnp.bfloat16, jnp.bfloat16)
-                y = np.asarray(kj.matmul(x, q).astype(jnp.float32), np.float64)
-                r = np.max(np.abs(y - y64) / bound)
-                assert r <= 1, f"bits={bits} K={k} N={n} M={m}: max err/bound {r}"
-                assert np.array_equal(np.asarray(kj.matmul(x, q)), np.asarray(kj.matmul(x, q)))
-                worst = max(worst, r)
-                for glu in ("silu", "gelu_tanh"):
-                    xs = x * (4 / np.sqrt(k))
-                    y64, bound = glu_error_bound(xs, w64, jnp.bfloat16, jnp.bfloat16, glu)
-                    y = np.asarray(kj.matmul(xs, q, glu=glu).astype(jnp.float32), np.float64)
+    # of 128 x 256. fp16 too (the scales times 2^e, f16_weight_exponent).
+    for dt in (jnp.bfloat16, jnp.float16):
+        for bits in (2, 3, 4, 5):
+            for k, n, ms in [(544, 400, (1, 17, 64, 65, 129)), (4096, 256, (1, 33, 128, 200)),
+                             (256, 4096, (100, 300)), (512, 20480, (48, 100)), (256, 8960, (300, 512))]:
+                q = kj.quantize(random_weight(rng, (k, n)), bits)
+                w64 = dense64(q)
+                for m in ms:
+                    x = jnp.asarray(rng.standard_normal((m, k)), dt)
+                    y64, bound = matmul_error_bound(x, w64, dt, dt)
+                    y = np.asarray(kj.matmul(x, q).astype(jnp.float32), np.float64)
                     r = np.max(np.abs(y - y64) / bound)
-                    assert r <= 1, f"glu={glu} bits={bits} K={k} N={n} M={m}: max err/bound {r}"
+                    assert r <= 1, f"{dt.__name__} bits={bits} K={k} N={n} M={m}: max err/bound {r}"
+                    assert np.array_equal(np.asarray(kj.matmul(x, q)), np.asarray(kj.matmul(x, q)))
+                    worst = max(worst, r)
+                    for glu in ("silu", "gelu_tanh"):
+                        xs = x * (4 / np.sqrt(k))
+                        y64, bound = glu_error_bound(xs, w64, dt, dt, glu)
+                        y = np.asarray(kj.matmul(xs, q, glu=glu).astype(jnp.float32), np.float64)
+                        r = np.max(np.abs(y - y64) / bound)
+                        assert r <= 1, f"{dt.__name__} glu={glu} bits={bits} K={k} N={n} M={m}: max err/bound {r}"
+    # fp16 with codebooks far from [-1, 1]: entries of up to 1000 (scaled products past fp16's
+    # range without the power of two) and of at most 0.001; x divided by the factor keeps the
+    # outputs inside fp16's range (the quantizer's blocks take the entries nearest [-1, 1])
+    for factor in (1000.0, 1e-3):
+        for bits in (2, 5):
+            q = kj.quantize(random_weight(rng, (512, 384)), bits, codebook=kj.codebooks.normal_float(bits) * factor)
+            w64 = dense64(q)
+            x = jnp.asarray(rng.standard_normal((96, 512)) / max(factor, 1.0), jnp.float16)
+            y64, bound = matmul_error_bound(x, w64, jnp.float16, jnp.float16)
+            assert np.max(np.abs(y64)) < 3e4, np.max(np.abs(y64))
+            y = np.asarray(kj.matmul(x, q).astype(jnp.float32), np.float64)
+            r = np.max(np.abs(y - y64) / bound)
+            assert np.all(np.isfinite(y)) and r <= 1, f"codebook x {factor} bits={bits}: max err/bound {r}"
     # stacked weights (batch entries with their own codebooks and tensor scales)
     qs = [kj.quantize(random_weight(rng, (256, 512)), 4) for _ in range(3)]
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *qs)
@@ -144,9 +158,10 @@ _WGMMA_SCRIPT = textwrap.dedent("""
 
 
 def test_matmul_wgmma_every_m(rng):
-    """The wgmma kernel (bf16, N % 16 == 0) forced at every M (KBIT_JAX_WGMMA_MIN_M=1 and _MAX_M,
-    read once per process, hence the subprocess): partial ring stages, column and row tiles,
-    8-CTA k-split clusters, both GLUs, stacked weights; deterministic."""
+    """The wgmma kernel (bf16 and fp16, N % 16 == 0) forced at every M (KBIT_JAX_WGMMA_MIN_M=1 and
+    _MAX_M, read once per process, hence the subprocess): partial ring stages, column and row
+    tiles, 8-CTA k-split clusters, both GLUs, stacked weights, fp16 with codebooks of entries up
+    to 1000 and down to 0.001; deterministic."""
     env = dict(os.environ, KBIT_JAX_WGMMA_MIN_M="1", KBIT_JAX_WGMMA_MAX_M=str(1 << 30),
                PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", _WGMMA_SCRIPT, str(rng.integers(1 << 30))], env=env,

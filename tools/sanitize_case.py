@@ -1,7 +1,8 @@
 """A small workload for compute-sanitizer (tools/gpu_check.sh): every CUDA kernel once per bits.
 
     python tools/sanitize_case.py [PART ...]   the named parts (default: all): small, clusters,
-                                               glu, wgmma (racecheck over all of them takes minutes)
+                                               glu, wgmma, wgmma_f16 (racecheck over all of them
+                                               takes minutes)
 """
 
 import sys
@@ -63,13 +64,13 @@ def glu():
 
 
 def wgmma():
-    # The wgmma kernel (bf16, N % 16 == 0, M = 33..512 here): K = 544 ends in a partial
+    # The wgmma kernel (bf16 and fp16, N % 16 == 0, M = 33..512 here): K = 544 ends in a partial
     # ring stage, N = 400 in a partial column tile; K = 4096, N = 256 splits K over a cluster;
     # a GLU. These small layers take 128-column tiles, on two warpgroup pairs up to 128 rows
     # (bits 5 at 65..128 with the 64 KiB table), at M = 200 two row tiles of 128, the second
     # partial; N = 20480 keeps the 256-column one (the launcher's cost model, matmul_wgmma.cuh).
     # K = 8192, N = 2048 at M = 256 takes the 256-row tile over 6-CTA clusters, whose sum pulls
-    # rank by rank (bits 4 only: the largest case here).
+    # rank by rank (bits 4 only: the largest case here). A GLU with bf16.
     for bits in (2, 3, 4, 5):
         shapes = [((544, 400), (33, 65, 128, 200)), ((4096, 256), (48, 100, 200)), ((512, 20480), (100,))]
         if bits == 4:
@@ -77,12 +78,24 @@ def wgmma():
         for (k, n), ms in shapes:
             q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
             for m in ms:
-                x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+                for dtype in (jnp.bfloat16, jnp.float16):
+                    x = jax.random.normal(jax.random.key(m), (m, k), dtype)
+                    jax.block_until_ready(kj.matmul(x, q))
+                jax.block_until_ready(kj.matmul(x.astype(jnp.bfloat16), q, glu="silu"))
+
+
+def wgmma_f16():
+    # The wgmma kernel's fp16 instantiations alone (racecheck over the whole wgmma part takes
+    # more than 3 minutes): the shapes above, bits 2 and 5.
+    for bits in (2, 5):
+        for (k, n), ms in [((544, 400), (33, 65, 128, 200)), ((4096, 256), (48, 100, 200)), ((512, 20480), (100,))]:
+            q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
+            for m in ms:
+                x = jax.random.normal(jax.random.key(m), (m, k), jnp.float16)
                 jax.block_until_ready(kj.matmul(x, q))
-                jax.block_until_ready(kj.matmul(x, q, glu="silu"))
 
 
-PARTS = {"small": small, "clusters": clusters, "glu": glu, "wgmma": wgmma}
+PARTS = {"small": small, "clusters": clusters, "glu": glu, "wgmma": wgmma, "wgmma_f16": wgmma_f16}
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(PARTS)

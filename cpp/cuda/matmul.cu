@@ -1,5 +1,5 @@
 // kbit_matmul dispatch: the fused tensor-core kernels where they apply (matmul_wgmma.cuh for
-// bf16 at kWgmmaMinRows..kWgmmaMaxRows rows, from kWgmmaEarlyMinRows for the products
+// bf16 and fp16 at kWgmmaMinRows..kWgmmaMaxRows rows, from kWgmmaEarlyMinRows for the products
 // wgmma_rule_rows calls early, and to kWgmmaWideBitsMaxRows at bits 5; matmul_fused.cuh
 // otherwise), the generic SIMT kernel (matmul_generic.cu) elsewhere; plus the build information
 // of the module.
@@ -21,8 +21,10 @@ template <int BITS>
 std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning);
 }  // namespace wgmma
 
-// Rows of x for which bf16 products take the wgmma kernel (matmul_wgmma.cuh) instead of
-// matmul_fused.cuh's. Measured on an H200 (bits 4, the ten benchmark shapes;
+// Rows of x for which bf16 (and, since session 42, fp16) products take the wgmma kernel
+// (matmul_wgmma.cuh) instead of matmul_fused.cuh's; fitted on bf16 products, whose alternatives
+// in matmul_fused.cuh are the faster (fp16 has no scaled-weights N-split path), so fp16 takes
+// the same rows. Measured on an H200 (bits 4, the ten benchmark shapes;
 // benchmarks/results/matmul_wgmma_h200_s22.md): at M = 128 it takes 0.64-0.88x the time of the
 // mma.sync kernels on 9 of 10 shapes (Llama-3-70B gate/up 148 against 231 us), at M = 64 it wins
 // on half of them, and at M = 512 and 4096 dequantize + cuBLAS is faster on most (session 23 made
@@ -116,10 +118,12 @@ std::pair<int, int> wgmma_rows_here(int64_t n, int64_t k, int bits) {
   return {lo, forced_max >= 0 ? forced_max : rule_max};
 }
 
-// bf16 activations, the fragment layout and 16-byte rows (N % 16 == 0); tuning->variant 3 forces
-// it where it applies, 0..2 and -2 keep matmul_fused.cuh's kernels.
+// bf16 or fp16 activations, the fragment layout and 16-byte rows (N % 16 == 0); tuning->variant 3
+// forces it where it applies, 0..2 and -2 keep matmul_fused.cuh's kernels.
 bool use_wgmma(const MatmulArgs& a, const MatmulTuning* tuning) {
-  if (a.dtype != DType::kBF16 || a.layout != kbit::kFragment || a.n % 16 != 0 || !wgmma_available()) return false;
+  if ((a.dtype != DType::kBF16 && a.dtype != DType::kF16) || a.layout != kbit::kFragment || a.n % 16 != 0 ||
+      !wgmma_available())
+    return false;
   if (tuning && tuning->variant != -1) return tuning->variant == 3;
   const auto [lo, hi] = wgmma_rows_here(a.n, a.k, a.bits);
   return lo > 0 && a.m >= lo && a.m <= hi;

@@ -1,6 +1,6 @@
 // The fused kbit matmul on Hopper's warpgroup tensor-core instructions (wgmma, sm_90a), for
-// bf16 activations at larger M (where the mma.sync kernels of matmul_fused.cuh decode each weight
-// once per 16-64 rows and run out of tensor-core rate):
+// bf16 and fp16 activations at larger M (where the mma.sync kernels of matmul_fused.cuh decode
+// each weight once per 16-64 rows and run out of tensor-core rate):
 //     y[b, m, n] = tensor_scale[b] * sum_kb scale[kb, n] * sum_{k in kb} x[b, m, k] * codebook[code]
 //
 // ---- Why it looks like this ----
@@ -11,7 +11,8 @@
 //    go through shared memory. x is the B operand (wgmma's N = BM rows of x, 64 or 128), read
 //    by the tensor cores from shared memory.
 //  * The E4M4 block scale multiplies the decoded weights (exact in bf16; each weight rounded
-//    once to bf16, as in the N-split tiling), so the wgmma accumulates straight into the f32
+//    once to bf16, as in the N-split tiling; fp16 takes the scale times a power of two that keeps
+//    the products in range, f16_weight_exponent), so the wgmma accumulates straight into the f32
 //    sums: no per-k-block work on the BM / 2 accumulators per thread.
 //  * Work per CTA: BN weight columns (two warpgroups x J 64-column A tiles) x BM rows of x.
 //    The weights (bits / 8 bytes per element) are the cheap operand, so the tile is wide in N
@@ -117,7 +118,7 @@
 //  0.47 us, but ptxas reordered every main loop: 1.000x overall, reverted.
 //
 // ---- Limits ----
-//  bf16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
+//  bf16 or fp16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
 //  bytes), compiled for sm_90a only (elsewhere matmul.cu never picks it).
 #pragma once
 
@@ -231,12 +232,12 @@ struct WgConfig {
 };
 
 struct WgParams {
-  const void* x;  // [B, M, K] bf16
+  const void* x;  // [B, M, K] bf16 or fp16
   const uint32_t* planes;
   const uint8_t* scales;
   const float* codebook;
   const float* tensor_scale;
-  void* y;  // [B, M, N] bf16, or [B, M, N / 2] with glu
+  void* y;  // [B, M, N] in x's dtype, or [B, M, N / 2] with glu
   int64_t M;
   int N, K, KB;
   int ks, kps;             // cluster size along K, k-blocks per rank
@@ -276,7 +277,24 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <int BITS, int BM, int J>
+// fp16 activations: the E4M4 scale multiplies the decoded weights in fp16 (scale_fragments), so
+// the products must stay inside fp16's range, for any codebook. The scale is taken times 2^e, e =
+// 10 - (the frexp exponent of the codebook's largest |entry|), clamped to -10..11, and the
+// epilogue multiplies the sums by 2^-e. Then every product is below 2^(10-e) x 31 x 2^e = 31744
+// (no overflow), scale x 2^e is exact in fp16 (5 significant bits at 2^(e-14)..31 x 2^e, inside
+// 2^-24..65504), and with a codebook in [-1, 1] (e = 9 or 10) a product is subnormal only where
+// |entry| x scale < 2^-23: it is then rounded to a multiple of 2^-24 (absolute error <= 2^-34 in
+// the weight's units, before the tensor scale), as a dense fp16 weight that small would be.
+// `cb_abs`: this lane's |entry| (entry lane mod 2^BITS); every lane returns e.
+template <int BITS>
+__device__ __forceinline__ int f16_weight_exponent(float cb_abs) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) cb_abs = fmaxf(cb_abs, __shfl_xor_sync(0xffffffffu, cb_abs, o));
+  const int frexp_exponent = int((__float_as_uint(cb_abs) >> 23) & 0xffu) - 126;  // (all zeros: e = 11)
+  return min(11, max(-10, 10 - frexp_exponent));
+}
+
+template <int BITS, int BM, int J, class Act>
 __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
     kbit_matmul_wgmma_kernel(const WgParams p, const __grid_constant__ CUtensorMap xmap,
                              const __grid_constant__ CUtensorMap xmap_tail, const __grid_constant__ CUtensorMap wmap,
@@ -284,6 +302,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = WgConfig<BITS, BM, J>;
   using WP = typename Cfg::Path;
+  constexpr bool kF16 = std::is_same_v<Act, ActF16>;
+  using Mma = std::conditional_t<kF16, WgmmaF16<BM>, WgmmaBF16<BM>>;
   constexpr int S = Cfg::kStages, KCH = Cfg::kKCH, BN = Cfg::kBN, NACC = BM / 2;
   constexpr int P = Cfg::kPairs, SP = Cfg::kPairStages;
   static_assert(S >= 3 && SP >= 3, "a tile that fits shared memory");
@@ -372,6 +392,9 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // (The pair is a constant here too, by branch rather than by the unrolled loop below: that
   // form of this loop took 9 instructions more in the 256-column tile's main loop.)
   constexpr int kEarly = P == 1 ? SP - 1 : 2;
+  // fp16: this lane's codebook entry for f16_weight_exponent, loaded now, reduced after the barrier
+  float cb_abs = 0.f;
+  if constexpr (kF16) cb_abs = fabsf(__ldg(p.codebook + int64_t(b) * (1 << BITS) + (lane & ((1 << BITS) - 1))));
   if (copier) {
     if (P == 1 || pair == 0)
       for (int c = 0; c < min(kEarly, chunks_of(0)); ++c) issue(0, c);
@@ -379,7 +402,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       for (int c = 0; c < min(kEarly, chunks_of(1)); ++c) issue(1, c);
   } else {
     const int worker = tid - 32 * (pair + 1), workers = Cfg::kThreads - 32 * P;  // (every warp but the copiers)
-    fused::build_table<WP, ActBF16, true>(s_lut, p.codebook + int64_t(b) * (1 << BITS), worker, workers);
+    fused::build_table<WP, Act, true>(s_lut, p.codebook + int64_t(b) * (1 << BITS), worker, workers);
     if (tail) {
       // A partial tile's rows of x past its own, which xmap_tail's copies never write: zeros in
       // every stage, as TMA's fill brought them before. Their products are never stored, but
@@ -399,6 +422,11 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   KBIT_TL_MARK(p, kTlTable, tid == 32);  // (warp 1's part of the table)
   __syncthreads();  // every thread sees the initialized barriers, and the whole table
   KBIT_TL_MARK(p, kTlSetup, tid == 0);
+  // fp16: the scales' power of two (f16_weight_exponent), as the factor decode_e4m4_fast's 2^116
+  // becomes, and its inverse for the epilogue
+  int f16_exp = 0;
+  if constexpr (kF16) f16_exp = f16_weight_exponent<BITS>(cb_abs);
+  const float f16_scale_decode = __uint_as_float(uint32_t(127 + 116 + f16_exp) << 23);  // 2^(116 + e)
 
   float acc[J][NACC];  // [m64 tile j][wgmma accumulator]
 #pragma unroll
@@ -424,9 +452,15 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       typename WP::Raw raw;
       WP::load(raw, slab, o0, o1, tile16);
       WP::decode(raw, s_lut, L, a[j]);
-      const float s_lo = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g_pinned) << 19);
-      const float s_hi = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g_pinned + 8) << 19);
-      fused::scale_fragments(a[j], s_lo, s_hi);
+      if constexpr (kF16) {  // (the scale times 2^e: decode_e4m4_fast with 2^(116 + e) for 2^116)
+        const float s_lo = __uint_as_float(lds_u8(sc + 16 * tile16 + g_pinned) << 19) * f16_scale_decode;
+        const float s_hi = __uint_as_float(lds_u8(sc + 16 * tile16 + g_pinned + 8) << 19) * f16_scale_decode;
+        fused::scale_fragments<Act>(a[j], s_lo, s_hi);
+      } else {
+        const float s_lo = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g_pinned) << 19);
+        const float s_hi = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g_pinned + 8) << 19);
+        fused::scale_fragments(a[j], s_lo, s_hi);
+      }
     }
   };
   // That k-block's products: 2 k16 slices x J m64 tiles, committed as one group.
@@ -437,7 +471,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       // the k16 slice at byte 64 kbl + 32 h of every 128-byte row (SWIZZLE_128B, see header)
       const uint64_t desc = make_smem_desc_sw128(st + 64 * kbl + 32 * h);
 #pragma unroll
-      for (int j = 0; j < J; ++j) WgmmaBF16<BM>::mma(acc[j], a[j][h], desc);
+      for (int j = 0; j < J; ++j) Mma::mma(acc[j], a[j][h], desc);
     }
   };
 
@@ -551,7 +585,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // ranks and 0.7-1.5 us more to the exit; the push 2.6-2.9 us, exit included. In this kernel
   // (harness, against the pull with the same main loop): 0.95x the time at M = 33..128, 0.97x at
   // 192..1024 (wgmma_push_h200_s34.md). ----
-  const float ts = p.tensor_scale[b];
+  // (fp16: times 2^-e, see f16_weight_exponent)
+  const float ts = kF16 ? p.tensor_scale[b] * __uint_as_float(uint32_t(127 - f16_exp) << 23) : p.tensor_scale[b];
   const uint32_t s_recv_bar = s_lut + Cfg::kRecvBarOffset;
   const int my_rows = rows > rank ? (rows - rank + ks - 1) / ks : 0;
   const int slot_floats = (BM + ks - 1) / ks * BN;  // a receive slot: the most rows any rank owns
@@ -590,7 +625,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // cluster size compile that loop: elsewhere its registers would be the kernel's, and a build
   // that paid them ran bits 5 2-4 % slower.)
   const int n_out = p.glu != kGluNone ? p.N / 2 : p.N;
-  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.y) + (int64_t(b) * p.M + m0) * n_out;
+  typename Act::T* y = static_cast<typename Act::T*>(p.y) + (int64_t(b) * p.M + m0) * n_out;
   auto sum_and_store = [&](auto e_const) {
     constexpr int E = decltype(e_const)::value, kGroups = BN / E;
     // The item's loads from every rank go out EP columns at a time: all E at 256 threads; 8 at
@@ -650,9 +685,9 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       uint32_t packed[4];
 #pragma unroll
       for (int o = 0; o < 4; ++o)
-        packed[o] = E == 16 ? ActBF16::pack2(glu_apply(logit, v[4 * o], v[4 * o + 1]),
-                                             glu_apply(logit, v[4 * o + 2], v[4 * o + 3]))
-                            : ActBF16::pack2(v[2 * o], v[2 * o + 1]);
+        packed[o] = E == 16 ? Act::pack2(glu_apply(logit, v[4 * o], v[4 * o + 1]),
+                                         glu_apply(logit, v[4 * o + 2], v[4 * o + 3]))
+                            : Act::pack2(v[2 * o], v[2 * o + 1]);
       const int col = E == 16 ? (n0 + c0) / 2 : n0 + c0;
       *reinterpret_cast<uint4*>(y + int64_t(r) * n_out + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
       KBIT_TL_MARK(p, kTlWarpsSummed, tid == 0 && it == tid);  // (thread 0's first output)
@@ -684,15 +719,15 @@ struct WgPlan {
 
 // One instantiation's launcher: its shared-memory reservation and resident-cluster counts are
 // cached per device (function statics, one set per template instance).
-template <int BITS, int BM, int J>
+template <int BITS, int BM, int J, class Act>
 struct WgLauncher {
   using Cfg = WgConfig<BITS, BM, J>;
-  static constexpr auto kernel = &kbit_matmul_wgmma_kernel<BITS, BM, J>;
+  static constexpr auto kernel = &kbit_matmul_wgmma_kernel<BITS, BM, J, Act>;
 
   static std::string shape(const MatmulArgs& a) {  // (built only for messages)
     return "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" + std::to_string(a.k) +
-           " N=" + std::to_string(a.n) + " bits=" + std::to_string(BITS) + " BM=" + std::to_string(BM) +
-           " BN=" + std::to_string(Cfg::kBN) + " glu=" + std::to_string(a.glu);
+           " N=" + std::to_string(a.n) + " bits=" + std::to_string(BITS) + " dtype=" + Act::kName +
+           " BM=" + std::to_string(BM) + " BN=" + std::to_string(Cfg::kBN) + " glu=" + std::to_string(a.glu);
   }
 
   // The dynamic shared memory above the 48 KB default, once per device.
@@ -882,10 +917,10 @@ struct WgLauncher {
 // predicts faster (tuning->wg_tiles forces one): the narrow tile gives small layers twice the
 // tiles, so shorter k-splits (Qwen3 q at M = 128: 15.1 against 18.4 us), and loses on large ones
 // (Llama-3-70B gate/up: 161 against 115 us).
-template <int BITS, int BM>
+template <int BITS, int BM, class Act>
 struct WgColumnChoice {
-  using Wide = WgLauncher<BITS, BM, 2>;
-  using Narrow = WgLauncher<BITS, BM, 1>;
+  using Wide = WgLauncher<BITS, BM, 2, Act>;
+  using Narrow = WgLauncher<BITS, BM, 1, Act>;
   std::string error;  // (a reservation failed: nothing to launch)
   WgPlan wide, narrow;
   bool use_narrow = false;
@@ -909,22 +944,30 @@ struct WgColumnChoice {
 // The row tile (BM) by M: 64 rows up to 64, 128 up to 128; above, 256 (J = 1; every bits value
 // fits: see WgConfig::pick_stages and WgWeightPath) or 128, whichever WgLauncher::cost predicts
 // faster (tuning->wg_rows forces one).
-template <int BITS>
-std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
+template <int BITS, class Act>
+std::string launch_wgmma_rows(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
   static_assert(WgConfig<BITS, 256, 1>::kStages > 0, "the 256-row tile fits shared memory");
   const int dev = current_device();
-  if (a.m <= 64) return WgColumnChoice<BITS, 64>(a, tuning, dev).launch(a, stream, tuning);
+  if (a.m <= 64) return WgColumnChoice<BITS, 64, Act>(a, tuning, dev).launch(a, stream, tuning);
   const int forced_rows = tuning ? tuning->wg_rows : 0;
-  if (a.m <= 128 || forced_rows == 128) return WgColumnChoice<BITS, 128>(a, tuning, dev).launch(a, stream, tuning);
-  using Tall = WgLauncher<BITS, 256, 1>;
+  if (a.m <= 128 || forced_rows == 128)
+    return WgColumnChoice<BITS, 128, Act>(a, tuning, dev).launch(a, stream, tuning);
+  using Tall = WgLauncher<BITS, 256, 1, Act>;
   const std::string bad = Tall::reserve(a, dev);
   if (!bad.empty()) return bad;
   const WgPlan tall = Tall::plan(a, tuning, dev);
   if (forced_rows != 256) {
-    const WgColumnChoice<BITS, 128> rows128(a, tuning, dev);
+    const WgColumnChoice<BITS, 128, Act> rows128(a, tuning, dev);
     if (rows128.error.empty() && rows128.cost < Tall::cost(tall)) return rows128.launch(a, stream, tuning);
   }
   return Tall::launch(a, tall, stream, tuning);
+}
+
+// By the activations' dtype (bf16 or fp16; matmul.cu's use_wgmma admits no other).
+template <int BITS>
+std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) {
+  if (a.dtype == DType::kF16) return launch_wgmma_rows<BITS, ActF16>(a, stream, tuning);
+  return launch_wgmma_rows<BITS, ActBF16>(a, stream, tuning);
 }
 
 }  // namespace kbit::cuda::wgmma

@@ -3,6 +3,8 @@
 // whose per-warp fragment of a 64 x 16 A tile is the mma.m16n8k16 A fragment of rows 16 w..).
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/common.cuh"
 
 namespace kbit::cuda::fused {
@@ -194,17 +196,34 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
+// a * b on two fp16 lanes, rounded once.
+__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // Multiplies a tile's decoded fragments (WeightPath::decode) by the E4M4 block scales of its two
-// mma rows: s_lo for row g (registers 0, 2), s_hi for row g + 8 (registers 1, 3). The scales are
-// exact in bf16 (5 significant bits, 2^-14..31), so each weight is rounded once, to bf16.
+// mma rows: s_lo for row g (registers 0, 2), s_hi for row g + 8 (registers 1, 3), in the
+// activations' dtype. The scales are exact in bf16 (5 significant bits, 2^-14..31), so each
+// weight is rounded once, to bf16. fp16 callers pass the scale times a power of two that keeps
+// the products inside fp16's range (matmul_wgmma.cuh: f16_weight_exponent), exact there too.
+template <class Act = ActBF16>
 __device__ __forceinline__ void scale_fragments(uint32_t (&a)[2][4], float s_lo, float s_hi) {
-  const uint32_t lo = ActBF16::pack2(s_lo, s_lo), hi = ActBF16::pack2(s_hi, s_hi);
+  const uint32_t lo = Act::pack2(s_lo, s_lo), hi = Act::pack2(s_hi, s_hi);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    a[h][0] = mul_bf16x2(a[h][0], lo);
-    a[h][2] = mul_bf16x2(a[h][2], lo);
-    a[h][1] = mul_bf16x2(a[h][1], hi);
-    a[h][3] = mul_bf16x2(a[h][3], hi);
+    if constexpr (std::is_same_v<Act, ActBF16>) {
+      a[h][0] = mul_bf16x2(a[h][0], lo);
+      a[h][2] = mul_bf16x2(a[h][2], lo);
+      a[h][1] = mul_bf16x2(a[h][1], hi);
+      a[h][3] = mul_bf16x2(a[h][3], hi);
+    } else {
+      a[h][0] = mul_f16x2(a[h][0], lo);
+      a[h][2] = mul_f16x2(a[h][2], lo);
+      a[h][1] = mul_f16x2(a[h][1], hi);
+      a[h][3] = mul_f16x2(a[h][3], hi);
+    }
   }
 }
 

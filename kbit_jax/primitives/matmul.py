@@ -48,8 +48,8 @@ def _module_wgmma_rows(n: int, k: int, bits: int) -> tuple[int, int]:
 
 
 def wgmma_rows(n: int = 0, bits: int = 0, k: int = 0) -> tuple[int, int]:
-    """(min, max): the rows (M) for which bf16 products of ``n`` columns (N % 16 == 0), ``k``
-    rows of W and ``bits`` take the CUDA module's wgmma kernel (cpp/cuda/matmul_wgmma.cuh;
+    """(min, max): the rows (M) for which bf16 and fp16 products of ``n`` columns (N % 16 == 0),
+    ``k`` rows of W and ``bits`` take the CUDA module's wgmma kernel (cpp/cuda/matmul_wgmma.cuh;
     cpp/cuda/matmul.cu says where it wins: from 33 rows, or from 17 at bits 5 and where N >= 2560
     with K * N <= 48 Mi or N of 5120..8192; up to 1024 at bits 2-4 and 512 at bits 5), whose
     epilogue applies a GLU to the staged float32 tile, after its main loop; (0, 0) where there is
@@ -121,7 +121,8 @@ def _cuda_lowering(ctx, x, planes, scales, codebook, tensor_scale, *, layout, me
     n, bits = ctx.avals_in[1].shape[2:]  # planes: [B, K/32, N, bits]
     small = m <= FUSED_ANY_N_MAX_M or (m <= FUSED_MAX_M and n % 16 == 0)
     lo, hi = wgmma_rows(n, bits, x_aval.shape[2])
-    tensor_core = x_aval.dtype == jnp.bfloat16 and layout == "fragment" and n % 16 == 0 and 0 < lo <= m <= hi
+    tensor_core = (x_aval.dtype in (jnp.bfloat16, jnp.float16) and layout == "fragment" and n % 16 == 0
+                   and 0 < lo <= m <= hi)
     fused = method == "fused" or (method == "auto" and (x_aval.dtype == jnp.float32 or
                                                          (fast and (small or tensor_core))))
     if not fused:
