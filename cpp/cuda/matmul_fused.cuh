@@ -217,9 +217,10 @@
 //  the 64-row N-split block's item end at 2.5 chunks per cluster rank (was 0.5; 32 rows: 1.25).
 //  Llama-3-70B q/k/v at TP 4, M = 56/64: 16-row blocks instead, 0.80-0.91x the time; with the
 //  fused kernels at every M (KBIT_JAX_WGMMA_MIN_M=0) 67 of 280 picks change, 0.886x the time.
-//  Session 42 (H100, benchmarks/results/nsplit_f16_s42.md): fp16 (whose path above 16 rows
-//  this launcher is) prices V2 per bits value, refitted on the launcher's own plan costs
-//  (Config::nsplit_price_f16), and takes it at M = 9..16 too.
+//  Session 42 (H100, benchmarks/results/nsplit_f16_s42.md): fp16 prices V2 per bits value,
+//  refitted on the launcher's own plan costs (Config::nsplit_price_f16), and takes it at M =
+//  9..16 too. (fp16 then took this launcher at every M up to 128; later that session the wgmma
+//  kernel took fp16 from 33 rows, wgmma_f16_s42.md.)
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
