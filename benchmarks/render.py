@@ -120,8 +120,11 @@ def plot(result, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     series = collections.defaultdict(list)
+    # one dtype's speedups: bf16's where the run has them, else its first rows' (an fp16 run)
+    dtypes = [r["dtype"] for r in result["rows"]]
+    dtype = "bfloat16" if "bfloat16" in dtypes else dtypes[0]
     for r in result["rows"]:
-        if r["dtype"] == "bfloat16":
+        if r["dtype"] == dtype:
             series[(r["shape"], r["bits"])].append((r["m"], r["speedup"]))
     shapes = sorted({s for s, _ in series})
     all_bits = sorted({b for _, b in series})  # one panel per bits value the run has
@@ -136,7 +139,7 @@ def plot(result, path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_title(f"bits = {bits}")
         ax.set_xlabel("M (rows of x)")
-    axes[0].set_ylabel("speedup over dense bf16 jnp.dot")
+    axes[0].set_ylabel(f"speedup over dense {'bf16' if dtype == 'bfloat16' else 'fp16'} jnp.dot")
     axes[-1].legend(fontsize=7)
     fig.suptitle(f"kbit_jax matmul on {result['device']} ({result['date']})")
     fig.tight_layout()
