@@ -422,11 +422,11 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   KBIT_TL_MARK(p, kTlTable, tid == 32);  // (warp 1's part of the table)
   __syncthreads();  // every thread sees the initialized barriers, and the whole table
   KBIT_TL_MARK(p, kTlSetup, tid == 0);
-  // fp16: the scales' power of two (f16_weight_exponent), as the factor decode_e4m4_fast's 2^116
-  // becomes, and its inverse for the epilogue
+  // The E4M4 decode's factor: decode_e4m4_fast's 2^116, times 2^e with fp16 (f16_weight_exponent;
+  // e = 0 with bf16), whose inverse the epilogue applies
   int f16_exp = 0;
   if constexpr (kF16) f16_exp = f16_weight_exponent<BITS>(cb_abs);
-  const float f16_scale_decode = __uint_as_float(uint32_t(127 + 116 + f16_exp) << 23);  // 2^(116 + e)
+  const float scale_decode = __uint_as_float(uint32_t(127 + 116 + f16_exp) << 23);  // 2^(116 + e)
 
   float acc[J][NACC];  // [m64 tile j][wgmma accumulator]
 #pragma unroll
@@ -452,15 +452,9 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       typename WP::Raw raw;
       WP::load(raw, slab, o0, o1, tile16);
       WP::decode(raw, s_lut, L, a[j]);
-      if constexpr (kF16) {  // (the scale times 2^e: decode_e4m4_fast with 2^(116 + e) for 2^116)
-        const float s_lo = __uint_as_float(lds_u8(sc + 16 * tile16 + g_pinned) << 19) * f16_scale_decode;
-        const float s_hi = __uint_as_float(lds_u8(sc + 16 * tile16 + g_pinned + 8) << 19) * f16_scale_decode;
-        fused::scale_fragments<Act>(a[j], s_lo, s_hi);
-      } else {
-        const float s_lo = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g_pinned) << 19);
-        const float s_hi = decode_e4m4_fast(lds_u8(sc + 16 * tile16 + g_pinned + 8) << 19);
-        fused::scale_fragments(a[j], s_lo, s_hi);
-      }
+      const float s_lo = __uint_as_float(lds_u8(sc + 16 * tile16 + g_pinned) << 19) * scale_decode;
+      const float s_hi = __uint_as_float(lds_u8(sc + 16 * tile16 + g_pinned + 8) << 19) * scale_decode;
+      fused::scale_fragments<Act>(a[j], s_lo, s_hi);
     }
   };
   // That k-block's products: 2 k16 slices x J m64 tiles, committed as one group.
@@ -585,8 +579,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // ranks and 0.7-1.5 us more to the exit; the push 2.6-2.9 us, exit included. In this kernel
   // (harness, against the pull with the same main loop): 0.95x the time at M = 33..128, 0.97x at
   // 192..1024 (wgmma_push_h200_s34.md). ----
-  // (fp16: times 2^-e, see f16_weight_exponent)
-  const float ts = kF16 ? p.tensor_scale[b] * __uint_as_float(uint32_t(127 - f16_exp) << 23) : p.tensor_scale[b];
+  // (times 2^-e, see f16_weight_exponent)
+  const float ts = p.tensor_scale[b] * __uint_as_float(uint32_t(127 - f16_exp) << 23);
   const uint32_t s_recv_bar = s_lut + Cfg::kRecvBarOffset;
   const int my_rows = rows > rank ? (rows - rank + ks - 1) / ks : 0;
   const int slot_floats = (BM + ks - 1) / ks * BN;  // a receive slot: the most rows any rank owns

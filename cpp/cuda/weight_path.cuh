@@ -203,6 +203,13 @@ __device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
+// a * b on two lanes of the activations' dtype, rounded once.
+template <class Act>
+__device__ __forceinline__ uint32_t mul_x2(uint32_t a, uint32_t b) {
+  if constexpr (std::is_same_v<Act, ActBF16>) return mul_bf16x2(a, b);
+  else return mul_f16x2(a, b);
+}
+
 // Multiplies a tile's decoded fragments (WeightPath::decode) by the E4M4 block scales of its two
 // mma rows: s_lo for row g (registers 0, 2), s_hi for row g + 8 (registers 1, 3), in the
 // activations' dtype. The scales are exact in bf16 (5 significant bits, 2^-14..31), so each
@@ -213,17 +220,10 @@ __device__ __forceinline__ void scale_fragments(uint32_t (&a)[2][4], float s_lo,
   const uint32_t lo = Act::pack2(s_lo, s_lo), hi = Act::pack2(s_hi, s_hi);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    if constexpr (std::is_same_v<Act, ActBF16>) {
-      a[h][0] = mul_bf16x2(a[h][0], lo);
-      a[h][2] = mul_bf16x2(a[h][2], lo);
-      a[h][1] = mul_bf16x2(a[h][1], hi);
-      a[h][3] = mul_bf16x2(a[h][3], hi);
-    } else {
-      a[h][0] = mul_f16x2(a[h][0], lo);
-      a[h][2] = mul_f16x2(a[h][2], lo);
-      a[h][1] = mul_f16x2(a[h][1], hi);
-      a[h][3] = mul_f16x2(a[h][3], hi);
-    }
+    a[h][0] = mul_x2<Act>(a[h][0], lo);
+    a[h][2] = mul_x2<Act>(a[h][2], lo);
+    a[h][1] = mul_x2<Act>(a[h][1], hi);
+    a[h][3] = mul_x2<Act>(a[h][3], hi);
   }
 }
 
