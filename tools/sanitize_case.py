@@ -63,6 +63,10 @@ def glu():
                 jax.block_until_ready(kj.matmul(x, q, method="fused", glu="silu"))
 
 
+# (K, N) and M values of the wgmma parts (see wgmma)
+_WGMMA_SHAPES = (((544, 400), (33, 65, 128, 200)), ((4096, 256), (48, 100, 200)), ((512, 20480), (100,)))
+
+
 def wgmma():
     # The wgmma kernel (bf16 and fp16, N % 16 == 0, M = 33..512 here): K = 544 ends in a partial
     # ring stage, N = 400 in a partial column tile; K = 4096, N = 256 splits K over a cluster;
@@ -72,23 +76,21 @@ def wgmma():
     # K = 8192, N = 2048 at M = 256 takes the 256-row tile over 6-CTA clusters, whose sum pulls
     # rank by rank (bits 4 only: the largest case here). A GLU with bf16.
     for bits in (2, 3, 4, 5):
-        shapes = [((544, 400), (33, 65, 128, 200)), ((4096, 256), (48, 100, 200)), ((512, 20480), (100,))]
-        if bits == 4:
-            shapes.append(((8192, 2048), (256,)))
+        shapes = _WGMMA_SHAPES + ((((8192, 2048), (256,)),) if bits == 4 else ())
         for (k, n), ms in shapes:
             q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
             for m in ms:
-                for dtype in (jnp.bfloat16, jnp.float16):
-                    x = jax.random.normal(jax.random.key(m), (m, k), dtype)
-                    jax.block_until_ready(kj.matmul(x, q))
-                jax.block_until_ready(kj.matmul(x.astype(jnp.bfloat16), q, glu="silu"))
+                x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+                jax.block_until_ready(kj.matmul(x, q))
+                jax.block_until_ready(kj.matmul(x, q, glu="silu"))
+                jax.block_until_ready(kj.matmul(x.astype(jnp.float16), q))
 
 
 def wgmma_f16():
     # The wgmma kernel's fp16 instantiations alone (racecheck over the whole wgmma part takes
     # more than 3 minutes): the shapes above, bits 2 and 5.
     for bits in (2, 5):
-        for (k, n), ms in [((544, 400), (33, 65, 128, 200)), ((4096, 256), (48, 100, 200)), ((512, 20480), (100,))]:
+        for (k, n), ms in _WGMMA_SHAPES:
             q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
             for m in ms:
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.float16)
