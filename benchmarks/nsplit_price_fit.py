@@ -26,12 +26,9 @@ from __future__ import annotations
 import argparse
 import math
 
+from rows_fit import m_tiles  # n8 tiles of the N-split tiling's block of rows
+
 GRID = [g / 100 for g in range(30, 401)]  # prices tried: 0.30 .. 4.00
-
-
-def m_tiles(m: int) -> int:
-    """n8 tiles of the N-split tiling's block of rows (matmul_fused.cuh: with_nsplit)."""
-    return 2 if m <= 16 else 4 if m <= 32 else 8
 
 
 def parse(path: str):
