@@ -316,9 +316,9 @@ struct Config {
   // tiling, 0.86-0.93x the time at M = 24 and 32. fp16 activations take V2's slower scale path
   // (see mma_k_block_scaled_weights) and prices of their own (nsplit_price_f16, below). At MT = 2
   // (M = 9..16) 0.6 (bits 3: 0.8), fitted on the harness's "rows" at M = 1..16 (H100, 10 shapes x
-  // bits 2..5, benchmarks/results/nsplit_rows16_h100_s28.md): it takes V2 on the wide gate/up layers at
-  // bits 2 and 4 (0.88-0.98x the time of the 16-row tilings) and nowhere else; bits 3's decode
-  // is slower there (Llama-3-70B gate/up 1.10x). (Blocks of 8 rows were no faster anywhere:
+  // bits 2..5, benchmarks/results/nsplit_rows16_h100_s28.md): it takes V2 on the wide gate/up
+  // layers at bits 2 and 4 (0.88-0.98x the time of the 16-row tilings) and nowhere else; bits
+  // 3's decode is slower there (Llama-3-70B gate/up 1.10x). (Blocks of 8 rows were no faster anywhere:
   // 0.99-2.0x.) Bits 5, with two tiles per warp since session 33 (Config::Path), takes the
   // prices of the other bits at MT = 4 and 8 and bits 3's 0.8 at MT = 2: in an offline replica
   // of the plan scored on the H200's rows at M = 9..32 (benchmarks/results/
@@ -336,10 +336,9 @@ struct Config {
   // the ones nearest the dense dot's time, for the large. The fp16 products then take the tiling
   // within 0.49 % of the faster one on (geometric) average, 13 % at worst (Llama-3-70B down, M =
   // 24); the prices before (no V2 at M <= 16, 2.1 at MT = 8) were 1.43 % and 29 % off (GLM-4.7
-  // gate/up, bits 5, M = 64). Harness against them
-  // (both rounds' faster time): 0.931x where the pick changed at M = 9..16 (27 of 156 cases),
-  // 0.919x at M = 33..128 (43 of 260; 0.78x at worst, 1.064x at best: Llama-3-70B gate/up, bits
-  // 4, M = 96); the unchanged picks read 0.99x.
+  // gate/up, bits 5, M = 64). Harness against them (both rounds' faster time): 0.931x where the
+  // pick changed at M = 9..16 (27 of 156 cases), 0.919x at M = 33..128 (43 of 260; 0.78x at
+  // best, 1.064x at worst: Llama-3-70B gate/up, bits 4, M = 96); the unchanged picks read 0.99x.
   static constexpr double nsplit_price_bf16() {
     if constexpr (MT == 2) return BITS == 3 || BITS == 5 ? 0.8 : 0.6;
     if constexpr (MT == 4) return 0.9;
