@@ -286,7 +286,6 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 // |entry| x scale < 2^-23: it is then rounded to a multiple of 2^-24 (absolute error <= 2^-34 in
 // the weight's units, before the tensor scale), as a dense fp16 weight that small would be.
 // `cb_abs`: this lane's |entry| (entry lane mod 2^BITS); every lane returns e.
-template <int BITS>
 __device__ __forceinline__ int f16_weight_exponent(float cb_abs) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) cb_abs = fmaxf(cb_abs, __shfl_xor_sync(0xffffffffu, cb_abs, o));
@@ -425,7 +424,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // The E4M4 decode's factor: decode_e4m4_fast's 2^116, times 2^e with fp16 (f16_weight_exponent;
   // e = 0 with bf16), whose inverse the epilogue applies
   int f16_exp = 0;
-  if constexpr (kF16) f16_exp = f16_weight_exponent<BITS>(cb_abs);
+  if constexpr (kF16) f16_exp = f16_weight_exponent(cb_abs);
   const float scale_decode = __uint_as_float(uint32_t(127 + 116 + f16_exp) << 23);  // 2^(116 + e)
 
   float acc[J][NACC];  // [m64 tile j][wgmma accumulator]
