@@ -172,6 +172,19 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ uint32_t ldg_stream(const uint32_t* p) { return __ldcs(p); }
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) { return __ldcs(p); }
 
+// `v` as this lane's shuffle of itself: the same value, which ptxas cannot recompute from the
+// thread index (it sees a shuffle), so it keeps it in a register (each 32-bit word of v).
+template <class T>
+__device__ __forceinline__ T pinned_to_lane(T v, int lane) {
+  static_assert(sizeof(T) % 4 == 0, "whole 32-bit words");
+  uint32_t w[sizeof(T) / 4];
+  memcpy(w, &v, sizeof(T));
+#pragma unroll
+  for (int i = 0; i < int(sizeof(T) / 4); ++i) w[i] = __shfl_sync(0xffffffffu, w[i], lane);
+  memcpy(&v, w, sizeof(T));
+  return v;
+}
+
 // decode_e4m4 in three instructions: the byte shifted to bit 19 is a float with exponent e and
 // mantissa m (a denormal when e = 0), and 2^116 = 2^(127-11) rebiases it. Exact for every byte
 // (denormal times a power of two, no flush-to-zero in these kernels), equal to format.h's

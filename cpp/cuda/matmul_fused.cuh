@@ -221,6 +221,11 @@
 //  refitted on the launcher's own plan costs (Config::nsplit_price_f16), and takes it at M =
 //  9..16 too. (fp16 then took this launcher at every M up to 128; later that session the wgmma
 //  kernel took fp16 from 33 rows, wgmma_f16_s42.md.)
+//  Session 43 (H200, benchmarks/results/bits2_decode_h200_s43.md): bits 2's quads are looked
+//  up from the nibbles of both mma rows (WeightPath<2>::decode), so they land in the mma's
+//  operand order, and the consumers' lane constants stay in registers (pinned_to_lane): the
+//  bits-2 loops 12-26 % shorter, harness "sel" at bits 2 0.966x the time at M <= 4, 0.926x at
+//  M = 16 (Llama-3-70B down, M = 16: 50.7 -> 44.9 us); bits 3-5 within 1 %.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -711,7 +716,7 @@ __device__ __forceinline__ void mma_k_block_scaled_weights(float (&acc)[TN * MT 
 #pragma unroll
   for (int j = 0; j < TN; ++j) {
     uint32_t a[2][4];
-    WP::decode(raw[j], lut, L, a);
+    decode_for_scaling<WP>(raw[j], lut, L, a);
     scale_fragments(a, sc[2 * j], sc[2 * j + 1]);  // columns 16 j + g and 16 j + g + 8
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -1247,7 +1252,10 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     if (KS > 1) cluster_wait();  // pairs with the arrive at the start
   } else {
     // ================= consumer warps =================
-    const typename WP::Lane L = WP::lane_consts(lane);
+    // L through an identity shuffle (pinned_to_lane): ptxas recomputed bits 2's selectors from
+    // the thread index in every k-block (an S2R and 4 more instructions). Pinning o0 and o1 too
+    // spilled at MT = 8 and reordered bits 3's loops.
+    const typename WP::Lane L = pinned_to_lane(WP::lane_consts(lane), lane);
     const uint32_t o0 = WP::offset0(g, t), o1 = WP::offset1(g, t);
     const uint32_t sf_lane_off = uint32_t(g) * (2 * TN * 4);
 

@@ -257,19 +257,6 @@ __device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
   return v;
 }
 
-// `v` as this lane's shuffle of itself: the same value, which ptxas cannot recompute from the
-// thread index (it sees a shuffle), so it keeps it in a register (each 32-bit word of v).
-template <class T>
-__device__ __forceinline__ T pinned_to_lane(T v, int lane) {
-  static_assert(sizeof(T) % 4 == 0, "whole 32-bit words");
-  uint32_t w[sizeof(T) / 4];
-  memcpy(w, &v, sizeof(T));
-#pragma unroll
-  for (int i = 0; i < int(sizeof(T) / 4); ++i) w[i] = __shfl_sync(0xffffffffu, w[i], lane);
-  memcpy(&v, w, sizeof(T));
-  return v;
-}
-
 // Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
 template <int N>
 __device__ __forceinline__ void fence_operands(float (&d)[N]) {
@@ -450,7 +437,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
       const int tile16 = 4 * J * wg + 4 * j + wq;  // the warp's 16 columns: rows 16 wq.. of tile j
       typename WP::Raw raw;
       WP::load(raw, slab, o0, o1, tile16);
-      WP::decode(raw, s_lut, L, a[j]);
+      fused::decode_for_scaling<WP>(raw, s_lut, L, a[j]);
       const float s_lo = __uint_as_float(lds_u8(sc + 16 * tile16 + g_pinned) << 19) * scale_decode;
       const float s_hi = __uint_as_float(lds_u8(sc + 16 * tile16 + g_pinned + 8) << 19) * scale_decode;
       fused::scale_fragments<Act>(a[j], s_lo, s_hi);

@@ -9,6 +9,14 @@
 
 namespace kbit::cuda::fused {
 
+// (a & MASK) | (b & ~MASK) in one LOP3: written as ANDs and an OR, ptxas spent two.
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t bit_select(uint32_t a, uint32_t b) {
+  uint32_t d;  // LUT 0xe4 = (0xf0 & 0xaa) | (0xcc & ~0xaa) with a = 0xf0, b = 0xcc, MASK = 0xaa
+  asm("lop3.b32 %0, %1, %2, %3, 0xe4;\n" : "=r"(d) : "r"(a), "r"(b), "n"(MASK));
+  return d;
+}
+
 // Per-bits decode path. Shared interface:
 //   kLutBytes          shared-memory bytes of the replicated lookup table
 //   kCopies            copies of each entry, one per lane (or half-warp), in kRowBytes rows
@@ -80,8 +88,28 @@ struct WeightPath<2> {
     for (int h = 0; h < 2; ++h) r.w[h] = lds32(slab + o0 + j * kTileBytes + h * 64);
   }
   __device__ static void decode(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
+    // Byte s of a field holds half s's codes: low nibble k 2t, 2t+1, high nibble k 2t+8, 2t+9.
+    // Rows g and g+8 merged nibble by nibble (4 ALU instructions a tile), each quad is one
+    // aligned register pair of the mma's A quad: registers 0, 1 (k 2t..) and 2, 3 (k 2t+8..).
+    // Looked up by row (decode_rows) the pairs are 0, 2 and 1, 3, and ptxas spent ~6 moves a
+    // tile building the mma's quad (M = 9..16: the 16-row loops 20 % shorter without them).
+    const uint32_t lo = bit_select<0x0f0f0f0fu>(r.w[0], r.w[1] << 4);
+    const uint32_t hi = bit_select<0x0f0f0f0fu>(r.w[0] >> 4, r.w[1]);
 #pragma unroll
-    for (int s = 0; s < 2; ++s)  // quad s = codes 4s..4s+3 = the k16 half s of the cell
+    for (int s = 0; s < 2; ++s) {  // quad s = the k16 half s of the cell
+      const uint2 q0 = lds64(lut + __byte_perm(lo, L.base, L.sel[s]));
+      const uint2 q1 = lds64(lut + __byte_perm(hi, L.base, L.sel[s]));
+      a[s][0] = q0.x;
+      a[s][1] = q0.y;
+      a[s][2] = q1.x;
+      a[s][3] = q1.y;
+    }
+  }
+  // decode's registers by looking up each row's quads: for callers that multiply the registers
+  // by their rows' scales first (decode_for_scaling), whose multiplies write them anywhere.
+  __device__ static void decode_rows(const Raw& r, uint32_t lut, const Lane& L, uint32_t (&a)[2][4]) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint2 q = lds64(lut + __byte_perm(r.w[h], L.base, L.sel[s]));
@@ -225,6 +253,16 @@ __device__ __forceinline__ void scale_fragments(uint32_t (&a)[2][4], float s_lo,
     a[h][1] = mul_x2<Act>(a[h][1], hi);
     a[h][3] = mul_x2<Act>(a[h][3], hi);
   }
+}
+
+// The decode for callers that multiply the registers by their rows' scales (scale_fragments)
+// before the mma: the multiplies write the mma's registers in any order, so bits 2 looks its
+// quads up by row (WeightPath<2>::decode_rows), without decode's merge.
+template <class WP>
+__device__ __forceinline__ void decode_for_scaling(const typename WP::Raw& r, uint32_t lut,
+                                                   const typename WP::Lane& L, uint32_t (&a)[2][4]) {
+  if constexpr (std::is_same_v<WP, WeightPath<2>>) WP::decode_rows(r, lut, L, a);
+  else WP::decode(r, lut, L, a);
 }
 
 // The replicated lookup table of one batch entry's codebook, written by `nthreads` threads, in
