@@ -63,9 +63,9 @@ struct WeightPath<4> {
 };
 
 // bits 2: a thread's field is 16 bits, half t&1 of word t>>1 of the cell. A 256-entry table of
-// FOUR values (8 B: the two operand registers of one k16 half) indexed by one field byte halves
-// the lookups: per 8 weights 2 PRMT + 2 LDS.64. Rows of 32 lanes x 8 B = 256 B, so the PRMT
-// that moves the field byte into byte 1 also keeps the lane offset (lane*8) in byte 0.
+// FOUR values (8 B: two operand registers) indexed by one byte of codes halves the lookups: per
+// 8 weights 2 PRMT + 2 LDS.64 (+ 1 SHF + 1 LOP3 in decode). Rows of 32 lanes x 8 B = 256 B, so
+// the PRMT that moves the byte into byte 1 also keeps the lane offset (lane*8) in byte 0.
 template <>
 struct WeightPath<2> {
   static constexpr int kEntries = 256, kEntryBytes = 8, kRowBytes = 256, kCopies = 32;
@@ -92,7 +92,7 @@ struct WeightPath<2> {
     // Rows g and g+8 merged nibble by nibble (4 ALU instructions a tile), each quad is one
     // aligned register pair of the mma's A quad: registers 0, 1 (k 2t..) and 2, 3 (k 2t+8..).
     // Looked up by row (decode_rows) the pairs are 0, 2 and 1, 3, and ptxas spent ~6 moves a
-    // tile building the mma's quad (M = 9..16: the 16-row loops 20 % shorter without them).
+    // tile building the mma's quad (M = 9..16: the 16-row loops 15-20 % shorter without them).
     const uint32_t lo = bit_select<0x0f0f0f0fu>(r.w[0], r.w[1] << 4);
     const uint32_t hi = bit_select<0x0f0f0f0fu>(r.w[0] >> 4, r.w[1]);
 #pragma unroll
