@@ -124,3 +124,20 @@ def test_loops_of_equal_length_in_another_order_are_marked_reordered(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[-4:] == ["4", "(reordered:", "2", "moved)"]
     assert lines[2].split()[-3:] == ["4", "->", "4"]
+
+
+def test_ops_lists_the_opcodes_whose_count_changed(capsys):
+    # predicates and modifiers do not count: "@!P0 IMAD.MOV.U32" is an IMAD
+    assert sass_loops.opcode("@!P0 IMAD.MOV.U32 R3, RZ, RZ, R5") == "IMAD"
+    assert sass_loops.opcode("HMMA.16816.F32.BF16 R8, R4, R6, R8") == "HMMA"
+    ref = [(0x00, "LDS R4, [R2]"), (0x10, "MOV R5, R4"), (0x20, "IMAD.MOV.U32 R6, RZ, RZ, R4"),
+           (0x30, "HMMA.16816.F32.BF16 R8, R4, R6, R8"), (0x40, "@P0 BRA 0x0")]
+    new = [(0x00, "LDS R4, [R2]"), (0x10, "LOP3.LUT R5, R4, 0xf0f0f0f, R3, 0xe4, !PT"),
+           (0x20, "HMMA.16816.F32.BF16 R8, R4, R6, R8"), (0x30, "@P0 BRA 0x0")]
+    assert sass_loops.opcode_changes(ref, new) == "IMAD -1  LOP3 +1  MOV -1"
+    assert sass_loops.opcode_changes(ref, ref) == ""
+    sass = {"matmul_fused_b4": {"ref": function(WS, ref), "new": function(WS, new)}}
+    assert sass_loops.report_loops(sass, "HEAD", max_growth=None, ops=True) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-4:] == ["5", "->", "4", "(-1)"]
+    assert lines[2].split() == ["IMAD", "-1", "LOP3", "+1", "MOV", "-1"]

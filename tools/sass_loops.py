@@ -16,10 +16,11 @@ in session 37 a change before the fused kernels' loops left their lengths alone 
 the bits-5 loops, which then took 1.02-1.04x the time
 (benchmarks/results/fused_early_table_h200_s37.md).
 
-    python3 tools/sass_loops.py [REF] [--only b4] [--max-growth N]   (b4: both kernels' bits 4)
+    python3 tools/sass_loops.py [REF] [--only b4] [--max-growth N] [--ops]   (b4: both kernels' bits 4)
 
 REF defaults to HEAD. `--max-growth N` exits with status 1 when a loop grew by more than N
-instructions.
+instructions. `--ops` adds, under each loop that changed, its opcodes' counts that changed
+(e.g. `IMAD -35  MOV -19  LOP3 +13  SHF +12`: bits 2's register moves going, session 43).
 
     python3 tools/sass_loops.py [REF] --identical
 
@@ -35,6 +36,7 @@ Needs nvcc and cuobjdump: the CUDA toolkit's, or the one Triton's wheel carries,
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import difflib
 import glob
@@ -171,6 +173,22 @@ def report_identity(sass: dict[str, dict[str, str]]) -> int:
     return status
 
 
+def opcode(ins: str) -> str:
+    """An instruction's opcode without its predicate and modifiers ("@!P0 IMAD.MOV.U32 ..." -> "IMAD")."""
+    words = ins.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
+def opcode_changes(ref_loop: list[tuple[int, str]], new_loop: list[tuple[int, str]]) -> str:
+    """The opcodes whose count differs between two loops, largest change first: "MOV -19  LOP3 +16"."""
+    before = collections.Counter(opcode(i) for _, i in ref_loop)
+    after = collections.Counter(opcode(i) for _, i in new_loop)
+    delta = {op: after[op] - before[op] for op in before | after if after[op] != before[op]}
+    return "  ".join(f"{op} {d:+d}" for op, d in sorted(delta.items(), key=lambda kv: (-abs(kv[1]), kv[0])))
+
+
 def _natural(text: str) -> list:
     """Sort key: numbers by value ("BM 64" before "BM 128")."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
@@ -180,7 +198,7 @@ def _count(size: int | None) -> str:
     return "-" if size is None else str(size)
 
 
-def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | None) -> int:
+def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | None, ops: bool = False) -> int:
     """One line per kernel, paired across the trees by its label (the template arguments), so a
     kernel whose parameter list changed still meets its reference; kernels only in the working
     tree are marked "(new)", those only in REF "(gone)"."""
@@ -206,6 +224,8 @@ def report_loops(sass: dict[str, dict[str, str]], ref: str, max_growth: int | No
             elif (n_moved := moved(ref_loop, new_loop)):
                 mark = f"  (reordered: {n_moved} moved)"
             print(f"  {name}: {kernel:34s} {_count(before):>5} -> {_count(after):>5}{mark}")
+            if ops and ref_loop and new_loop and (changes := opcode_changes(ref_loop, new_loop)):
+                print(f"      {changes}")
     return status
 
 
@@ -217,6 +237,8 @@ def main(argv=None) -> int:
                          "file names without .cu, e.g. quantize,matmul_fused_b4)")
     ap.add_argument("--max-growth", type=int, default=None,
                     help="exit 1 when a hot loop grew by more than this many instructions")
+    ap.add_argument("--ops", action="store_true",
+                    help="under each changed loop, the opcodes whose count changed")
     ap.add_argument("--identical", action="store_true",
                     help="compare the whole SASS of every cpp/cuda/*.cu instead of the hot loops")
     ap.add_argument("--cuobjdump", default=os.environ.get("CUOBJDUMP", "cuobjdump"))
@@ -236,7 +258,7 @@ def main(argv=None) -> int:
         sass = disassemble(units, args.ref, work, args.cuobjdump)
     if args.identical:
         return report_identity(sass)
-    return report_loops(sass, args.ref, args.max_growth)
+    return report_loops(sass, args.ref, args.max_growth, args.ops)
 
 
 if __name__ == "__main__":
