@@ -23,6 +23,8 @@ __device__ __forceinline__ uint32_t bit_select(uint32_t a, uint32_t b) {
 //   Raw                the registers of one thread's fields for one 16-column tile
 //   load(slab, off, j) read them from the staged weights of one k-block (slab = its first cell)
 //   decode             Raw -> the 2 x 4 A-operand registers of the tile's two k16 halves
+//   decode_rows        (bits 2 only) the same registers by per-row lookups, for callers that
+//                      scale them before the mma; decode_for_scaling picks it
 //   lut_entry          value of table entry e (built once per CTA)
 //   offset0/offset1    byte offsets of the thread's words inside a tile (rows g and g+8 follow
 //                      at compile-time distances)
@@ -238,7 +240,7 @@ __device__ __forceinline__ uint32_t mul_x2(uint32_t a, uint32_t b) {
   else return mul_f16x2(a, b);
 }
 
-// Multiplies a tile's decoded fragments (WeightPath::decode) by the E4M4 block scales of its two
+// Multiplies a tile's decoded fragments (decode_for_scaling) by the E4M4 block scales of its two
 // mma rows: s_lo for row g (registers 0, 2), s_hi for row g + 8 (registers 1, 3), in the
 // activations' dtype. The scales are exact in bf16 (5 significant bits, 2^-14..31), so each
 // weight is rounded once, to bf16. fp16 callers pass the scale times a power of two that keeps
