@@ -14,6 +14,7 @@
 //   build/cuda_kernel_harness timeline BITS K N M ...   milestones of a launch (-DKBIT_TIMELINE builds)
 //   build/cuda_kernel_harness host               host time of a launch and of its parts
 //   build/cuda_kernel_harness sweep              every cluster size (k-split) vs the launcher's choice
+//   build/cuda_kernel_harness narrow             M <= 8 in the 16-row tilings' 32-column groups
 //   build/cuda_kernel_harness rows               M = 17..128: the warp-specialized kernel's tilings vs
 //                                                the cp.async kernel
 //   build/cuda_kernel_harness split              M = 384..1024: the wgmma kernel's split last round of
@@ -31,7 +32,10 @@
 // KBIT_HARNESS_SPLIT_M and _BITS those of "split", KBIT_HARNESS_PLANS_M and _BITS those of
 // "wgplans";
 // KBIT_HARNESS_TEST_VARIANTS="2 3" runs only those tiling variants' matmul tests;
-// KBIT_HARNESS_F16=1 times fp16 products instead of bf16 (see BenchEnv::matmul_args).
+// KBIT_HARNESS_F16=1 times fp16 products instead of bf16 (see BenchEnv::matmul_args);
+// KBIT_HARNESS_GRAPH=1 times launches captured into CUDA graphs, as JAX runs them (time_tuned);
+// KBIT_HARNESS_NARROW_M and _BITS set those of "narrow"; KBIT_HARNESS_TIMELINE_FLOOD=1 and
+// _TWICE=1 precede each "timeline" launch by a code flood or by the same product.
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
 // Correctness: quantize (both layouts, three input dtypes) bit-exact against a host quantizer
@@ -820,7 +824,53 @@ struct Timer {
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
   }
+  // The same, each batch captured into a CUDA graph on a stream of its own and timed on its
+  // first launch after upload: f(i, stream) launches call i on `stream`. As in JAX (XLA's command
+  // buffers), the launches are plain (dependent_launch.cuh: inputs ready at entry) and the host's
+  // cost of a launch drops out, which on the small layers sets the pace of `median_us` (a
+  // launch_matmul call takes the host ~7 us, as long as their kernels run).
+  template <class F>
+  double median_graph_us(F f, int reps, int per) {
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    for (int i = 0; i < 2; ++i) f(i, s);
+    CK(cudaStreamSynchronize(s));
+    std::vector<double> t;
+    int call = 0;
+    for (int r = 0; r < reps; ++r) {
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < per; ++i) f(call++, s);
+      CK(cudaStreamEndCapture(s, &graph));
+      CK(cudaGraphInstantiate(&exec, graph, 0));
+      CK(cudaGraphUpload(exec, s));
+      CK(cudaStreamSynchronize(s));
+      CK(cudaEventRecord(a, s));
+      CK(cudaGraphLaunch(exec, s));
+      CK(cudaEventRecord(b, s));
+      CK(cudaEventSynchronize(b));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      t.push_back(ms * 1e3 / per);
+      CK(cudaGraphExecDestroy(exec));
+      CK(cudaGraphDestroy(graph));
+    }
+    CK(cudaStreamDestroy(s));
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
 };
+
+// KBIT_HARNESS_GRAPH=1: time_tuned (every mode's timings of one product) times launches captured
+// into CUDA graphs (Timer::median_graph_us), the device's time as JAX programs see it.
+static bool graph_timing() {
+  static const bool on = [] {
+    const char* v = getenv("KBIT_HARNESS_GRAPH");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
 
 // ---- shared by the timing modes ----
 
@@ -946,12 +996,14 @@ struct WeightCopies {
 static double time_tuned(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCopies& w,
                          kbit::cuda::MatmulTuning& tune, int reps, int per) {
   std::string err;
-  const double us = tm.median_us([&](int c) {
+  auto launch = [&](int c, cudaStream_t stream) {
     a.planes = w.planes(c);
     a.scales = w.scales(c);
-    std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
+    std::string e = kbit::cuda::launch_matmul(a, stream, &tune);
     if (!e.empty() && err.empty()) err = e;
-  }, reps, per);
+  };
+  const double us = graph_timing() ? tm.median_graph_us(launch, reps, per)
+                                   : tm.median_us([&](int c) { launch(c, 0); }, reps, per);
   if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
   return us;
 }
@@ -1074,6 +1126,49 @@ static void bench_sweep() {
           if (wgmma) printf(" tiles %d", chosen_tiles);
           printf("\n");
         }
+      }
+    }
+}
+
+// M <= 8 in the 16-row tilings' narrow column groups (MatmulTuning::min_m_tiles = 2, variant 0:
+// 32 columns at every bits value, half of the 8-row tiling's 64 at bits 2-4), for the small
+// layers whose 64-column groups leave SMs idle. One line per case
+//   NARROW <shape> K N bits M <default us> v<variant>/<k_split>/<ctas>  <narrow us> <k_split>/<ctas>
+//          <narrow us at k-split 1..4 (each: us/launched k_split)> <best narrow / default>
+// KBIT_HARNESS_NARROW_M="1 4 8" (default) the M, KBIT_HARNESS_NARROW_BITS="2 3 4 5" the bits.
+static void bench_narrow() {
+  const std::vector<int> ms = env_int_list("KBIT_HARNESS_NARROW_M", "1 4 8", 1, 8);
+  const std::vector<int> bits_list = env_int_list("KBIT_HARNESS_NARROW_BITS", "2 3 4 5", 2, 5);
+  BenchEnv env(8);
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  Timer tm;
+  for (const Shape& s : shapes_and_llama70b_layers({2, 4}))
+    for (int bits : bits_list) {
+      const WeightCopies w(env, s, bits);
+      for (int M : ms) {
+        const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
+        kbit::cuda::MatmulTuning dflt;
+        const double us = time_tuned(tm, a, w, dflt, 5, 10);
+        auto narrow = [&](int ks, kbit::cuda::MatmulTuning& t) {
+          t.min_m_tiles = 2;
+          t.variant = 0;
+          t.k_split = ks;
+          return time_tuned(tm, a, w, t, 5, 10);
+        };
+        kbit::cuda::MatmulTuning nt;
+        const double nus = narrow(0, nt);
+        double best = nus;
+        printf("NARROW %-18s %5d %6d %d %d %8.2f v%d/%d/%d %8.2f %d/%d", s.name, s.K, s.N, bits, M, us,
+               dflt.launched_variant, dflt.launched_k_split, dflt.launched_ctas, nus, nt.launched_k_split,
+               nt.launched_ctas);
+        for (int ks = 1; ks <= 4; ++ks) {
+          kbit::cuda::MatmulTuning t;
+          const double k_us = narrow(ks, t);
+          best = std::min(best, k_us);
+          printf(" %.2f/%d", k_us, t.launched_k_split);
+        }
+        printf(" %.3f\n", best / us);
+        fflush(stdout);
       }
     }
 }
@@ -1381,6 +1476,19 @@ static void bench_prefetch() {
 // entry by clock64 (converted to ns at the CTA's own rate: clock cycles over globaltimer ns
 // between entry and exit).
 __global__ void stamp_kernel(unsigned long long* out) { *out = kbit::cuda::global_ns(); }
+// 256 KiB of straight-line code, more than an SM's instruction caches hold: run before a launch
+// (KBIT_HARNESS_TIMELINE_FLOOD=1), it leaves that launch none of its own code cached.
+__global__ void code_flood(float* out) {
+  float a[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] = threadIdx.x + i;
+#pragma unroll
+  for (int i = 0; i < 16384; ++i) asm volatile("fma.rn.f32 %0, %0, %1, %1;" : "+f"(a[i % 8]) : "f"(1.0001f));
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s += a[i];
+  if (s == 0.123f) out[threadIdx.x] = s;
+}
 
 static void bench_timeline(int bits, int K, int N, int M, int reps) {
   using namespace kbit::cuda;
@@ -1398,7 +1506,7 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
                                  "last chunk arrived", "all stored", "exit",
                                  "last warp: first computed", "last warp: first stored",
                                  "leader: warps summed", "rank 0: ranks' sums in", "last item: warps' sums in",
-                                 "-"};
+                                 "-", "probe 0", "probe 1", "probe 2", "probe 3", "probe 4", "probe 5"};
   // per mark: the per-launch median and maximum over CTAs (ns from the CTA's entry)
   std::vector<std::vector<double>> med(kTlMarks), mx(kTlMarks);
   std::vector<double> entry_min, entry_med, entry_max, exit_max, chunks_min, chunks_max, rate, host_us;
@@ -1407,10 +1515,24 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   tune.timeline = buf;
   int ctas = 0;
   auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0.0 : v[v.size() / 2]; };
+  // KBIT_HARNESS_TIMELINE_FLOOD=1: code_flood before each launch (cold instruction caches);
+  // KBIT_HARNESS_TIMELINE_TWICE=1: the same product launched once more just before it (warm).
+  const bool flood = getenv("KBIT_HARNESS_TIMELINE_FLOOD") != nullptr;
+  const bool twice = getenv("KBIT_HARNESS_TIMELINE_TWICE") != nullptr;
+  float* flood_out = nullptr;
+  if (flood) CK(cudaMalloc(&flood_out, 1024));
   for (int r = 0; r < reps + 2; ++r) {
     a.planes = w.planes(r);
     a.scales = w.scales(r);
     CK(cudaMemset(buf, 0, buf_bytes));
+    if (flood) code_flood<<<env.prop.multiProcessorCount, 32>>>(flood_out);
+    if (twice) {
+      MatmulArgs a2 = a;
+      a2.planes = w.planes(r + 1);
+      a2.scales = w.scales(r + 1);
+      const std::string e2 = launch_matmul(a2, 0, &tune);
+      if (!e2.empty()) { printf("ERROR %s\n", e2.c_str()); ++g_failures; return; }
+    }
     stamp_kernel<<<1, 1>>>(stamp);
     const auto h0 = std::chrono::steady_clock::now();
     const std::string e = launch_matmul(a, 0, &tune);
@@ -1452,7 +1574,8 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
                                       "table built", "first chunk arrived", "products done",
                                       "tiles staged (cluster)", "own rows in (push)", "reduced and stored", "exit",
                                       "last warp: sent (push)", "last warp: stored", "thread 0: first stored", "-",
-                                      "thread 0: sum entered", "thread 0: first added"};
+                                      "thread 0: sum entered", "thread 0: first added", "probe 0", "probe 1",
+                                      "probe 2", "probe 3", "probe 4", "probe 5"};
     std::copy(std::begin(wg_names), std::end(wg_names), std::begin(names));
   }
   Timer tm;
@@ -1473,6 +1596,7 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
     printf("  %-22s %12.2f %12.2f\n", names[m], median(med[m]) * 1e-3, median(mx[m]) * 1e-3);
   cudaFree(buf);
   cudaFree(stamp);
+  if (flood_out) cudaFree(flood_out);
 }
 #endif
 
@@ -1696,7 +1820,7 @@ int main(int argc, char** argv) {
 #endif
   }
   const std::pair<const char*, void (*)()> timing_modes[] = {
-      {"sweep", bench_sweep}, {"host", bench_host}, {"layers", bench_layers}, {"sel", bench_sel},
+      {"sweep", bench_sweep}, {"narrow", bench_narrow}, {"host", bench_host}, {"layers", bench_layers}, {"sel", bench_sel},
       {"prefetch", bench_prefetch},
       {"rows", bench_rows}, {"split", bench_split_last}, {"wgplans", bench_wgmma_plans}};
   for (const auto& [name, run] : timing_modes)

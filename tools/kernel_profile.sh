@@ -33,6 +33,8 @@
 #                                                 (M <= 16). KBIT_HARNESS_SWEEP_M="128 256 512" sweeps
 #                                                 those M instead (above 128: the wgmma kernel),
 #                                                 KBIT_HARNESS_SWEEP_BITS="3" those bits
+#   tools/kernel_profile.sh narrow               M <= 8 in the 16-row tilings' 32-column groups against
+#                                                 the launcher's choice (KBIT_HARNESS_NARROW_M, _BITS)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
@@ -98,6 +100,7 @@ case $mode in
   rows) "$bin" rows | tee "$OUT/rows${TAG:-}.log" | grep -E "^ROWS|copy" ;;
   split) "$bin" split | tee "$OUT/split${TAG:-}.log" | grep -E "^SPLIT|copy" ;;
   sweep) "$bin" sweep > "$OUT/sweep${TAG:-}.log"; python3 benchmarks/ksplit_fit.py "$OUT/sweep${TAG:-}.log" ;;
+  narrow) "$bin" narrow | tee "$OUT/narrow${TAG:-}.log" | grep -E "^NARROW|copy" ;;
   ncu)
     while [[ $# -ge 4 ]]; do
       tag="b$1_k$2_n$3_m$4"

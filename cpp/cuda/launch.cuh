@@ -80,6 +80,9 @@ struct MatmulTuning {
                                // bf16 and N % 16 == 0 on sm_90a only); -1 = the launcher picks; -2 =
                                // matmul_fused.cuh's launcher picks (never the wgmma kernel)
   int ws_max_rows = -1;        // M up to which the warp-specialized kernel runs; -1 = default
+  int min_m_tiles = 0;         // warp-specialized kernel: blocks of at least this many n8 row tiles (2:
+                               // the 16-row tilings, whose V0 has 32-column groups, even at M <= 8);
+                               // 0 = ceil(M / 8)
   int wg_tiles = 0;            // wgmma kernel, M <= 128: m64 weight tiles per warpgroup, 2 (256 columns
                                // per CTA) or 1 (128); 0 = the launcher picks (WgLauncher::cost)
   int balance = -1;            // chunk-balanced clusters: 1 = wherever possible (at k_split if set), 0 =

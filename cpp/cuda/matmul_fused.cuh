@@ -1783,7 +1783,8 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   const int64_t ws_rows = tuning && tuning->ws_max_rows >= 0 ? tuning->ws_max_rows : kWsMaxRows;
   const bool ws = a.m <= ws_rows && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x) &&
                   a.batch * a.m < (int64_t(1) << 31) && a.batch * (a.k / 32) < (int64_t(1) << 31);
-  const int mt = ws ? std::min(m_tiles(a.m), kWsMaxMT) : m_tiles(a.m);
+  const int min_mt = ws && tuning ? tuning->min_m_tiles : 0;
+  const int mt = ws ? std::min(std::max(m_tiles(a.m), min_mt), kWsMaxMT) : m_tiles(a.m);
   // The tiling variant (see Config); tuning->variant overrides. At M <= 8, cp.async kernel,
   // measured on the H200 over the ten benchmark shapes at M = 1 and 4: V1 takes 0.95x the time
   // of V0 at bits 3 (faster in 18/20 cases) and 0.98x at bits 5 (16/20); 1.02x at bits 2 and

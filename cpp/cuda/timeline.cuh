@@ -33,6 +33,12 @@ enum TimelineMark : int {
   kTlSumEntered,      // the CTA's last item (finish_last_shared), warp 0: past the warps' barrier;
                       // wgmma kernel: thread 0 at its first sum of the cluster's rows
   kTlSumAdded,        // wgmma kernel: thread 0's first item added, before its store
+  kTlProbe0,          // probes: free marks for an investigation (KBIT_TL_MARK(p, kTlProbe0 + i, ...))
+  kTlProbe1,
+  kTlProbe2,
+  kTlProbe3,
+  kTlProbe4,
+  kTlProbe5,
   kTlMarks,
   kTlGlobalEntry = kTlMarks,  // %globaltimer at kTlEntry
   kTlGlobalExit,              // %globaltimer at kTlExit
