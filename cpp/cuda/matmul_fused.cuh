@@ -1463,8 +1463,8 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       epilogue(cc, q == Q);
       KBIT_TL_MARK(p, kTlFirstStored, tid == 0 && item_seq == 1);
       KBIT_TL_LATEST(p, kTlLastWarpStored, lane == 0 && item_seq == 1);
+      if (q == Q) break;  // (before next_item: its divisions sat on the CTA's exit, 0.29 us)
       walk.next_item(cc);
-      if (q == Q) break;
       if constexpr (V != 2) set_x_offsets(cc);  // the next item's block of M may have fewer rows
       if (cc.b != lut_b) {       // the next item belongs to another batch entry
         named_bar_sync<NT>(1);   // (every warp finished reading the old table)
