@@ -63,6 +63,7 @@
 
 #include "cuda/codes.cuh"
 #include "cuda/common.cuh"
+#include "cuda/fast_div.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
@@ -255,6 +256,37 @@ static void test_e4m4() {
   }
   EXPECT(bad == 0, "decode_e4m4_fast / device decode_e4m4 differ from host for %d of 256 bytes", bad);
   printf("e4m4 decode: %s\n", bad ? "MISMATCH" : "ok (256 bytes, bit-exact)");
+}
+
+// FastDiv (fast_div.cuh) on the device against the host's division: each thread divides its
+// numerators by the divisor of its block (edge values and a hash spread over [0, 2^31)).
+__global__ void fast_div_kernel(const int* divisors, int* bad) {
+  const kbit::cuda::FastDiv f(divisors[blockIdx.x]);
+  const int d = f.d;
+  for (int i = threadIdx.x; i < 4096; i += blockDim.x) {
+    const uint32_t h = uint32_t(i) * 2654435761u ^ uint32_t(blockIdx.x) * 40503u;
+    const int edge[8] = {0, 1, d - 1, d, d < 0x7fffffff ? d + 1 : 0, d < (1 << 30) ? 2 * d - 1 : 0, 0x7fffffff,
+                         0x7fffffff - d};
+    const int n = i < 8 ? edge[i] : int(h & 0x7fffffffu);
+    const int q = f.div(n);
+    if (q != n / d || f.mod(n, q) != n % d) atomicAdd(bad, 1);
+  }
+}
+
+static void test_fast_div() {
+  std::vector<int> ds;
+  for (int d = 1; d <= 300; ++d) ds.push_back(d);
+  for (int d : {1000, 1023, 1024, 1025, 4095, 65535, 65536, 65537, 1 << 20, 1000003, (1 << 30) + 1, 0x7fffffff})
+    ds.push_back(d);
+  DevBuf<int> dd(ds.size()), bad(1);
+  dd.upload(ds.data());
+  CK(cudaMemset(bad.p, 0, sizeof(int)));
+  fast_div_kernel<<<int(ds.size()), 256>>>(dd.p, bad.p);
+  CK(cudaGetLastError());
+  int h = 0;
+  bad.download(&h);
+  EXPECT(h == 0, "FastDiv: %d of %zu quotients or remainders differ from the host's", h, ds.size() * 4096);
+  printf("fast_div: %s\n", h ? "MISMATCH" : "ok");
 }
 
 static void test_quantize(bool quick) {
@@ -1830,6 +1862,7 @@ int main(int argc, char** argv) {
     }
   if (mode == "test" || mode == "all") {
     test_e4m4();
+    test_fast_div();
     test_quantize(quick);
     test_dequantize(quick);
     test_matmul(quick);

@@ -246,6 +246,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/dependent_launch.cuh"
+#include "cuda/fast_div.cuh"
 #include "cuda/item_reduce.cuh"
 #include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
@@ -417,6 +418,15 @@ struct Params {
 #endif
 };
 
+// ItemWalk's divisors as multipliers (fast_div.cuh): the cluster size, the number of clusters,
+// the blocks of M, the column groups and the chunks of an item's whole k-range. A kernel
+// parameter of their own: with them, Params grew past 128 bytes, and that alone changed ptxas's
+// chunk loops (16-row tilings: 2-3 instructions and an LDC more, 3-8 % slower on the wide layers
+// at M = 16; harness, H200, session 44).
+struct WalkDivs {
+  FastDiv ks, clusters, m_blocks, col_groups, nch_item;
+};
+
 // cp.async with a source size: copies `src_bytes` (0..4) and zero-fills the rest.
 __device__ __forceinline__ void cp_async4_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
@@ -472,24 +482,25 @@ struct Cursor {
 template <int KCH, int COLS, int ROWS>
 struct ItemWalk {
   const Params& p;
+  const WalkDivs& dv;
   int ks, rank, cluster_id, n_clusters, kbA, kbEnd, nch, q;
   int nch_item, T, g0, g1;  // chunk-balanced clusters: chunks per item, per cluster, this rank's range
   int64_t k, chunk_cells;
 
-  __device__ explicit ItemWalk(const Params& prm) : p(prm) {
+  __device__ ItemWalk(const Params& prm, const WalkDivs& divs) : p(prm), dv(divs) {
     ks = p.k_split;
-    rank = blockIdx.x % ks;
-    cluster_id = blockIdx.x / ks;
-    n_clusters = gridDim.x / ks;
-    const int my_items = cluster_id < p.items ? (p.items - cluster_id + n_clusters - 1) / n_clusters : 0;
-    nch_item = (p.KB + KCH - 1) / KCH;
+    cluster_id = dv.ks.div(int(blockIdx.x));
+    rank = dv.ks.mod(int(blockIdx.x), cluster_id);
+    n_clusters = dv.clusters.d;
+    const int my_items = cluster_id < p.items ? dv.clusters.div(p.items - cluster_id + n_clusters - 1) : 0;
+    nch_item = dv.nch_item.d;  // (p.KB + KCH - 1) / KCH
     if (p.balanced) {
       kbA = 0;
       kbEnd = p.KB;
       nch = nch_item;
       T = my_items * nch_item;  // (the launcher keeps T * ks below 2^31)
-      g0 = rank * T / ks;
-      g1 = (rank + 1) * T / ks;
+      g0 = dv.ks.div(rank * T);
+      g1 = dv.ks.div((rank + 1) * T);
       q = g1 - g0;
     } else {
       kbA = rank * p.kb_per_split;
@@ -502,10 +513,10 @@ struct ItemWalk {
     chunk_cells = int64_t(KCH) * p.N;
   }
   __device__ void set_derived(Cursor& cur) const {
-    cur.mb = cur.item % p.m_blocks;
-    const int rest = cur.item / p.m_blocks;
-    cur.cg = rest % p.col_groups;
-    cur.b = rest / p.col_groups;
+    const int rest = dv.m_blocks.div(cur.item);
+    cur.mb = dv.m_blocks.mod(cur.item, rest);
+    cur.b = dv.col_groups.div(rest);
+    cur.cg = dv.col_groups.mod(rest, cur.b);
     cur.col0 = cur.cg * COLS;
     cur.m0 = int64_t(cur.mb) * ROWS;
     cur.rows = int(min(int64_t(ROWS), p.M - cur.m0));
@@ -514,7 +525,7 @@ struct ItemWalk {
   }
   // (balanced) the piece that starts at chunk g of the cluster's sequence
   __device__ void set_piece(Cursor& cur, int g) const {
-    const int j = g / nch_item, c0 = g - j * nch_item;
+    const int j = dv.nch_item.div(g), c0 = g - j * nch_item;
     cur.c = 0;
     cur.g = g;
     cur.nch = min(g1, (j + 1) * nch_item) - g;
@@ -729,7 +740,7 @@ __device__ __forceinline__ void mma_k_block_scaled_weights(float (&acc)[TN * MT 
 
 template <int BITS, class Act, int MT, int V>
 __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
-    kbit_matmul_fused_kernel(const Params p) {
+    kbit_matmul_fused_kernel(const Params p, const WalkDivs dv) {
   using Cfg = Config<BITS, MT, V>;
   using WP = typename Cfg::Path;
   using T = typename Act::T;
@@ -739,7 +750,7 @@ __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
 
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const ItemWalk<KCH, COLS, 8 * MT> walk(p);
+  const ItemWalk<KCH, COLS, 8 * MT> walk(p, dv);
   const int KS = walk.ks, rank = walk.rank, kbA = walk.kbA, kbEnd = walk.kbEnd, nch = walk.nch, Q = walk.q;
   const int64_t K = walk.k;
 
@@ -1112,7 +1123,7 @@ __device__ __forceinline__ void named_bar_sync(int id) {
 //         box {32, x_rows, KCH}, 64-byte swizzle.
 template <int BITS, class Act, int MT, int V>
 __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
-    kbit_matmul_ws_kernel(const Params p, const __grid_constant__ CUtensorMap wmap,
+    kbit_matmul_ws_kernel(const Params p, const WalkDivs dv, const __grid_constant__ CUtensorMap wmap,
                           const __grid_constant__ CUtensorMap smap, const __grid_constant__ CUtensorMap xmap) {
   using Cfg = Config<BITS, MT, V>;
   using WC = WsConfig<BITS, MT, V>;
@@ -1125,7 +1136,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const ItemWalk<KCH, COLS, 8 * MT> walk(p);
+  const ItemWalk<KCH, COLS, 8 * MT> walk(p, dv);
   const int KS = walk.ks, rank = walk.rank, Q = walk.q;
 
   // ---- shared memory: [LUT][reducer][sf][full x 8, empty x 8][ring: D x (weights | scales | x)]
@@ -1716,6 +1727,8 @@ struct Launcher {
     const bool dependent = WS && dependent_launch_enabled(stream);
     prm.inputs_ready = dependent ? 0 : 1;
     prm.glu = a.glu;
+    const WalkDivs dv{FastDiv(ks), FastDiv(static_cast<int>(ncl)), FastDiv(static_cast<int>(pl.m_blocks)),
+                      FastDiv(static_cast<int>(pl.col_groups)), FastDiv(ceil_div(KB, Cfg::kKCH))};
 #ifdef KBIT_TIMELINE
     prm.timeline = tuning ? tuning->timeline : nullptr;
 #endif
@@ -1749,9 +1762,9 @@ struct Launcher {
         bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, a.x, x_dims, x_strides, x_box,
                                 CU_TENSOR_MAP_SWIZZLE_64B);
       if (!bad.empty()) return std::string(name()) + ": " + bad + " (" + where + ")";
-      err = cudaLaunchKernelEx(&launch.cfg, kernel, prm, wmap, smap, xmap);
+      err = cudaLaunchKernelEx(&launch.cfg, kernel, prm, dv, wmap, smap, xmap);
     } else {
-      err = cudaLaunchKernelEx(&launch.cfg, kernel, prm);
+      err = cudaLaunchKernelEx(&launch.cfg, kernel, prm, dv);
     }
     if (err != cudaSuccess) {
       cudaGetLastError();  // clear
