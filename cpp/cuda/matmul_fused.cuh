@@ -226,6 +226,13 @@
 //  operand order, and the consumers' lane constants stay in registers (pinned_to_lane): the
 //  bits-2 loops 12-26 % shorter, harness "sel" at bits 2 0.966x the time at M <= 4, 0.926x at
 //  M = 16 (Llama-3-70B down, M = 16: 50.7 -> 44.9 us); bits 3-5 within 1 %.
+//  Session 44 (H200, benchmarks/results/item_end_h200_s44.md): a small launch's start and end.
+//  The last item computes no next cursor, the owners' sum has no branch per group, and ItemWalk
+//  divides by launch constants (fast_div.cuh, WalkDivs): the first copy goes out after ~170
+//  instructions instead of ~345. Qwen3 gate/up at bits 4, M = 1 exits at 5.22 instead of 5.70 us
+//  (timeline). Graph-timed harness: Qwen3/GLM-4.7 0.93x the time at M <= 16, Llama 0.97x.
+//  Learned: grown past 128 bytes (even by padding), Params changed ptxas's chunk loops.
+//  Tried and slower: 32-column groups at M <= 8 (the 16-row tilings' V0), 1.02-1.5x.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
