@@ -1852,8 +1852,8 @@ int main(int argc, char** argv) {
 #endif
   }
   const std::pair<const char*, void (*)()> timing_modes[] = {
-      {"sweep", bench_sweep}, {"narrow", bench_narrow}, {"host", bench_host}, {"layers", bench_layers}, {"sel", bench_sel},
-      {"prefetch", bench_prefetch},
+      {"sweep", bench_sweep}, {"narrow", bench_narrow}, {"host", bench_host}, {"layers", bench_layers},
+      {"sel", bench_sel}, {"prefetch", bench_prefetch},
       {"rows", bench_rows}, {"split", bench_split_last}, {"wgplans", bench_wgmma_plans}};
   for (const auto& [name, run] : timing_modes)
     if (mode == name) {

@@ -4,14 +4,17 @@
 // Why: the small kbit products spend 0.2-0.4 us on stretches of their item end that issue a few
 // dozen instructions (benchmarks/results/small_layers_h100_s43.md); those stretches read
 // parameters that nothing had read before in that launch.
+// Measured (H200, session 44, benchmarks/results/item_end_h200_s44_param_probe.log): a first read
+// of a parameter line takes ~137 cycles, a second 63, an L2 hit from global memory 460-540: not
+// what the stretches cost.
 //
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/param_probe benchmarks/param_probe.cu
 //   /tmp/param_probe            (one line per read: median and slowest SM, cycles)
 //
 // One warp per SM; lane 0 reads a chain of parameters, each read's index depending on the value
-// before (all parameters are 0), so each read waits for the previous one, and a volatile add of
-// the value sits between the read and the clock. For comparison, the same chain on global memory
-// that the previous kernel wrote (L2 hits).
+// before (all parameters are 0), so each read waits for the previous one, and a branch on the
+// value sits between the read and the clock (in-order issue: the clock read waits for it). For
+// comparison, the same chain on global memory that the previous kernel wrote (L2 hits).
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -4,7 +4,8 @@
 // fused kernels' work walk (matmul_fused.cuh, ItemWalk) divided by the cluster size, the number
 // of clusters, the blocks of M and the column groups before a CTA's first copy could go out:
 // the producer had its first cursor 0.27 us after entry (harness timeline, H200, session 44).
-// The launcher computes each divisor's multiplier once per launch instead (Params).
+// The launcher computes each divisor's multiplier once per launch instead (matmul_fused.cuh,
+// WalkDivs).
 //
 // Method (round-up multiplier, as CUTLASS's FastDivmod): with s = ceil(log2 d) and
 // m = floor(2^32 (2^s - d) / d) + 1, n / d = (umulhi(n, m) + n) >> s for 0 <= n < 2^31 (the sum
@@ -22,9 +23,12 @@ struct FastDiv {
   uint32_t shift;  // s
 
   FastDiv() = default;
+  // (A divisor below 1 gets the multiplier of 1 rather than a division by zero here; the
+  // launchers never pass one: matmul.cu returns before an empty product.)
   __host__ __device__ explicit FastDiv(int divisor) : d(divisor), mul(0), shift(0) {
-    while ((uint32_t(1) << shift) < uint32_t(d)) ++shift;
-    mul = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - uint64_t(d))) / uint64_t(d) + 1);
+    const uint64_t dd = divisor > 0 ? uint64_t(divisor) : 1;
+    while ((uint64_t(1) << shift) < dd) ++shift;
+    mul = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - dd)) / dd + 1);
   }
   // n / d, for 0 <= n < 2^31
   __host__ __device__ __forceinline__ int div(int n) const {
