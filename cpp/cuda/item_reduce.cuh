@@ -252,69 +252,52 @@ struct ItemReducer {
 
   // The CTA's last item: no warp has a next item to go on with, so instead of one leader adding
   // every warp's sums while the others idle (0.9-1.7 us at 8-16 warps, the largest part of a small
-  // launch's item end: benchmarks/results/item_end_h100_s29.md), warp w owns the float4 groups e4
-  // with e4 % NW == w. Every warp leaves the groups it does not own in the slots, each group of
-  // warp u in slot slot_of(u, owner) (so NW - 1 slots hold all of them); each owner adds its
-  // groups over all warps in warp order. In a cluster, rank r > 0's owners then send theirs to
+  // launch's item end: benchmarks/results/item_end_h100_s29.md), warp w owns float4 group w
+  // (every tiling has at most NW groups). Every warp leaves the groups it does not own in the
+  // slots, each group of warp u in slot slot_of(u, owner) (so NW - 1 slots hold all of them);
+  // each owner adds its group over all warps in warp order. In a cluster, rank r > 0's owners then send theirs to
   // rank 0's receive slot r - 1 by st.async, and rank 0's add the other ranks' in rank order.
   // The owners of rank 0 (without a cluster: of every CTA) store their groups. That is the
   // leader's order, so the same sums, bit for bit. Barriers and phases as in the leader's path;
   // no other item follows, so nothing waits on this item's arrivals.
   template <class Store>
   __device__ void finish_last_shared(float (&acc)[NACC], int seq, int warp, int lane, Store&& store) const {
-    static_assert(NACC / 4 <= 32, "one bit per float4 group in the store mask");
+    static_assert(NACC / 4 <= NW, "at most one float4 group per warp (NACC <= 4 NW in every tiling)");
     // The warp and lane indices pass through a volatile no-op, so that ptxas cannot hoist this
     // path's addresses (one slot per group, from the warp index) out of the chunk loop around it.
     // Without it the V0/V1 chunk loops grew by 0-15 instructions (tools/sass_loops.py; lane
     // addresses recomputed inside), with it by -7..+11 (+9/+11: bits 3/2, M <= 8, V1).
     asm volatile("mov.b32 %0, %0;\n" : "+r"(warp));
     asm volatile("mov.b32 %0, %0;\n" : "+r"(lane));
-    const auto own = [warp](int e4) { return e4 % NW == warp; };  // this warp's groups
+    const auto own = [warp](int e4) { return e4 == warp; };  // this warp's group
     if (seq > 0) mbar_wait(empty, uint32_t(seq - 1) & 1u);  // item seq - 1's leader has read the slots
 #pragma unroll
     for (int e4 = 0; e4 < NACC / 4; ++e4)
       if (!own(e4))
-        sts128f(slot_addr(slot_of(warp, e4 % NW), e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2],
+        sts128f(slot_addr(slot_of(warp, e4), e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2],
                 acc[4 * e4 + 3]);
     asm volatile("bar.sync 2, %0;\n" ::"n"(NW * 32) : "memory");  // every consumer warp's groups are in
     KBIT_TL_MARK_TO(timeline, kTlSumEntered, seq == 0 && warp == 0 && lane == 0);
     if (warp >= NACC / 4) return;  // (owns no group)
-    uint32_t mine = 0;
-    if constexpr (NACC / 4 <= NW) {
-      // One group a warp (e4 = warp): straight-line selects instead of a branch around each
-      // group's block (harness timeline, H200, session 44: the owners' sum 0.28 -> 0.19 us).
-      const int e4 = warp;
-      mine = 1u << e4;
-      float4 own_v = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    // One group a warp (e4 = warp): straight-line selects instead of a branch around each group's
+    // block (harness timeline, H200, session 44: the owners' sum 0.28 -> 0.19 us).
+    const int e4 = warp;
+    const uint32_t mine = 1u << e4;
+    float4 own_v = make_float4(acc[0], acc[1], acc[2], acc[3]);
 #pragma unroll
-      for (int e = 1; e < NACC / 4; ++e)
-        if (e == e4) own_v = make_float4(acc[4 * e], acc[4 * e + 1], acc[4 * e + 2], acc[4 * e + 3]);
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int e = 1; e < NACC / 4; ++e)
+      if (e == e4) own_v = make_float4(acc[4 * e], acc[4 * e + 1], acc[4 * e + 2], acc[4 * e + 3]);
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        // (w == warp: slot 0, written before the barrier like the others; read and dropped)
-        const float4 ld = lds128f(slot_addr(w == warp ? 0 : slot_of(w, warp), e4, lane));
-        const float4 q = w == warp ? own_v : ld;
-        v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
-      }
-#pragma unroll
-      for (int e = 0; e < NACC / 4; ++e)
-        if (e == e4) { acc[4 * e] = v.x; acc[4 * e + 1] = v.y; acc[4 * e + 2] = v.z; acc[4 * e + 3] = v.w; }
-    } else {
-#pragma unroll
-      for (int e4 = 0; e4 < NACC / 4; ++e4) {
-        if (!own(e4)) continue;
-        mine |= 1u << e4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int w = 0; w < NW; ++w) {
-          const float4 q = w == warp ? make_float4(acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2], acc[4 * e4 + 3])
-                                     : lds128f(slot_addr(slot_of(w, warp), e4, lane));
-          v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
-        }
-        acc[4 * e4] = v.x; acc[4 * e4 + 1] = v.y; acc[4 * e4 + 2] = v.z; acc[4 * e4 + 3] = v.w;
-      }
+    for (int w = 0; w < NW; ++w) {
+      // (w == warp: slot 0, written before the barrier like the others; read and dropped)
+      const float4 ld = lds128f(slot_addr(w == warp ? 0 : slot_of(w, warp), e4, lane));
+      const float4 q = w == warp ? own_v : ld;
+      v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
     }
+#pragma unroll
+    for (int e = 0; e < NACC / 4; ++e)
+      if (e == e4) { acc[4 * e] = v.x; acc[4 * e + 1] = v.y; acc[4 * e + 2] = v.z; acc[4 * e + 3] = v.w; }
     KBIT_TL_MARK_TO(timeline, kTlWarpsSummed, seq == 0 && warp == 0 && lane == 0);
     if (ks > 1) {
       const int leader = seq % NW;  // the barrier (and phase) the leader's path would use
