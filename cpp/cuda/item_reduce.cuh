@@ -186,30 +186,20 @@ struct ItemReducer {
   __device__ uint32_t recv_slot_addr(int s, int e4, int lane) const {
     return recv + uint32_t((s * (NACC / 4) + e4) * 32 + lane) * 16;
   }
-  // Every float4 group of the accumulators (send_sum's and add_received's default: the leader's
-  // whole sum; at the CTA's last item each warp passes its own share, finish_last_shared).
-  struct AllGroups {
-    __device__ bool operator()(int) const { return true; }
-  };
-  // The sending warp's lanes (the leader's; at the last item each owner's) send the CTA's sum v
-  // (its groups e4 with own(e4)) into receive slot s of rank `to` by st.async, each store
-  // completing its bytes on that rank's barrier `bar` (an address of this CTA's window).
-  template <class Own = AllGroups>
-  __device__ void send_sum(const float (&v)[NACC], int to, int s, uint32_t bar, int lane, Own own = {}) const {
+  // The sending warp's lanes (the leader's) send the CTA's sum v into receive slot s of rank
+  // `to` by st.async, each store completing its bytes on that rank's barrier `bar` (an address
+  // of this CTA's window).
+  __device__ void send_sum(const float (&v)[NACC], int to, int s, uint32_t bar, int lane) const {
     const uint32_t rbar = map_rank(bar, to), dst = map_rank(recv_slot_addr(s, 0, lane), to);
 #pragma unroll
     for (int e4 = 0; e4 < NACC / 4; ++e4)
-      if (own(e4))
-        st_async_f32x4(dst + uint32_t(e4 * 32 * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3], rbar);
+      st_async_f32x4(dst + uint32_t(e4 * 32 * 16), v[4 * e4], v[4 * e4 + 1], v[4 * e4 + 2], v[4 * e4 + 3], rbar);
   }
-  // The adding warp's lanes add receive slots 0..n-1 to v (its groups e4 with own(e4)), in slot
-  // (= rank) order.
-  template <class Own = AllGroups>
-  __device__ void add_received(float (&v)[NACC], int n, int lane, Own own = {}) const {
+  // The adding warp's lanes add receive slots 0..n-1 to v, in slot (= rank) order.
+  __device__ void add_received(float (&v)[NACC], int n, int lane) const {
     for (int s = 0; s < n; ++s) {
 #pragma unroll
       for (int e4 = 0; e4 < NACC / 4; ++e4) {
-        if (!own(e4)) continue;
         const float4 q = lds128f(recv_slot_addr(s, e4, lane));
         v[4 * e4] += q.x; v[4 * e4 + 1] += q.y; v[4 * e4 + 2] += q.z; v[4 * e4 + 3] += q.w;
       }
@@ -269,20 +259,20 @@ struct ItemReducer {
     // addresses recomputed inside), with it by -7..+11 (+9/+11: bits 3/2, M <= 8, V1).
     asm volatile("mov.b32 %0, %0;\n" : "+r"(warp));
     asm volatile("mov.b32 %0, %0;\n" : "+r"(lane));
-    const auto own = [warp](int e4) { return e4 == warp; };  // this warp's group
     if (seq > 0) mbar_wait(empty, uint32_t(seq - 1) & 1u);  // item seq - 1's leader has read the slots
 #pragma unroll
     for (int e4 = 0; e4 < NACC / 4; ++e4)
-      if (!own(e4))
+      if (e4 != warp)
         sts128f(slot_addr(slot_of(warp, e4), e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2],
                 acc[4 * e4 + 3]);
     asm volatile("bar.sync 2, %0;\n" ::"n"(NW * 32) : "memory");  // every consumer warp's groups are in
     KBIT_TL_MARK_TO(timeline, kTlSumEntered, seq == 0 && warp == 0 && lane == 0);
     if (warp >= NACC / 4) return;  // (owns no group)
-    // One group a warp (e4 = warp): straight-line selects instead of a branch around each group's
-    // block (harness timeline, H200, session 44: the owners' sum 0.28 -> 0.19 us).
+    // From here the warp handles its group e4 = warp alone, as one float4: straight-line selects
+    // instead of a branch around each group's block (harness timeline, H200, session 44: the
+    // owners' sum 0.28 -> 0.19 us), and one group's sends, loads and stores, not every group's
+    // behind a test of the owner.
     const int e4 = warp;
-    const uint32_t mine = 1u << e4;
     float4 own_v = make_float4(acc[0], acc[1], acc[2], acc[3]);
 #pragma unroll
     for (int e = 1; e < NACC / 4; ++e)
@@ -295,29 +285,30 @@ struct ItemReducer {
       const float4 q = w == warp ? own_v : ld;
       v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
     }
-#pragma unroll
-    for (int e = 0; e < NACC / 4; ++e)
-      if (e == e4) { acc[4 * e] = v.x; acc[4 * e + 1] = v.y; acc[4 * e + 2] = v.z; acc[4 * e + 3] = v.w; }
     KBIT_TL_MARK_TO(timeline, kTlWarpsSummed, seq == 0 && warp == 0 && lane == 0);
     if (ks > 1) {
       const int leader = seq % NW;  // the barrier (and phase) the leader's path would use
       if (rank > 0) {
         if (seq > 0) mbar_wait<true>(cl_empty, uint32_t(seq - 1) & 1u);  // rank 0 has read item seq - 1's sum
-        send_sum(acc, 0, rank - 1, cl_full + 8 * leader, lane, own);
+        st_async_f32x4(map_rank(recv_slot_addr(rank - 1, e4, lane), 0), v.x, v.y, v.z, v.w,
+                       map_rank(cl_full + 8 * leader, 0));
         return;
       }
       if (warp == 0 && lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
       mbar_wait<true>(cl_full + 8 * leader, uint32_t(seq / NW) & 1u);
       KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && warp == 0 && lane == 0);
-      add_received(acc, ks - 1, lane, own);  // ranks 1..ks-1
+      for (int s = 0; s < ks - 1; ++s) {  // ranks 1..ks-1, in rank order
+        const float4 q = lds128f(recv_slot_addr(s, e4, lane));
+        v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
+      }
     }
-    store(acc, mine);
+    store.group(e4, v);
   }
 
   // Called by every consumer warp at the end of its seq-th item (seq = 0, 1, ... per CTA);
   // `last`: the CTA's last item (the same for every warp, and every rank of a cluster). The warp
-  // that must store the item's result (the warps, at the last item) calls store(sum) (store(sum,
-  // groups), groups a mask of the float4 groups to store). acc is zeroed.
+  // that must store the item's result calls store(sum) (at the last item each owner warp calls
+  // store.group(e4, its float4 group of the sum)). acc is zeroed.
   template <class Store>
   __device__ void finish(float (&acc)[NACC], int seq, bool last, int warp, int lane, Store&& store) const {
     if (NW > 1 && last) {

@@ -593,8 +593,8 @@ struct ItemWalk {
 // Scale one item's sums by the tensor scale ts, round to T and store them; v[e] of lane (g, t)
 // holds row m0 + 8 mt + 2t + (e & 1) of column col0 + 16 j + g + 8 ((e >> 1) & 1), with
 // e = 4 (j MT + mt) + (e & 3), as the mma accumulator layout of the swapped product puts it.
-// Called by all 32 lanes of a warp. Only the float4 groups e >> 2 set in `groups` are stored (at
-// a CTA's last item every warp stores its own share, ItemReducer::finish_last_shared).
+// Called by all 32 lanes of a warp (at a CTA's last item each warp stores one float4 group of
+// the sums instead: store_group).
 //
 // With p.glu, column n + 1 of an even column n sits in lane (g + 1, t), i.e. lane ^ 4 (col0 and
 // 16 j are even), so one shuffle per sum pairs gate and up, and the even lane stores act(gate) *
@@ -614,7 +614,7 @@ struct ItemWalk {
 // benchmarks/results/item_end_h100_s29.md. CMake never sets them.)
 template <int MT, class T, int NACC>
 __device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, int g, int t, const float (&v)[NACC],
-                                           float ts, uint32_t groups = ~0u) {
+                                           float ts) {
 #ifdef KBIT_SKIP_STORE
   if (p.M > 0) {  // (experiment: no store; the sums stay live through a test)
     uint32_t z = 0;
@@ -645,8 +645,7 @@ __device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, i
 #pragma unroll
         for (int i = 0; i < kGroup; ++i) {
           const int n = cur.col0 + 16 * (i >> 1) + g + 8 * (i & 1);
-          const bool mine = groups >> ((i >> 1) * MT + mt) & 1u;
-          if (mine && (g & 1) == 0 && m < p.M && n < p.N) yg[m * half_n + (n >> 1)] = from_f32<T>(gate[i]);
+          if ((g & 1) == 0 && m < p.M && n < p.N) yg[m * half_n + (n >> 1)] = from_f32<T>(gate[i]);
         }
       }
     return;
@@ -657,9 +656,57 @@ __device__ __forceinline__ void store_item(const Params& p, const Cursor& cur, i
     const int c = e & 3, mt = (e >> 2) % MT, j = (e >> 2) / MT;
     const int64_t m = cur.m0 + 8 * mt + 2 * t + (c & 1);
     const int n = cur.col0 + 16 * j + g + 8 * (c >> 1);
-    if ((groups >> (e >> 2) & 1u) && m < p.M && n < p.N) yg[m * p.N + n] = from_f32<T>(v[e] * ts);
+    if (m < p.M && n < p.N) yg[m * p.N + n] = from_f32<T>(v[e] * ts);
   }
 }
+
+// store_item for float4 group e4 alone (v = the sums v[4 e4 .. 4 e4 + 3] of store_item's layout):
+// at a CTA's last item each owner warp stores its one group (ItemReducer::finish_last_shared).
+// Through store_item with a mask of groups, every lane computed all NACC sums' addresses and
+// tests, behind the runtime owner index, for the 4 it stores (harness timeline, H200, session 44:
+// 0.27 us of a one-item CTA's ~1 us end). With p.glu the gate/up pairs are in the group too
+// (columns n, n + 1 of one accumulator are lanes g, g ^ 1; the shuffle partner is lane ^ 4).
+template <int MT, class T>
+__device__ __forceinline__ void store_group(const Params& p, const Cursor& cur, int g, int t, int e4, float4 v,
+                                            float ts) {
+  const int mt = e4 % MT, j = e4 / MT;  // (MT is 1 or 2: a mask and a shift)
+  if (cur.m0 + 8 * mt >= p.M) return;   // no lane holds a row of this group (warp-uniform)
+  const int m = cur.m0 + 8 * mt + 2 * t;
+  const int n = cur.col0 + 16 * j + g;
+  const float c[4] = {v.x * ts, v.y * ts, v.z * ts, v.w * ts};  // c = 2 h + r: row m + r, column n + 8 h
+  if (p.glu != kGluNone) {
+    const int half_n = p.N / 2;
+    const GluLogit logit(p.glu);
+    T* yg = static_cast<T*>(p.y) + int64_t(cur.b) * p.M * half_n;
+    float gated[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) gated[i] = glu_apply_fast(logit, c[i], __shfl_xor_sync(0xffffffffu, c[i], 4));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int mi = m + (i & 1), ni = n + 8 * (i >> 1);
+      if ((g & 1) == 0 && mi < p.M && ni < p.N) yg[int64_t(mi) * half_n + (ni >> 1)] = from_f32<T>(gated[i]);
+    }
+    return;
+  }
+  T* yg = static_cast<T*>(p.y) + int64_t(cur.b) * p.M * p.N;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int mi = m + (i & 1), ni = n + 8 * (i >> 1);
+    if (mi < p.M && ni < p.N) yg[int64_t(mi) * p.N + ni] = from_f32<T>(c[i]);
+  }
+}
+
+// What ItemReducer / WarpClusterReducer call to store an item's sums: all of the warp's
+// (operator()) or, at a CTA's last item, one float4 group of them (group()).
+template <int MT, class T, int NACC>
+struct ItemStore {
+  const Params& p;
+  const Cursor& cur;
+  int g, t;
+  float ts;
+  __device__ void operator()(const float (&v)[NACC]) const { store_item<MT, T>(p, cur, g, t, v, ts); }
+  __device__ void group(int e4, float4 v) const { store_group<MT, T>(p, cur, g, t, e4, v, ts); }
+};
 
 // ---- the per-k-block steps that both kernels share ----
 
@@ -1411,9 +1458,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 #endif
       Cursor wc = cur;
       if constexpr (V == 2) wc.col0 += 16 * TN * warp;  // the warp's own columns
-      auto store = [&](const float (&v)[NACC], uint32_t groups = ~0u) {
-        store_item<MT, T>(p, wc, g, t, v, ts, groups);
-      };
+      const ItemStore<MT, T, NACC> store{p, wc, g, t, ts};
       if constexpr (V != 2) {
         if (p.balanced) {
           int peer = 0;
