@@ -12,12 +12,17 @@ reported. P starts at 1 and doubles while queueing a call takes more than 0.7 of
 leaves, and on the small shapes one pass measured the host, not the device (qwen3 q, M = 1:
 11.6 us per kbit product for a 7.2 us kernel; `host_bound.py`). Rows record P
 ("passes", "dense_passes") and whether the host still set the pace at the cap of 8 passes
-("host_bound", "dense_host_bound"). For those rows the reported time is the device's busy time
-per product from a profile of one pass (`busy_seconds`: the union of the GPU's kernel
-intervals, so the waits for the host drop out; marked "*" in render.py's table), and the call
-time, an upper bound, is kept as "kbit_call_us" / "dense_call_us". (On the small shapes the
-host's cost of a call grows with its products too, so more passes do not always hand the pace
-to the device.) On a CPU backend there is no profile to read, and the call time stays. The
+("host_bound", "dense_host_bound"). On the small shapes the host's cost of a call grows with its
+products too, so more passes do not always hand the pace to the device, and which rows the host
+held flipped between runs (22 of 116 rows between sessions 43 and 44), so a table mixed call
+times and busy times row by row. So on a GPU (--time busy, the default there) every row reports
+the device's busy time per product, kbit and dense alike: the union of the GPU's kernel
+intervals in a profile of one-pass calls (`busy_seconds`), in which waits for the host drop out.
+The call times stay in the row as "kbit_call_us" / "dense_call_us" (an upper bound where the host
+set the pace; otherwise they also hold the gaps between back-to-back kernels, ~0.1-1 us, which
+both products pay). --time call reports the call times instead, and the busy time only where the
+host still set the pace at the cap of 8 passes (the tables before session 45; marked "*" in
+render.py's table). On a CPU backend there is no profile to read, and the call time stays. The
 dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is bytes moved /
 copy bandwidth measured in the same run: the faster of cudaMemcpy (through torch, where it is
 installed) and XLA's own copy. With --out, matmul.json is rewritten after every row.
@@ -111,6 +116,9 @@ def main(argv=None):
                         "y[..., 1::2]; kbit gates inside its kernel (kbit_jax.matmul(glu=...)), the "
                         "dense dots and 'kbit_xla_gate_us' (the same kbit product, gated by XLA) after")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--time", default=None, choices=["busy", "call"],
+                   help="what each row reports: the device's busy time from a profile (default on a "
+                        "GPU), or the call time, with the busy time only where the host set the pace")
     p.add_argument("--warmup", type=float, default=0.2,
                    help="seconds of untimed calls before each measurement's samples (clocks ramp up)")
     p.add_argument("--out", default=None, help="directory for matmul.json (+ .md)")
@@ -118,17 +126,22 @@ def main(argv=None):
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
+    timing = args.time or ("busy" if on_gpu else "call")
+    if timing == "busy" and not on_gpu:
+        p.error("--time busy needs a GPU: the CPU backend's profile has no kernel intervals")
     xla_gate = functools.partial(reference.apply_glu, kind=args.glu)
     memcpy_bw = memcpy_bandwidth() if on_gpu else None  # before JAX takes the GPU's memory
     xla_bw = copy_bandwidth(args.repeats)
     bw = max(xla_bw, memcpy_bw or 0.0)  # '% BW' and the floor use the faster of the two copies
     print(f"device {device.device_kind}, jax {jax.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s "
           f"(XLA copy {xla_bw / 1e12:.2f}, cudaMemcpy "
-          f"{'n/a' if memcpy_bw is None else f'{memcpy_bw / 1e12:.2f}'}), build {kj.build_info()}", flush=True)
+          f"{'n/a' if memcpy_bw is None else f'{memcpy_bw / 1e12:.2f}'}), build {kj.build_info()}; "
+          f"times: {'busy time from a profile' if timing == 'busy' else 'call time'}", flush=True)
     result = dict(device=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                   copy_bandwidth_tbs=bw / 1e12, xla_copy_bandwidth_tbs=xla_bw / 1e12,
                   memcpy_bandwidth_tbs=None if memcpy_bw is None else memcpy_bw / 1e12,
-                  build=kj.build_info(), method=args.method, glu=args.glu, warmup_s=args.warmup, rows=[])
+                  build=kj.build_info(), method=args.method, glu=args.glu, warmup_s=args.warmup, timing=timing,
+                  rows=[])
     rows = result["rows"]
     shapes = {f"{args.kn[0]}x{args.kn[1]}": tuple(args.kn)} if args.kn else {s: SHAPES[s] for s in args.shapes}
     for name, (k, n) in shapes.items():
@@ -150,7 +163,7 @@ def main(argv=None):
                 t_dense, dense_passes, dense_host_bound = products_seconds(dot, x, dense_ws, args.repeats,
                                                                            warmup_seconds=args.warmup)
                 t_dense_call = t_dense
-                if dense_host_bound and on_gpu:
+                if timing == "busy" or (dense_host_bound and on_gpu):
                     t_dense = busy_seconds(dot, x, dense_ws)
                 # the other 16-bit dense baseline (fp16 for bf16 runs and vice versa)
                 other = jnp.float16 if dtype == jnp.bfloat16 else jnp.bfloat16
@@ -164,7 +177,7 @@ def main(argv=None):
                     t, passes, host_bound = products_seconds(product, x, ws, args.repeats, passes=passes,
                                                                   warmup_seconds=args.warmup)
                     t_call = t
-                    if host_bound and on_gpu:
+                    if timing == "busy" or (host_bound and on_gpu):
                         t = busy_seconds(product, x, ws)
                     n_out = n // 2 if args.glu else n
                     moved = ws[0].planes.nbytes + ws[0].scales.nbytes + x.nbytes + m * n_out * dtype.itemsize
@@ -175,7 +188,7 @@ def main(argv=None):
                                dense_other_us=t_dense_other * 1e6,
                                floor_us=moved / bw * 1e6, bw_fraction=moved / bw / t,
                                dense_bw_fraction=(dense.nbytes + x.nbytes + m * n * dtype.itemsize) / bw / t_dense)
-                    if t != t_call:           # the busy time replaced an upper bound
+                    if t != t_call:           # the busy time replaced the call time
                         row["kbit_call_us"] = t_call * 1e6
                     if t_dense != t_dense_call:
                         row["dense_call_us"] = t_dense_call * 1e6
@@ -190,7 +203,8 @@ def main(argv=None):
                     print(f"{name:22s} {dtype_name:8s} M={m:<5d} K={bits} kbit {t * 1e6:9.1f} us  "
                           f"dense {t_dense * 1e6:9.1f} us  x{t_dense / t:5.2f}  "
                           f"{100 * row['bw_fraction']:5.1f}% of copy BW  passes {passes}/{dense_passes}"
-                          f"{'' if not (host_bound or dense_host_bound) else '  (host-bound: busy time from a profile)' if on_gpu else '  (host-bound: upper bound)'}"
+                          f"  (call {t_call * 1e6:.1f} / {t_dense_call * 1e6:.1f} us)"
+                          f"{'  (host-bound call)' if host_bound or dense_host_bound else ''}"
                           + (f"  kbit + XLA gate {row['kbit_xla_gate_us']:7.1f} us" if args.glu else ""),
                           flush=True)
     if args.out:

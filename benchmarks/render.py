@@ -45,6 +45,9 @@ def merge(paths):
     devices = {r["device"] for r in results}
     if len(devices) != 1:
         raise SystemExit(f"--merge: runs from different devices {sorted(devices)}")
+    timings = {_timing(r) for r in results}
+    if len(timings) != 1:  # one table, one kind of time (bench_matmul.py --time)
+        raise SystemExit(f"--merge: runs with different timings {sorted(timings)}")
     merged = {k: v for k, v in results[0].items() if k not in ("rows", "parts")}
     merged["parts"] = []
     rows = {}  # insertion order: a replaced row keeps its first place
@@ -58,6 +61,12 @@ def merge(paths):
     return merged
 
 
+def _timing(result):
+    """What a run's rows report: "busy" (every row the device's busy time) or "call" (the runs
+    before bench_matmul.py had --time)."""
+    return result.get("timing", "call")
+
+
 def _row_key(r):
     return r["shape"], r["k"], r["n"], r["dtype"], r["m"], r["bits"]
 
@@ -69,9 +78,11 @@ def compare(base, new) -> str:
     if base["device"] != new["device"]:
         raise SystemExit(f"--compare: runs from different devices ({base['device']}, {new['device']})")
     before = {_row_key(r): r for r in base["rows"]}
-    lines = ["| shape (K x N) | dtype | M | bits | base us | new us | new / base | dense us (base / new) "
-             "| new speedup over dense |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [] if _timing(base) == _timing(new) else [
+        f"(base times are {_timing(base)} times, new times {_timing(new)} times: see bench_matmul.py --time)", ""]
+    lines += ["| shape (K x N) | dtype | M | bits | base us | new us | new / base | dense us (base / new) "
+              "| new speedup over dense |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     ratios, unpaired = [], 0
     for r in new["rows"]:
         b = before.get(_row_key(r))
@@ -92,20 +103,25 @@ def compare(base, new) -> str:
 
 
 def markdown(result) -> str:
+    busy = result.get("timing") == "busy"
+    timing = ("Every kbit and dense time is the device's busy time per product from a profile (the union "
+              "of the kernels' intervals; bench_matmul.py --time busy); the other 16-bit dense dot's is "
+              "its call time. " if busy else
+              "Where the host still set the pace at the benchmark's cap on passes, '*' marks the "
+              "device's busy time from a profile (and '<=', in older results without it, the call time: "
+              "an upper bound). ")
     lines = [f"# kbit matmul vs dense jnp.dot: {result['device']}, jax {result['jax']}, {result['date']}",
              "",
              f"Copy bandwidth measured in the same run: {copy_bandwidths(result)}. "
              f"Times are device time per product with cold weights (see bench_matmul.py). "
-             f"'% BW' = bytes moved by the kbit product / copy bandwidth / its time; where the host still set "
-             f"the pace at the benchmark's cap on passes, '*' marks the device's busy time from a profile "
-             f"(and '<=', in older results without it, the call time: an upper bound). "
+             f"'% BW' = bytes moved by the kbit product / copy bandwidth / its time. {timing}"
              f"method={result['method']}.",
              "",
              "| shape (K x N) | dtype | M | bits | kbit us | dense us | other 16-bit dense us | speedup | % BW | floor us |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def us(t, host_bound, profiled):  # where the host, not the device, set the call's pace
-        return f"{t:.1f}" if not host_bound else f"{t:.1f}*" if profiled else f"<={t:.1f}"
+        return f"{t:.1f}" if busy or not host_bound else f"{t:.1f}*" if profiled else f"<={t:.1f}"
 
     for r in result["rows"]:
         lines.append(f"| {r['shape']} ({r['k']}x{r['n']}) | {r['dtype']} | {r['m']} | {r['bits']} | "

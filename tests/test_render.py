@@ -78,3 +78,22 @@ def test_main_compare_prints_the_table(tmp_path, capsys):
         (tmp_path / f"{name}.json").write_text(json.dumps(result([row("a", 1, t, 20.0)])))
     render.main(["--compare", str(tmp_path / "base.json"), str(tmp_path / "new.json")])
     assert "| 10.0 | 5.0 | 0.500 |" in capsys.readouterr().out
+
+
+def test_a_busy_timed_run_says_so_and_marks_no_row(tmp_path):
+    host_bound = dict(row("a", 1, 5.0, 6.0), host_bound=True, kbit_call_us=11.0)
+    call_timed = result([host_bound])
+    assert "| 5.0* |" in render.markdown(call_timed)       # the busy time stood in for the call's
+    busy_timed = dict(result([host_bound]), timing="busy")
+    text = render.markdown(busy_timed)
+    assert "Every kbit and dense time is the device's busy time" in text and "*" not in text.split("|---")[-1]
+
+
+def test_merge_refuses_runs_of_two_timings_and_compare_names_them(tmp_path):
+    paths = [tmp_path / "call.json", tmp_path / "busy.json"]
+    paths[0].write_text(json.dumps(result([row("a", 1, 10.0, 20.0)])))               # before --time: call
+    paths[1].write_text(json.dumps(dict(result([row("b", 1, 8.0, 9.0)]), timing="busy")))
+    with pytest.raises(SystemExit, match="different timings"):
+        render.merge([str(p) for p in paths])
+    text = render.compare(result([row("a", 1, 10.0, 20.0)]), dict(result([row("a", 1, 9.0, 20.0)]), timing="busy"))
+    assert text.startswith("(base times are call times, new times busy times")
