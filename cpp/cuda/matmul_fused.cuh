@@ -233,6 +233,10 @@
 //  (timeline). Graph-timed harness: Qwen3/GLM-4.7 0.93x the time at M <= 16, Llama 0.97x.
 //  Learned: grown past 128 bytes (even by padding), Params changed ptxas's chunk loops.
 //  Tried and slower: 32-column groups at M <= 8 (the 16-row tilings' V0), 1.02-1.5x.
+//  Session 45 (H200, benchmarks/results/item_end_h200_s45.md): at the CTA's last item each owner
+//  warp sends, adds and stores its one float4 group (store_group) instead of every group's code
+//  behind an owner test: a one-item CTA exits 0.09-0.36 us earlier; graph-timed harness 0.965-
+//  0.98x the time on Qwen3/GLM-4.7, 0.99x on Llama (the M <= 8 V1 loops 5-9 instructions shorter).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
