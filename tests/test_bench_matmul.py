@@ -1,0 +1,22 @@
+"""benchmarks/bench_matmul.py on the CPU: it refuses the busy time (--time busy), which needs a
+profile with kernel intervals. (A whole CPU run copies 2 GiB to measure the copy bandwidth, too slow
+for CI.)"""
+
+import os
+import sys
+
+import jax
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import bench_matmul  # noqa: E402
+
+cpu_only = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU backend's behaviour")
+
+
+@cpu_only
+def test_busy_time_needs_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        bench_matmul.main(["--kn", "64", "128", "--m", "1", "--bits", "4", "--time", "busy"])
+    assert "--time busy needs a GPU" in capsys.readouterr().err
+
