@@ -103,7 +103,7 @@ def compare(base, new) -> str:
 
 
 def markdown(result) -> str:
-    busy = result.get("timing") == "busy"
+    busy = _timing(result) == "busy"
     timing = ("Every kbit and dense time is the device's busy time per product from a profile (the union "
               "of the kernels' intervals; bench_matmul.py --time busy); the other 16-bit dense dot's is "
               "its call time. " if busy else

@@ -245,11 +245,12 @@ struct ItemReducer {
   // launch's item end: benchmarks/results/item_end_h100_s29.md), warp w owns float4 group w
   // (every tiling has at most NW groups). Every warp leaves the groups it does not own in the
   // slots, each group of warp u in slot slot_of(u, owner) (so NW - 1 slots hold all of them);
-  // each owner adds its group over all warps in warp order. In a cluster, rank r > 0's owners then send theirs to
-  // rank 0's receive slot r - 1 by st.async, and rank 0's add the other ranks' in rank order.
-  // The owners of rank 0 (without a cluster: of every CTA) store their groups. That is the
-  // leader's order, so the same sums, bit for bit. Barriers and phases as in the leader's path;
-  // no other item follows, so nothing waits on this item's arrivals.
+  // each owner adds its group over all warps in warp order. In a cluster, rank r > 0's owners
+  // then send theirs to rank 0's receive slot r - 1 by st.async, and rank 0's add the other
+  // ranks' in rank order. The owners of rank 0 (without a cluster: of every CTA) store their
+  // groups (store.group). That is the leader's order, so the same sums, bit for bit. Barriers
+  // and phases as in the leader's path; no other item follows, so nothing waits on this item's
+  // arrivals.
   template <class Store>
   __device__ void finish_last_shared(float (&acc)[NACC], int seq, int warp, int lane, Store&& store) const {
     static_assert(NACC / 4 <= NW, "at most one float4 group per warp (NACC <= 4 NW in every tiling)");
