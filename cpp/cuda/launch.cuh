@@ -77,8 +77,9 @@ struct MatmulTuning {
   bool force_generic = false;  // use the slow SIMT kernel even where the fused one applies
   int variant = -1;            // fused tiling: 0 or 1 (the 8- and 16-row tilings), 2 (the N-split tiling
                                // of 16, 32 or 64 rows, warp-specialized kernel only), 3 (the wgmma kernel,
-                               // bf16 and N % 16 == 0 on sm_90a only); -1 = the launcher picks; -2 =
-                               // matmul_fused.cuh's launcher picks (never the wgmma kernel)
+                               // bf16 and N % 16 == 0 on sm_90a only), 4 (bits 5, M = 9..16: V1 in
+                               // 64-column groups, warp-specialized kernel only); -1 = the launcher picks;
+                               // -2 = matmul_fused.cuh's launcher picks (never the wgmma kernel)
   int ws_max_rows = -1;        // M up to which the warp-specialized kernel runs; -1 = default
   int min_m_tiles = 0;         // warp-specialized kernel: blocks of at least this many n8 row tiles (2:
                                // the 16-row tilings, whose V0 has 32-column groups, even at M <= 8);
@@ -104,6 +105,9 @@ struct MatmulTuning {
   mutable int launched_k_split = 0, launched_ctas = 0, launched_balanced = 0, launched_wg_tiles = 0;
   mutable int launched_whole_ctas = 0, launched_cluster_sum = 0;
   mutable int launched_variant = -1, launched_rows = 0;
+  // matmul_fused.cuh's launcher: the launched plan's cost (Launcher::plan, in chunk times of the V0
+  // tiling of its MT) and the price of its chunk in that unit (Config::chunk_cost)
+  mutable double launched_plan_cost = 0, launched_chunk_price = 0;
   // matmul_fused.cuh's launcher at M > 8 on the warp-specialized kernel (for fitting its prices,
   // benchmarks/nsplit_price_fit.py): the cost of its 16-row plan (V0 or V1, whichever it takes),
   // and of the N-split plan (V2) with the price of V2's chunk that cost includes

@@ -282,14 +282,33 @@ constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 // shared-memory wavefronts per k-block against ~11 per decoded tile, hence two tiles per warp
 // (64 accumulators at MT = 8; bits 5 decodes from a 64 KiB table to leave room for them, see
 // Config::Path). Blocks of 16 (M = 9..16), 32 or 64 rows (MT 2, 4, 8).
+// V = 4 (kWideBits5; warp-specialized kernel, bits 5, MT = 2 only): V1 with the 64-column group
+// of bits 2..4, decoded from the 64 KiB table that every bits-5 tiling at MT = 2 reads
+// (Config::Path). The 32-column groups of V0/V1 at bits 5 make twice the items of the other bits
+// (Qwen3 gate/up, K 2048, N 5120: 160 items of 4 chunks for 132 CTAs; V4 makes 80), and a
+// chunk's fixed work (barriers, activations, scale decode) serves half the weights. Harness
+// "wide5" (H200, session 46, benchmarks/results/wide5_h200_s46.md; 14 layers x M 9, 12, 16,
+// graph-timed, every tiling forced): where the launcher takes it, 0.80-0.85x the time on Qwen3
+// gate/up (M = 16: 11.1 -> 9.0 us) and 0.82-0.95x on the Llama-3 layers. At M <= 8 (MT = 1) it
+// was slower on 50 of 56 cases (up to 1.25x: two-wavefront lookups against V1's 128 KiB table)
+// and faster by at most 5 %, so it is not offered there.
+constexpr int kWideBits5 = 4;
+// Its chunk's time in V0 chunks of MT = 2 (Config::chunk_cost): fitted on the same run
+// (benchmarks/results/wide5_s46_fit.py): 1.70-1.74 picks within 0.53 % (bf16) and 1.13 % (fp16)
+// of the fastest tiling on (geometric) average, 9 % at worst (Qwen3 q at M = 16, where V1 stays
+// and V4 was faster); without V4 the picks were 6.9 % and 7.3 % off. (1.65 takes GLM-4.7 gate/up,
+// 1.09x; 1.76 gives Llama-3-70B gate/up at M = 9 back to V2, 1.09x.)
+constexpr double kWideBits5Price = 1.72;
 template <int BITS, int MT, int V = 0>
 struct Config {
   static_assert(V != 2 || MT >= 2, "the N-split tiling serves blocks of 16, 32 or 64 rows");
+  static_assert(V != kWideBits5 || (BITS == 5 && MT == 2), "the wide bits-5 tiling serves bits 5 in 16-row blocks");
+  static constexpr bool kWide5 = V == kWideBits5;
   // Warps per CTA (one CTA per SM). At MT >= 4 the activation chunk grows with the rows, so
   // 8 warps (smaller chunks) fit.
   static constexpr int kWarps = (MT >= 4 || V >= 1) ? 8 : 16;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kKPW = V == 1 ? 2 : 1;  // k-blocks per warp per chunk (V0, V1)
+  static constexpr int kKPW = V == 1 || kWide5 ? 2 : 1;  // k-blocks per warp per chunk (V0, V1)
   // The decode path. Bits 5 in the N-split tiling and in the 16-row tilings at MT = 2 reads the
   // 64 KiB table of 16 lane copies (two wavefronts per lookup; WeightPathBits5<16>):
   //  * N-split: it leaves room for two tiles per warp, as at the other bits; one had left the x
@@ -301,17 +320,22 @@ struct Config {
   //    M = 16: 94.8 -> 76.3 us), and where the launcher takes them, so does the product.
   //  * MT = 1 keeps the 128 KiB table, whose lookups take one wavefront: the 64 KiB one took
   //    1.04-1.27x the time on the Llama layers at M = 1..8 (0.97-1.08x on the small ones).
-  // The 16-row tilings keep 32 columns at bits 5 (two tiles per warp): with 64 (V1's four tiles,
-  // as at bits 2-4, from the 64 KiB table) the launcher's pick took 0.88-0.92x the time on three
-  // Llama layers at M = 16 but 1.03-1.14x on the small ones, whose items became too few (same
-  // harness run).
+  // V0/V1 keep 32 columns at bits 5 (two tiles per warp): with 64 (V1's four tiles, as at bits
+  // 2-4, from the 64 KiB table) the launcher's pick took 0.88-0.92x the time on three Llama
+  // layers at M = 16 but 1.03-1.14x on the small ones, whose items became too few (same harness
+  // run). Since session 46 the 64-column tiling is V4, which the launcher plans next to them.
   using Path = std::conditional_t<BITS == 5 && (V == 2 || MT == 2), WeightPathBits5<16>, WeightPath<BITS>>;
   // 16-column tiles per warp: one ldmatrix (x) and one or two LDS.128 (scales) per k-block
   // serve all kTN tiles; accumulators kTN * MT * 4 <= 32 (V2: 64). Bits 5 in the 16-row tilings
   // uses 2 to leave shared memory for the ring next to its table.
-  static constexpr int kTN = V == 2 ? 2 : MT == 1 || (MT == 2 && V == 1) ? (BITS == 5 ? 2 : 4) : (MT == 2 ? 2 : 1);
+  static constexpr int kTN = V == 2   ? 2
+                             : kWide5 ? 4
+                             : MT == 1 || (MT == 2 && V == 1) ? (BITS == 5 ? 2 : 4)
+                                                              : (MT == 2 ? 2 : 1);
   static constexpr int kCols = 16 * kTN * (V == 2 ? kWarps : 1);  // the column group
-  static_assert(V == 2 || kCols * BITS <= 256, "the weights' tensor-map box: at most 256 words per row");
+  // A box dimension of a tensor map holds at most 256 elements: a wider k-block row of the group
+  // (V2; V4: 320 words) is copied as 16-column pieces (Launcher::launch's weight map).
+  static constexpr bool kPieceMap = kCols * BITS > 256;
   // k-blocks per chunk. V2: 2 (8 KiB of bits-4 weights, 4 KiB of activations per 32 rows), so
   // that the ring keeps 4-7 stages next to the table and the cluster's partial sums.
   static constexpr int kKCH = V == 2 ? 2 : kWarps * kKPW;
@@ -368,6 +392,7 @@ struct Config {
   }
   static constexpr double chunk_cost(bool bf16) {
     if constexpr (V == 2) return bf16 ? nsplit_price_bf16() : nsplit_price_f16();
+    if constexpr (kWide5) return kWideBits5Price;
     return (MT == 2 && V == 1 && BITS != 5) ? 1.4 : 1.0;
   }
   static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
@@ -805,6 +830,7 @@ __device__ __forceinline__ void mma_k_block_scaled_weights(float (&acc)[TN * MT 
 template <int BITS, class Act, int MT, int V>
 __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
     kbit_matmul_fused_kernel(const Params p, const WalkDivs dv) {
+  static_assert(V != 2 && V != kWideBits5, "a tiling of the warp-specialized kernel only");
   using Cfg = Config<BITS, MT, V>;
   using WP = typename Cfg::Path;
   using T = typename Act::T;
@@ -1234,7 +1260,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     const uint32_t base = s_ring + slot * slot_bytes, full = s_full + 8 * slot;
     const int wrow = row_of(c);
     mbar_arrive_expect_tx(full, chunk_bytes);
-    if constexpr (V == 2)  // 16-column pieces (a box dimension holds at most 256 words)
+    if constexpr (Cfg::kPieceMap)  // 16-column pieces (a box dimension holds at most 256 words)
       tma_load_3d(base, &wmap, 0, c.col0 / 16, wrow, full);
     else
       tma_load_2d(base, &wmap, c.col0 * BITS, wrow, full);
@@ -1262,7 +1288,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         KBIT_TL_MARK(p, kTlFirstCopy, true);
       }
     } else if (Q > 0) {
-      if constexpr (V == 2)
+      if constexpr (Cfg::kPieceMap)
         tma_prefetch_l2_3d(&wmap, 0, c0.col0 / 16, row_of(c0));
       else
         tma_prefetch_l2_2d(&wmap, c0.col0 * BITS, row_of(c0));
@@ -1578,6 +1604,19 @@ inline bool balanced_clusters_enabled() {
   return enabled;
 }
 
+// How a launch covers the problem: shared memory, cluster size (k-split) and clusters, and the
+// critical path's estimated length in chunk times of the V0 tiling of its MT (`cost`), which
+// launch_fused_bits compares between the tilings. `error` is set if the shared memory cannot be
+// reserved. (Launcher::plan makes it.)
+struct LaunchPlan {
+  size_t smem = 0;
+  int x_rows = 0, KB = 0, ks = 1, kps = 1, stages = 0;
+  bool balanced = false;  // chunk-balanced clusters (ItemWalk) instead of a uniform k-split
+  int64_t col_groups = 0, m_blocks = 0, items = 0, ncl = 0;
+  double cost = 0;
+  std::string error;
+};
+
 template <int BITS, class Act, int MT, int V, bool WS>
 struct Launcher {
   using Cfg = Config<BITS, MT, V>;
@@ -1611,18 +1650,7 @@ struct Launcher {
   // A chunk's time in V0 chunks of this MT (Config::chunk_cost, by the activations' dtype).
   static constexpr double chunk_price() { return Cfg::chunk_cost(std::is_same_v<Act, ActBF16>); }
 
-  // How a launch covers the problem: shared memory, cluster size (k-split) and clusters, and the
-  // critical path's estimated length in chunk times of the V0 tiling of this MT (`cost`), which
-  // launch_fused_bits compares between the tilings. `error` is set if the shared memory cannot
-  // be reserved.
-  struct Plan {
-    size_t smem = 0;
-    int x_rows = 0, KB = 0, ks = 1, kps = 1, stages = 0;
-    bool balanced = false;  // chunk-balanced clusters (ItemWalk) instead of a uniform k-split
-    int64_t col_groups = 0, m_blocks = 0, items = 0, ncl = 0;
-    double cost = 0;
-    std::string error;
-  };
+  using Plan = LaunchPlan;
   static Plan plan(const MatmulArgs& a, const MatmulTuning* tuning) {
     Plan pl;
     pl.KB = static_cast<int>(a.k / 32);
@@ -1768,6 +1796,8 @@ struct Launcher {
       tuning->launched_cluster_sum = 0;
       tuning->launched_variant = V;
       tuning->launched_rows = 8 * MT;
+      tuning->launched_plan_cost = pl.cost;
+      tuning->launched_chunk_price = chunk_price();
     }
 
     Params prm;
@@ -1802,14 +1832,15 @@ struct Launcher {
     if constexpr (WS) {  // the tensor maps of the kernel's three copies (see its header)
       CUtensorMap wmap, smap, xmap;
       const uint64_t rows = uint64_t(a.batch) * KB, n = uint64_t(a.n);
-      // V2's column group is wider than a box dimension allows (256 words): its map splits the
+      // A column group wider than a box dimension allows (256 words; V2, V4): the map splits the
       // columns into 16-column pieces, {16 BITS words, N / 16 pieces, rows}; the box of
       // COLS / 16 pieces lands in shared memory in the same order as a 2-D box would.
-      constexpr int w_rank = V == 2 ? 3 : 2;
-      const uint64_t w_dims[3] = {V == 2 ? 16 * BITS : n * BITS, V == 2 ? n / 16 : rows, rows};
-      const uint64_t w_strides[2] = {V == 2 ? 16 * BITS * 4 : n * BITS * 4, n * BITS * 4};
-      const uint32_t w_box[3] = {uint32_t(V == 2 ? 16 * BITS : Cfg::kCols * BITS),
-                                 uint32_t(V == 2 ? Cfg::kCols / 16 : Cfg::kKCH), uint32_t(Cfg::kKCH)};
+      constexpr bool pieces = Cfg::kPieceMap;
+      constexpr int w_rank = pieces ? 3 : 2;
+      const uint64_t w_dims[3] = {pieces ? 16 * BITS : n * BITS, pieces ? n / 16 : rows, rows};
+      const uint64_t w_strides[2] = {pieces ? 16 * BITS * 4 : n * BITS * 4, n * BITS * 4};
+      const uint32_t w_box[3] = {uint32_t(pieces ? 16 * BITS : Cfg::kCols * BITS),
+                                 uint32_t(pieces ? Cfg::kCols / 16 : Cfg::kKCH), uint32_t(Cfg::kKCH)};
       const uint64_t s_dims[2] = {n, rows}, s_strides[1] = {n};
       const uint32_t s_box[2] = {uint32_t(Cfg::kCols), uint32_t(Cfg::kKCH)};
       const uint64_t x_dims[3] = {32, uint64_t(a.batch * a.m), uint64_t(KB)};
@@ -1873,7 +1904,10 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   // from session 42, before only from M = 17). Variant 2, the N-split tiling in blocks of 16 (M
   // <= 16, and forced at M <= 8), 32 (M <= 32) or 64 rows, runs only on the warp-specialized
   // kernel; a request for it elsewhere gets the default.
-  const bool forced_variant = tuning && tuning->variant >= 0 && (tuning->variant != 2 || ws);
+  // Bits 5 on the warp-specialized kernel also has V4 (kWideBits5: 64-column groups in blocks of
+  // 16 rows), planned at M = 9..16.
+  const bool forced_variant = tuning && tuning->variant >= 0 && (tuning->variant != 2 || ws) &&
+                              (tuning->variant != kWideBits5 || (ws && BITS == 5 && mt == 2));
   constexpr int kDefaultV = (BITS == 3 || BITS == 5) ? 1 : 0;
   const int variant = forced_variant ? tuning->variant : mt > 1 ? 0 : ws ? 1 : kDefaultV;
   auto with_nsplit = [&](auto act_tag, auto&& use) -> std::string {
@@ -1897,6 +1931,14 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
       using A = typename decltype(act_tag)::type;
       if (variant == 2)
         return with_nsplit(act_tag, [&](auto ln) { return decltype(ln)::launch(a, stream, tuning); });
+      // Bits 5's wide tiling (V4): forced (forced_variant has checked ws), or at M = 9..16 planned
+      // next to V0 and V1 and taken where its plan is the shortest.
+      using LW = Launcher<BITS, A, MT, kWideBits5, true>;
+      constexpr bool has_wide = BITS == 5 && MT == 2 && MT <= kWsMaxMT;
+      if constexpr (has_wide)
+        if (variant == kWideBits5) return LW::launch(a, stream, tuning);
+      // (a function of the type: only bits 5 instantiates LW)
+      auto plan_wide = [&](auto lw) { return decltype(lw)::plan(a, tuning); };
       if constexpr (MT == 2 && MT <= kWsMaxMT)
         if (ws && !forced_variant) {
           using L0 = Launcher<BITS, A, 2, 0, true>;
@@ -1904,9 +1946,15 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
           const auto p0 = L0::plan(a, tuning);
           const auto p1 = L1::plan(a, tuning);
           const bool v1 = p1.error.empty() && (!p0.error.empty() || p1.cost <= p0.cost);
+          double best = v1 ? p1.cost : p0.error.empty() ? p0.cost : 1e300;
+          LaunchPlan pw;
+          pw.error = "not planned";
+          if constexpr (has_wide)
+            if (a.m <= 16) pw = plan_wide(LW{});
+          const bool wide = pw.error.empty() && pw.cost < best;
+          if (wide) best = pw.cost;
           // The N-split tiling where its plan is shorter (costs in the same unit; a caller's
           // tuning gets both).
-          const double best = v1 ? p1.cost : p0.error.empty() ? p0.cost : 1e300;
           bool taken = false;
           std::string out = with_nsplit(act_tag, [&](auto ln) {
             using LN = decltype(ln);
@@ -1921,6 +1969,8 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
             return LN::launch(a, stream, tuning, pn);
           });
           if (taken) return out;
+          if constexpr (has_wide)
+            if (wide) return LW::launch(a, stream, tuning, pw);
           if (v1) return L1::launch(a, stream, tuning, p1);
           return L0::launch(a, stream, tuning, p0);
         }
