@@ -15,6 +15,8 @@
 //   build/cuda_kernel_harness host               host time of a launch and of its parts
 //   build/cuda_kernel_harness sweep              every cluster size (k-split) vs the launcher's choice
 //   build/cuda_kernel_harness narrow             M <= 8 in the 16-row tilings' 32-column groups
+//   build/cuda_kernel_harness wide5              bits 5, M = 9..16: the 64-column tiling (variant 4)
+//                                                against the other tilings, with their plans
 //   build/cuda_kernel_harness rows               M = 17..128: the warp-specialized kernel's tilings vs
 //                                                the cp.async kernel
 //   build/cuda_kernel_harness split              M = 384..1024: the wgmma kernel's split last round of
@@ -34,7 +36,8 @@
 // KBIT_HARNESS_TEST_VARIANTS="2 3" runs only those tiling variants' matmul tests;
 // KBIT_HARNESS_F16=1 times fp16 products instead of bf16 (see BenchEnv::matmul_args);
 // KBIT_HARNESS_GRAPH=1 times launches captured into CUDA graphs, as JAX runs them (time_tuned);
-// KBIT_HARNESS_NARROW_M and _BITS set those of "narrow"; KBIT_HARNESS_TIMELINE_FLOOD=1 and
+// KBIT_HARNESS_NARROW_M and _BITS set those of "narrow", KBIT_HARNESS_WIDE5_M those of "wide5";
+// KBIT_HARNESS_TIMELINE_VARIANT=v forces "timeline"'s tiling variant; KBIT_HARNESS_TIMELINE_FLOOD=1 and
 // _TWICE=1 precede each "timeline" launch by a code flood or by the same product.
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
@@ -439,6 +442,7 @@ static int g_balanced_launches = 0;  // cases that ran on chunk-balanced cluster
 // wgmma cases whose k-split clusters added their tiles by push and by pull (matmul_wgmma.cuh's epilogue)
 static int g_push_launches = 0, g_pull_launches = 0, g_pull_by_rank_launches = 0;
 static int g_split_last_launches = 0;  // wgmma cases whose last round of tiles ran split over 2-CTA clusters
+static int g_wide5_launches = 0;       // cases that ran bits 5's 64-column tiling (variant 4)
 static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, uint32_t seed,
                               double* bound_ratio, std::string* path_out, int reps = 1) {
   std::mt19937 rng(seed);
@@ -519,6 +523,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
     const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
     g_balanced_launches += rep == 0 && tune.launched_balanced;
     g_split_last_launches += rep == 0 && tune.launched_whole_ctas > 0;
+    g_wide5_launches += rep == 0 && tune.launched_variant == 4;
     g_push_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPush;
     g_pull_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPull;
     g_pull_by_rank_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPull &&
@@ -579,13 +584,19 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
 // takes the N-split tiling in blocks of 16 rows, bf16 on a narrow layer (K 5120, N 2048) a
 // 16-row tiling (variant 0 or 1). fp16 (session 42's prices, nsplit_price_f16; H100 "rows",
 // benchmarks/results/nsplit_f16_s42.md) on Llama-3-8B gate/up (K 4096, N 14336) at M = 16 takes
-// the N-split tiling at bits 2, 4 and 5 (18.8-25.7 against 21.1-29.4 us) and a 16-row tiling at
-// bits 3; on GLM-4.7 gate/up (K 2048, N 10240) at M = 64, bits 5, the N-split tiling (28.2
-// against 36.4 us: before, a 16-row tiling). On Qwen3 gate/up (K 2048, N 5120) at M = 32 bits 2-4
-// take a 16-row tiling and bits 5 the N-split tiling in blocks of 32 rows. On Llama-3-8B down
+// the N-split tiling at bits 2, 4 and 5 (18.8-25.7 against 21.1-29.4 us; bits 5 since session
+// 46 the 64-column tiling, below) and a 16-row tiling at bits 3; on GLM-4.7 gate/up (K 2048,
+// N 10240) at M = 64, bits 5, the N-split tiling (28.2 against 36.4 us: before, a 16-row
+// tiling). On Qwen3 gate/up (K 2048, N 5120) at M = 32 bits 2-4 take a 16-row tiling and bits 5
+// the N-split tiling in blocks of 32 rows. On Llama-3-8B down
 // (K 14336, N 4096) at M = 17, whose second 16-row block has one row, bits 2 and 4 take a 16-row
 // tiling: 0.83-0.88x the N-split tiling's time since that block's copy is shifted (session 32,
 // benchmarks/results/last_block_h200_s32.md).
+// Bits 5 at M = 9..16 (session 46, harness "wide5", benchmarks/results/wide5_h200_s46.md):
+// the 64-column tiling (variant 4) on Qwen3 gate/up (M = 9: 8.4 against V1's 10.4 us; fp16 at
+// M = 16), Llama-3-70B down (K 28672, N 8192) and Llama-3-8B gate/up with fp16 (24.8 against the
+// N-split tiling's 23.6 us: the price's one loss there); the N-split tiling on Llama-3-8B gate/up
+// with bf16; V1 on GLM-4.7 gate/up (K 2048, N 10240; V4 1.04x).
 // The wgmma kernel's plan (WgLauncher, session 32, benchmarks/results/wgmma_split_last_h200_s32.md):
 // Llama-3-70B gate/up (K 8192, N 28672) at M = 512, bits 2-4, splits its last round of tiles
 // (448 tiles of 256 x 128 on 132 SMs; 0.88-0.91x the time); Llama-3-8B gate/up (K 4096, N 14336)
@@ -613,10 +624,14 @@ static void test_dispatch() {
     CK(cudaDeviceSynchronize());
     EXPECT(err.empty(), "dispatch K=%d N=%d M=%d bits=%d: %s\n", K, N, M, bits, err.c_str());
   };
-  struct Want { int K, N, M; DType dt; int nsplit_rows, bits_lo, bits_hi; };  // nsplit_rows 0: a 16-row tiling
+  // nsplit_rows 0: a 32-column 16-row tiling (variant 0 or 1), -1: bits 5's 64-column one (4)
+  struct Want { int K, N, M; DType dt; int nsplit_rows, bits_lo, bits_hi; };
   const Want wants[] = {{256, 32768, 9, DType::kBF16, 16, 2, 5},   {256, 32768, 16, DType::kBF16, 16, 2, 5},
                         {5120, 2048, 16, DType::kBF16, 0, 2, 5},    {4096, 14336, 16, DType::kF16, 16, 2, 2},
-                        {4096, 14336, 16, DType::kF16, 0, 3, 3},    {4096, 14336, 16, DType::kF16, 16, 4, 5},
+                        {4096, 14336, 16, DType::kF16, 0, 3, 3},    {4096, 14336, 16, DType::kF16, 16, 4, 4},
+                        {4096, 14336, 16, DType::kBF16, 16, 5, 5},  {4096, 14336, 16, DType::kF16, -1, 5, 5},
+                        {2048, 5120, 9, DType::kBF16, -1, 5, 5},    {2048, 5120, 16, DType::kF16, -1, 5, 5},
+                        {28672, 8192, 16, DType::kBF16, -1, 5, 5},  {2048, 10240, 16, DType::kBF16, 0, 5, 5},
                         {2048, 10240, 64, DType::kF16, 64, 5, 5},   {2048, 5120, 32, DType::kBF16, 0, 2, 4},
                         {2048, 5120, 32, DType::kBF16, 32, 5, 5},   {14336, 4096, 17, DType::kBF16, 0, 2, 2},
                         {14336, 4096, 17, DType::kBF16, 0, 4, 4}};
@@ -625,12 +640,15 @@ static void test_dispatch() {
       kbit::cuda::MatmulTuning tune;
       tune.variant = -2;  // matmul_fused.cuh's own choice (with bf16 at M = 32 users get the wgmma kernel)
       launch_zeros(w.K, w.N, w.M, w.dt, bits, tune);
-      const bool ok = w.nsplit_rows > 0
-                          ? tune.launched_variant == 2 && tune.launched_rows == w.nsplit_rows
-                          : (tune.launched_variant == 0 || tune.launched_variant == 1) && tune.launched_rows == 16;
+      const int v = tune.launched_variant;
+      const bool ok = w.nsplit_rows > 0    ? v == 2 && tune.launched_rows == w.nsplit_rows
+                      : w.nsplit_rows == 0 ? (v == 0 || v == 1) && tune.launched_rows == 16
+                                           : v == 4 && tune.launched_rows == 16;
       EXPECT(ok, "dispatch K=%d N=%d M=%d bits=%d dtype=%s: variant %d in blocks of %d rows (%s%s expected)\n",
-             w.K, w.N, w.M, bits, kbit::cuda::dtype_name(w.dt), tune.launched_variant, tune.launched_rows,
-             w.nsplit_rows > 0 ? "the N-split tiling of rows: " : "a 16-row tiling",
+             w.K, w.N, w.M, bits, kbit::cuda::dtype_name(w.dt), v, tune.launched_rows,
+             w.nsplit_rows > 0    ? "the N-split tiling of rows: "
+             : w.nsplit_rows == 0 ? "a 32-column 16-row tiling"
+                                  : "the 64-column 16-row tiling",
              w.nsplit_rows > 0 ? std::to_string(w.nsplit_rows).c_str() : "");
     }
   if (!kbit::cuda::wgmma_rows_here(0, 0, 2).second) return;  // (no wgmma kernel on this device or build)
@@ -709,14 +727,17 @@ static void test_matmul(bool quick) {
   };
   if (quick) cases.resize(8);
   // The other tiling variants of the fused kernel at M <= 128 (where the warp-specialized
-  // kernel may run): 1, and 2 (N-split, 32- or 64-row blocks) where N % 16 == 0; for the
-  // chunk-balanced cases 0 too (the default at M <= 8 is 1).
+  // kernel may run): 1, and 2 (N-split, 32- or 64-row blocks) where N % 16 == 0, and 4 (bits 5's
+  // 64-column groups; bits 5 only, below) at M = 9..16; for the chunk-balanced cases 0 too (the
+  // default at M <= 8 is 1).
   {
     const size_t n = cases.size();
     for (size_t i = 0; i < n; ++i)
       if (cases[i].M <= 128 && !cases[i].force_generic)
-        for (int v = cases[i].balance == 1 ? 0 : 1; v <= 2; ++v) {
+        for (int v : {0, 1, 2, 4}) {
+          if (v == 0 && cases[i].balance != 1) continue;
           if (v == 2 && cases[i].N % 16 != 0) continue;
+          if (v == 4 && (cases[i].M <= 8 || cases[i].M > 16 || cases[i].N % 16 != 0)) continue;
           MMCase c = cases[i];
           c.variant = v;
           cases.push_back(c);
@@ -763,12 +784,15 @@ static void test_matmul(bool quick) {
   uint32_t seed = 9000;
   const bool verbose = getenv("KBIT_HARNESS_VERBOSE") != nullptr;
   double worst[3] = {0, 0, 0}, worst_ratio = 0;
+  int wide5_cases = 0;  // forced variant-4 cases the wide tiling must run (bits 5, fragment layout, 16-bit x)
   for (const MMCase& c : cases)
     for (int bits = 2; bits <= 5; ++bits)
       for (int layout = 1; layout >= 0; --layout)
         for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
           if (c.M * size_t(c.K) * c.N > 20000000 && (layout == 0 || dt == DType::kF32)) continue;
           if (c.variant == 3 && (layout == 0 || dt == DType::kF32)) continue;  // (the wgmma kernel's inputs)
+          if (c.variant == 4 && bits != 5) continue;  // (elsewhere the launcher's default)
+          wide5_cases += c.variant == 4 && layout == 1 && dt != DType::kF32;
           double bound_ratio = 0;
           std::string path;
           if (verbose)  // the case about to run, for a case that does not return
@@ -793,6 +817,10 @@ static void test_matmul(bool quick) {
          "error f32 %.2e, bf16 %.2e, f16 %.2e\n",
          n_ok, n_total, worst_ratio, worst[0], worst[1], worst[2]);
   printf("matmul: %d cases ran on chunk-balanced clusters\n", g_balanced_launches);
+  // (the launcher may take the wide tiling by itself too: at least the forced cases)
+  printf("matmul: %d cases ran bits 5's 64-column tiling (%d forced)\n", g_wide5_launches, wide5_cases);
+  EXPECT(g_wide5_launches >= wide5_cases, "matmul: %d cases ran bits 5's 64-column tiling, %d forced",
+         g_wide5_launches, wide5_cases);
   const bool split_cases_ran = !quick && (keep.empty() || keep.find('3') != std::string::npos);
   EXPECT(!split_cases_ran || g_split_last_launches == kSplitLastLaunches,
          "matmul: %d cases split the wgmma kernel's last round of tiles (%d expected)", g_split_last_launches,
@@ -1205,6 +1233,40 @@ static void bench_narrow() {
     }
 }
 
+// Bits 5 at M = 9..16: the wide tiling (variant 4, 64-column groups) against the others the
+// launcher plans there (V1, V0: 32 columns; V2, the N-split tiling), with their plans
+// (MatmulTuning::launched_plan_cost, in V0 chunks, and the chunk's price in that unit). One line
+// per case
+//   WIDE5 <shape> K N M <default us> v<variant>/<k_split>/<ctas>  then for V1, V4, V0 and V2:
+//         v<variant> <us> <k_split>/<ctas> <plan cost> <chunk price>
+// KBIT_HARNESS_WIDE5_M="9 12 16" (default) sets the M (at M <= 8 every forced variant but 1 runs
+// the default); KBIT_HARNESS_F16=1 times fp16.
+static void bench_wide5() {
+  const std::vector<int> ms = env_int_list("KBIT_HARNESS_WIDE5_M", "9 12 16", 1, 16);
+  BenchEnv env(16);
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  Timer tm;
+  for (const Shape& s : shapes_and_llama70b_layers({2, 4})) {
+    const WeightCopies w(env, s, 5);
+    for (int M : ms) {
+      const kbit::cuda::MatmulArgs a = env.matmul_args(s, 5, M);
+      kbit::cuda::MatmulTuning dflt;
+      const double us = time_tuned(tm, a, w, dflt, 5, 10);
+      printf("WIDE5 %-18s %5d %6d %2d %8.2f v%d/%d/%d", s.name, s.K, s.N, M, us, dflt.launched_variant,
+             dflt.launched_k_split, dflt.launched_ctas);
+      for (int v : {1, 4, 0, 2}) {
+        kbit::cuda::MatmulTuning t;
+        t.variant = v;
+        const double v_us = time_tuned(tm, a, w, t, 5, 10);
+        printf("  v%d %8.2f %d/%d %.2f %.2f", t.launched_variant, v_us, t.launched_k_split, t.launched_ctas,
+               t.launched_plan_cost, t.launched_chunk_price);
+      }
+      printf("\n");
+      fflush(stdout);
+    }
+  }
+}
+
 // Selected shapes (both tiling variants at M <= 16): one "SEL" line per case, for comparing
 // two builds of the kernel (benchmarks/sel_compare.py). KBIT_HARNESS_KSPLIT=n forces the
 // cluster size (k-split) of every launch.
@@ -1545,6 +1607,8 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   MatmulArgs a = env.matmul_args(s, bits, M);
   MatmulTuning tune;
   tune.timeline = buf;
+  // KBIT_HARNESS_TIMELINE_VARIANT=v forces the tiling variant (MatmulTuning::variant)
+  if (const char* v = getenv("KBIT_HARNESS_TIMELINE_VARIANT")) tune.variant = atoi(v);
   int ctas = 0;
   auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0.0 : v[v.size() / 2]; };
   // KBIT_HARNESS_TIMELINE_FLOOD=1: code_flood before each launch (cold instruction caches);
@@ -1852,8 +1916,8 @@ int main(int argc, char** argv) {
 #endif
   }
   const std::pair<const char*, void (*)()> timing_modes[] = {
-      {"sweep", bench_sweep}, {"narrow", bench_narrow}, {"host", bench_host}, {"layers", bench_layers},
-      {"sel", bench_sel}, {"prefetch", bench_prefetch},
+      {"sweep", bench_sweep}, {"narrow", bench_narrow}, {"wide5", bench_wide5}, {"host", bench_host},
+      {"layers", bench_layers}, {"sel", bench_sel}, {"prefetch", bench_prefetch},
       {"rows", bench_rows}, {"split", bench_split_last}, {"wgplans", bench_wgmma_plans}};
   for (const auto& [name, run] : timing_modes)
     if (mode == name) {

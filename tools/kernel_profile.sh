@@ -35,6 +35,9 @@
 #                                                 KBIT_HARNESS_SWEEP_BITS="3" those bits
 #   tools/kernel_profile.sh narrow               M <= 8 in the 16-row tilings' 32-column groups against
 #                                                 the launcher's choice (KBIT_HARNESS_NARROW_M, _BITS)
+#   tools/kernel_profile.sh wide5                bits 5, M = 9..16: the 64-column tiling (variant 4)
+#                                                 against the other tilings and the launcher's pick
+#                                                 (KBIT_HARNESS_WIDE5_M)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
@@ -101,6 +104,7 @@ case $mode in
   split) "$bin" split | tee "$OUT/split${TAG:-}.log" | grep -E "^SPLIT|copy" ;;
   sweep) "$bin" sweep > "$OUT/sweep${TAG:-}.log"; python3 benchmarks/ksplit_fit.py "$OUT/sweep${TAG:-}.log" ;;
   narrow) "$bin" narrow | tee "$OUT/narrow${TAG:-}.log" | grep -E "^NARROW|copy" ;;
+  wide5) "$bin" wide5 | tee "$OUT/wide5${TAG:-}.log" | grep -E "^WIDE5|copy" ;;
   ncu)
     while [[ $# -ge 4 ]]; do
       tag="b$1_k$2_n$3_m$4"
