@@ -64,6 +64,31 @@ def test_matmul_nsplit_tiling(n, rows, bits, dtype, rng):
         assert np.array_equal(np.asarray(y), np.asarray(f(jax.device_put(x, gpu), q)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_matmul_wide_bits5_tiling(dtype, rng):
+    """K = 2048, N = 5120 (Qwen3 gate/up) at bits 5 and M = 9..16: the launcher's plan takes the
+    64-column 16-row tiling (variant 4, 80 items), with and without the GLU epilogue; the same
+    result twice."""
+    gpu = jax.devices("gpu")[0]
+    k, n = 2048, 5120
+    q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), 5)
+    w64 = dense64(q)
+    f = jax.jit(kj.matmul)
+    gated = jax.jit(functools.partial(kj.matmul, glu="silu", method="fused"))
+    for m in (9, 12, 16):
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        y = f(jax.device_put(x, gpu), q)
+        y64, bound = matmul_error_bound(x, w64, dtype, dtype)
+        err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
+        assert np.all(err <= bound), f"M={m}: max err/bound = {np.max(err / bound)}"
+        assert np.array_equal(np.asarray(y), np.asarray(f(jax.device_put(x, gpu), q)))
+        xs = x * (4 / np.sqrt(k))
+        y = gated(jax.device_put(xs, gpu), q)
+        y64, bound = glu_error_bound(xs, w64, dtype, dtype, "silu")
+        err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
+        assert np.all(err <= bound), f"GLU, M={m}: max err/bound = {np.max(err / bound)}"
+
+
 @pytest.mark.parametrize("glu", GLU_KINDS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("bits", [4, 5])
