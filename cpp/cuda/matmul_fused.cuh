@@ -237,6 +237,10 @@
 //  warp sends, adds and stores its one float4 group (store_group) instead of every group's code
 //  behind an owner test: a one-item CTA exits 0.09-0.36 us earlier; graph-timed harness 0.965-
 //  0.98x the time on Qwen3/GLM-4.7, 0.99x on Llama (the M <= 8 V1 loops 5-9 instructions shorter).
+//  Session 46 (H200, benchmarks/results/wide5_h200_s46.md): bits 5 at M = 9..16 has a 64-column
+//  16-row tiling (Config V4): Qwen3 gate/up 0.80-0.85x the time, the Llama-3 layers where the
+//  plan takes it 0.82-0.93x (bf16); in JAX (busy time) Llama-3-70B down at M = 16 80.6 -> 66.6 us.
+//  At M <= 8 the same tiling was slower (the 64 KiB table's two-wavefront lookups).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -287,11 +291,12 @@ constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 // (Config::Path). The 32-column groups of V0/V1 at bits 5 make twice the items of the other bits
 // (Qwen3 gate/up, K 2048, N 5120: 160 items of 4 chunks for 132 CTAs; V4 makes 80), and a
 // chunk's fixed work (barriers, activations, scale decode) serves half the weights. Harness
-// "wide5" (H200, session 46, benchmarks/results/wide5_h200_s46.md; 14 layers x M 9, 12, 16,
-// graph-timed, every tiling forced): where the launcher takes it, 0.80-0.85x the time on Qwen3
-// gate/up (M = 16: 11.1 -> 9.0 us) and 0.82-0.95x on the Llama-3 layers. At M <= 8 (MT = 1) it
-// was slower on 50 of 56 cases (up to 1.25x: two-wavefront lookups against V1's 128 KiB table)
-// and faster by at most 5 %, so it is not offered there.
+// "wide5" (H200, session 46, benchmarks/results/wide5_h200_s46.md; the ten shapes and a
+// Llama-3-70B layer's products at TP 2 and 4 x M 9, 12, 16, graph-timed, every tiling forced):
+// where the launcher now takes it, 0.80-0.85x the time on Qwen3 gate/up (M = 16: 11.1 -> 9.0 us)
+// and 0.82-0.99x on the Llama-3 layers (fp16 on Llama-3-8B gate/up: 1.03-1.05x). At M <= 8
+// (MT = 1) it was slower on 44 of 51 cases (geometric mean 1.09x, up to 1.25x: two-wavefront
+// lookups against V1's 128 KiB table) and faster by at most 5 %, so it is not offered there.
 constexpr int kWideBits5 = 4;
 // Its chunk's time in V0 chunks of MT = 2 (Config::chunk_cost): fitted on the same run
 // (benchmarks/results/wide5_s46_fit.py): 1.70-1.74 picks within 0.53 % (bf16) and 1.13 % (fp16)
