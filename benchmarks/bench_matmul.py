@@ -24,7 +24,11 @@ layer's few products a call do not amortize (H200, session 45: Llama-3-70B gate/
 products a call, 44.2 us a kbit product against 39.6 us busy, 115.9 against 107.0 for the dense
 dot). --time call reports the call times instead, and the busy time only where the
 host still set the pace at the cap of 8 passes (the tables before session 45; marked "*" in
-render.py's table). On a CPU backend there is no profile to read, and the call time stays. The
+render.py's table). With busy time the call times are only recorded, so their pass search stops
+at one pass (--max-passes, default 8 with --time call and 1 with --time busy): each search step
+compiles the product over P x R weights again, ~2 s a row on the small layers (H200, session 46);
+a one-pass call time is an upper bound where the host set the pace ("host_bound"). (The other
+16-bit dense dot's column is a call time in either mode; its search keeps the cap of 8.) On a CPU backend there is no profile to read, and the call time stays. The
 dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is bytes moved /
 copy bandwidth measured in the same run: the faster of cudaMemcpy (through torch, where it is
 installed) and XLA's own copy. With --out, matmul.json is rewritten after every row.
@@ -121,6 +125,9 @@ def main(argv=None):
     p.add_argument("--time", default=None, choices=["busy", "call"],
                    help="what each row reports: the device's busy time from a profile (default on a "
                         "GPU), or the call time, with the busy time only where the host set the pace")
+    p.add_argument("--max-passes", type=int, default=None,
+                   help="the most passes the call time's search may take (default: 8 with --time call, "
+                        "1 with --time busy, where the call time is only recorded)")
     p.add_argument("--warmup", type=float, default=0.2,
                    help="seconds of untimed calls before each measurement's samples (clocks ramp up)")
     p.add_argument("--out", default=None, help="directory for matmul.json (+ .md)")
@@ -131,6 +138,11 @@ def main(argv=None):
     timing = args.time or ("busy" if on_gpu else "call")
     if timing == "busy" and not on_gpu:
         p.error("--time busy needs a GPU: the CPU backend's profile has no kernel intervals")
+    max_passes = args.max_passes if args.max_passes is not None else 1 if timing == "busy" else 8
+    if max_passes < 1:
+        p.error("--max-passes must be at least 1")
+    timed = functools.partial(products_seconds, repeats=args.repeats, max_passes=max_passes,
+                              warmup_seconds=args.warmup)
     xla_gate = functools.partial(reference.apply_glu, kind=args.glu)
     memcpy_bw = memcpy_bandwidth() if on_gpu else None  # before JAX takes the GPU's memory
     xla_bw = copy_bandwidth(args.repeats)
@@ -143,7 +155,7 @@ def main(argv=None):
                   copy_bandwidth_tbs=bw / 1e12, xla_copy_bandwidth_tbs=xla_bw / 1e12,
                   memcpy_bandwidth_tbs=None if memcpy_bw is None else memcpy_bw / 1e12,
                   build=kj.build_info(), method=args.method, glu=args.glu, warmup_s=args.warmup, timing=timing,
-                  rows=[])
+                  max_passes=max_passes, rows=[])
     rows = result["rows"]
     shapes = {f"{args.kn[0]}x{args.kn[1]}": tuple(args.kn)} if args.kn else {s: SHAPES[s] for s in args.shapes}
     for name, (k, n) in shapes.items():
@@ -162,22 +174,20 @@ def main(argv=None):
                 dot = jnp.dot          # what a user writes: XLA picks the GEMM (cuBLAS)
                 if args.glu:
                     dot = lambda x, w: xla_gate(jnp.dot(x, w))  # noqa: E731
-                t_dense, dense_passes, dense_host_bound = products_seconds(dot, x, dense_ws, args.repeats,
-                                                                           warmup_seconds=args.warmup)
+                t_dense, dense_passes, dense_host_bound = timed(dot, x, dense_ws)
                 t_dense_call = t_dense
                 if timing == "busy" or (dense_host_bound and on_gpu):
                     t_dense = busy_seconds(dot, x, dense_ws)
                 # the other 16-bit dense baseline (fp16 for bf16 runs and vice versa)
                 other = jnp.float16 if dtype == jnp.bfloat16 else jnp.bfloat16
-                t_dense_other = products_seconds(dot, x.astype(other), [d.astype(other) for d in dense_ws[:4]],
-                                                 args.repeats, warmup_seconds=args.warmup)[0] \
-                    if len(dense_ws) >= 4 else float("nan")
+                # (a reported call time, once per M: its pass search keeps the cap of 8)
+                t_dense_other = timed(dot, x.astype(other), [d.astype(other) for d in dense_ws[:4]],
+                                      max_passes=8)[0] if len(dense_ws) >= 4 else float("nan")
                 passes = 1  # each bits value starts from the passes the previous one needed
                 for bits in args.bits:
                     ws = quantized[bits]
                     product = lambda x, w: kj.matmul(x, w, method=args.method, glu=args.glu)  # noqa: E731
-                    t, passes, host_bound = products_seconds(product, x, ws, args.repeats, passes=passes,
-                                                                  warmup_seconds=args.warmup)
+                    t, passes, host_bound = timed(product, x, ws, passes=passes)
                     t_call = t
                     if timing == "busy" or (host_bound and on_gpu):
                         t = busy_seconds(product, x, ws)
@@ -197,8 +207,7 @@ def main(argv=None):
                     if args.glu:   # the same product with XLA's gate after it: what the fusion saves
                         unfused = lambda x, w: xla_gate(kj.matmul(x, w, method=args.method))  # noqa: E731
                         row["glu"] = args.glu
-                        row["kbit_xla_gate_us"] = products_seconds(unfused, x, ws, args.repeats, passes=passes,
-                                                                   warmup_seconds=args.warmup)[0] * 1e6
+                        row["kbit_xla_gate_us"] = timed(unfused, x, ws, passes=passes)[0] * 1e6
                     rows.append(row)
                     if args.out:  # after every row, so that a run cut short keeps what it measured
                         write_json(result, args.out)

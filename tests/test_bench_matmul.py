@@ -1,6 +1,6 @@
 """benchmarks/bench_matmul.py on the CPU: it refuses the busy time (--time busy), which needs a
-profile with kernel intervals. (A whole CPU run copies 2 GiB to measure the copy bandwidth, too slow
-for CI.)"""
+profile with kernel intervals, and a pass cap below one. (A whole CPU run copies 2 GiB to measure the
+copy bandwidth, too slow for CI.)"""
 
 import os
 import sys
@@ -20,3 +20,10 @@ def test_busy_time_needs_a_gpu(capsys):
         bench_matmul.main(["--kn", "64", "128", "--m", "1", "--bits", "4", "--time", "busy"])
     assert "--time busy needs a GPU" in capsys.readouterr().err
 
+
+
+@cpu_only
+def test_max_passes_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench_matmul.main(["--kn", "64", "128", "--m", "1", "--bits", "4", "--max-passes", "0"])
+    assert "--max-passes must be at least 1" in capsys.readouterr().err
