@@ -1239,8 +1239,8 @@ static void bench_narrow() {
 // per case
 //   WIDE5 <shape> K N M <default us> v<variant>/<k_split>/<ctas>  then for V1, V4, V0 and V2:
 //         v<variant> <us> <k_split>/<ctas> <plan cost> <chunk price>
-// KBIT_HARNESS_WIDE5_M="9 12 16" (default) sets the M (at M <= 8 every forced variant but 1 runs
-// the default); KBIT_HARNESS_F16=1 times fp16.
+// KBIT_HARNESS_WIDE5_M="9 12 16" (default) sets the M (at M <= 8 a forced variant 4 runs the
+// default, V1); KBIT_HARNESS_F16=1 times fp16.
 static void bench_wide5() {
   const std::vector<int> ms = env_int_list("KBIT_HARNESS_WIDE5_M", "9 12 16", 1, 16);
   BenchEnv env(16);

@@ -21,7 +21,6 @@ def test_busy_time_needs_a_gpu(capsys):
     assert "--time busy needs a GPU" in capsys.readouterr().err
 
 
-
 @cpu_only
 def test_max_passes_must_be_positive(capsys):
     with pytest.raises(SystemExit):

@@ -109,8 +109,8 @@ struct MatmulTuning {
   // tiling of its MT) and the price of its chunk in that unit (Config::chunk_cost)
   mutable double launched_plan_cost = 0, launched_chunk_price = 0;
   // matmul_fused.cuh's launcher at M > 8 on the warp-specialized kernel (for fitting its prices,
-  // benchmarks/nsplit_price_fit.py): the cost of its 16-row plan (V0 or V1, whichever it takes),
-  // and of the N-split plan (V2) with the price of V2's chunk that cost includes
+  // benchmarks/nsplit_price_fit.py): the cost of its 16-row plan (V0, V1 or at bits 5 V4,
+  // whichever it takes), and of the N-split plan (V2) with the price of V2's chunk that cost includes
   // (Config::chunk_cost); -1 where a plan cannot be made. The N-split tiling is taken where its
   // cost is lower (and the dtype may take it at that M). 0: that launcher did not compare them.
   mutable double planned_rows16_cost = 0, planned_nsplit_cost = 0, planned_nsplit_price = 0;

@@ -1912,7 +1912,7 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   // Bits 5 on the warp-specialized kernel also has V4 (kWideBits5: 64-column groups in blocks of
   // 16 rows), planned at M = 9..16.
   const bool forced_variant = tuning && tuning->variant >= 0 && (tuning->variant != 2 || ws) &&
-                              (tuning->variant != kWideBits5 || (ws && BITS == 5 && mt == 2));
+                              (tuning->variant != kWideBits5 || (ws && BITS == 5 && mt == 2 && a.m <= 16));
   constexpr int kDefaultV = (BITS == 3 || BITS == 5) ? 1 : 0;
   const int variant = forced_variant ? tuning->variant : mt > 1 ? 0 : ws ? 1 : kDefaultV;
   auto with_nsplit = [&](auto act_tag, auto&& use) -> std::string {
@@ -1942,8 +1942,6 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
       constexpr bool has_wide = BITS == 5 && MT == 2 && MT <= kWsMaxMT;
       if constexpr (has_wide)
         if (variant == kWideBits5) return LW::launch(a, stream, tuning);
-      // (a function of the type: only bits 5 instantiates LW)
-      auto plan_wide = [&](auto lw) { return decltype(lw)::plan(a, tuning); };
       if constexpr (MT == 2 && MT <= kWsMaxMT)
         if (ws && !forced_variant) {
           using L0 = Launcher<BITS, A, 2, 0, true>;
@@ -1955,11 +1953,11 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
           LaunchPlan pw;
           pw.error = "not planned";
           if constexpr (has_wide)
-            if (a.m <= 16) pw = plan_wide(LW{});
+            if (a.m <= 16) pw = LW::plan(a, tuning);
           const bool wide = pw.error.empty() && pw.cost < best;
           if (wide) best = pw.cost;
           // The N-split tiling where its plan is shorter (costs in the same unit; a caller's
-          // tuning gets both).
+          // tuning gets both: the 16-row tilings' best, V4 included, and the N-split tiling's).
           bool taken = false;
           std::string out = with_nsplit(act_tag, [&](auto ln) {
             using LN = decltype(ln);
