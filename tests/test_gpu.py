@@ -41,6 +41,16 @@ def test_matmul_m_sweep(n, bits, dtype, method, rng):
         assert np.all(err <= bound), f"M={m}: max err/bound = {np.max(err / bound)}"
 
 
+def _assert_bound_and_repeatable(f, x, q, w64, gpu):
+    """f(x, q) (a jitted kj.matmul) within the derived bound of the float64 product, and the same
+    result twice."""
+    y = f(jax.device_put(x, gpu), q)
+    y64, bound = matmul_error_bound(x, w64, x.dtype, x.dtype)
+    err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
+    assert np.all(err <= bound), f"M={x.shape[0]}: max err/bound = {np.max(err / bound)}"
+    assert np.array_equal(np.asarray(y), np.asarray(f(jax.device_put(x, gpu), q)))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("n, rows", [(8192, (17, 33, 64, 100, 128)), (32768, (9, 16))], ids=["n8192", "n32768"])
@@ -56,12 +66,7 @@ def test_matmul_nsplit_tiling(n, rows, bits, dtype, rng):
     w64 = dense64(q)
     f = jax.jit(kj.matmul)
     for m in rows:
-        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        y = f(jax.device_put(x, gpu), q)
-        y64, bound = matmul_error_bound(x, w64, dtype, dtype)
-        err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
-        assert np.all(err <= bound), f"M={m}: max err/bound = {np.max(err / bound)}"
-        assert np.array_equal(np.asarray(y), np.asarray(f(jax.device_put(x, gpu), q)))
+        _assert_bound_and_repeatable(f, jnp.asarray(rng.standard_normal((m, k)), dtype), q, w64, gpu)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
@@ -77,11 +82,7 @@ def test_matmul_wide_bits5_tiling(dtype, rng):
     gated = jax.jit(functools.partial(kj.matmul, glu="silu", method="fused"))
     for m in (9, 12, 16):
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        y = f(jax.device_put(x, gpu), q)
-        y64, bound = matmul_error_bound(x, w64, dtype, dtype)
-        err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
-        assert np.all(err <= bound), f"M={m}: max err/bound = {np.max(err / bound)}"
-        assert np.array_equal(np.asarray(y), np.asarray(f(jax.device_put(x, gpu), q)))
+        _assert_bound_and_repeatable(f, x, q, w64, gpu)
         xs = x * (4 / np.sqrt(k))
         y = gated(jax.device_put(xs, gpu), q)
         y64, bound = glu_error_bound(xs, w64, dtype, dtype, "silu")
