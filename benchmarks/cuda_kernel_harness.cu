@@ -1677,10 +1677,13 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   Timer tm;
   double us_v[2];
   kbit::cuda::MatmulTuning plain;  // (variants 0 and 1 would force matmul_fused.cuh's tilings)
-  const double us = tune.launched_wg_tiles > 0 ? time_tuned(tm, a, w, plain, 7, 20) : time_variants(tm, a, w, 0, us_v);
+  plain.variant = tune.variant;     // (a forced variant: that one's launches)
+  const double us = tune.launched_wg_tiles > 0 || tune.variant != -1 ? time_tuned(tm, a, w, plain, 7, 20)
+                                                                      : time_variants(tm, a, w, 0, us_v);
   const double bytes = w.plane_bytes + w.scale_bytes;
-  printf("TIMELINE bits %d K %d N %d M %d: %d CTAs, chunks per CTA %.0f..%.0f, clock %.2f GHz; back-to-back "
-         "launches %.2f us (%.1f %% of copy), DRAM time at copy rate %.2f us\n", bits, K, N, M, ctas,
+  printf("TIMELINE bits %d K %d N %d M %d: %d CTAs (variant %d, %d-row blocks, k-split %d), chunks per CTA "
+         "%.0f..%.0f, clock %.2f GHz; back-to-back launches %.2f us (%.1f %% of copy), DRAM time at copy rate "
+         "%.2f us\n", bits, K, N, M, ctas, tune.launched_variant, tune.launched_rows, tune.launched_k_split,
          median(chunks_min), median(chunks_max), median(rate), us, 100 * bytes / (us * 1e-6) / 1e9 / env.copy_gbs,
          bytes / (env.copy_gbs * 1e9) * 1e6);
   printf("  CTA entry after the previous kernel's stamp: first %.2f us, median %.2f, last %.2f; last exit %.2f us; "
