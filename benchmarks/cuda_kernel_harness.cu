@@ -37,7 +37,8 @@
 // KBIT_HARNESS_F16=1 times fp16 products instead of bf16 (see BenchEnv::matmul_args);
 // KBIT_HARNESS_GRAPH=1 times launches captured into CUDA graphs, as JAX runs them (time_tuned);
 // KBIT_HARNESS_NARROW_M and _BITS set those of "narrow", KBIT_HARNESS_WIDE5_M those of "wide5";
-// KBIT_HARNESS_TIMELINE_VARIANT=v forces "timeline"'s tiling variant; KBIT_HARNESS_TIMELINE_FLOOD=1 and
+// KBIT_HARNESS_TIMELINE_VARIANT=v and _KSPLIT=n force "timeline"'s tiling variant and cluster
+// size; KBIT_HARNESS_TIMELINE_FLOOD=1 and
 // _TWICE=1 precede each "timeline" launch by a code flood or by the same product.
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
@@ -1607,8 +1608,10 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   MatmulArgs a = env.matmul_args(s, bits, M);
   MatmulTuning tune;
   tune.timeline = buf;
-  // KBIT_HARNESS_TIMELINE_VARIANT=v forces the tiling variant (MatmulTuning::variant)
+  // KBIT_HARNESS_TIMELINE_VARIANT=v forces the tiling variant (MatmulTuning::variant),
+  // KBIT_HARNESS_TIMELINE_KSPLIT=n the cluster size (k_split)
   if (const char* v = getenv("KBIT_HARNESS_TIMELINE_VARIANT")) tune.variant = atoi(v);
+  if (const char* v = getenv("KBIT_HARNESS_TIMELINE_KSPLIT")) tune.k_split = atoi(v);
   int ctas = 0;
   auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0.0 : v[v.size() / 2]; };
   // KBIT_HARNESS_TIMELINE_FLOOD=1: code_flood before each launch (cold instruction caches);
@@ -1677,9 +1680,11 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   Timer tm;
   double us_v[2];
   kbit::cuda::MatmulTuning plain;  // (variants 0 and 1 would force matmul_fused.cuh's tilings)
-  plain.variant = tune.variant;     // (a forced variant: that one's launches)
-  const double us = tune.launched_wg_tiles > 0 || tune.variant != -1 ? time_tuned(tm, a, w, plain, 7, 20)
-                                                                      : time_variants(tm, a, w, 0, us_v);
+  plain.variant = tune.variant;     // (a forced variant or cluster size: those launches)
+  plain.k_split = tune.k_split;
+  const double us = tune.launched_wg_tiles > 0 || tune.variant != -1 || tune.k_split > 0
+                        ? time_tuned(tm, a, w, plain, 7, 20)
+                        : time_variants(tm, a, w, 0, us_v);
   const double bytes = w.plane_bytes + w.scale_bytes;
   printf("TIMELINE bits %d K %d N %d M %d: %d CTAs (variant %d, %d-row blocks, k-split %d), chunks per CTA "
          "%.0f..%.0f, clock %.2f GHz; back-to-back launches %.2f us (%.1f %% of copy), DRAM time at copy rate "
