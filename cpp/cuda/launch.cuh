@@ -106,7 +106,8 @@ struct MatmulTuning {
   mutable int launched_whole_ctas = 0, launched_cluster_sum = 0;
   mutable int launched_variant = -1, launched_rows = 0;
   // matmul_fused.cuh's launcher: the launched plan's cost (Launcher::plan, in chunk times of the V0
-  // tiling of its MT) and the price of its chunk in that unit (Config::chunk_cost)
+  // tiling of its MT) and the price of its chunk in that unit (Config::chunk_cost); the wgmma
+  // kernel's launcher sets both to 0
   mutable double launched_plan_cost = 0, launched_chunk_price = 0;
   // matmul_fused.cuh's launcher at M > 8 on the warp-specialized kernel (for fitting its prices,
   // benchmarks/nsplit_price_fit.py): the cost of its 16-row plan (V0, V1 or at bits 5 V4,

@@ -851,6 +851,8 @@ struct WgLauncher {
       tuning->launched_variant = 3;
       tuning->launched_rows = BM;
       tuning->launched_cluster_sum = w.ks < 2 ? 0 : Cfg::pushes(w.ks) ? kClusterSumPush : kClusterSumPull;
+      tuning->launched_plan_cost = 0;  // (matmul_fused.cuh's plans only)
+      tuning->launched_chunk_price = 0;
     }
     // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
     // row's 16-byte pieces swizzled by the row's index mod 8 (see the header). Each batch entry's
