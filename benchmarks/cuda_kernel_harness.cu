@@ -37,8 +37,8 @@
 // KBIT_HARNESS_F16=1 times fp16 products instead of bf16 (see BenchEnv::matmul_args);
 // KBIT_HARNESS_GRAPH=1 times launches captured into CUDA graphs, as JAX runs them (time_tuned);
 // KBIT_HARNESS_NARROW_M and _BITS set those of "narrow", KBIT_HARNESS_WIDE5_M those of "wide5";
-// KBIT_HARNESS_TIMELINE_VARIANT=v and _KSPLIT=n force "timeline"'s tiling variant and cluster
-// size; KBIT_HARNESS_TIMELINE_FLOOD=1 and
+// KBIT_HARNESS_TIMELINE_VARIANT=v, _KSPLIT=n and _COLUMNS=c force "timeline"'s tiling variant,
+// cluster size and wgmma weight tile; KBIT_HARNESS_TIMELINE_FLOOD=1 and
 // _TWICE=1 precede each "timeline" launch by a code flood or by the same product.
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
@@ -423,7 +423,7 @@ static void test_dequantize(bool quick) {
 
 struct MMCase {
   int B, M, K, N; int k_split; bool force_generic; int variant = -1; int balance = -1;
-  int wg_tiles = 0;  // variant 3 (the wgmma kernel; bf16 and the fragment layout only): 1 or 2 tiles
+  int wg_columns = 0;  // variant 3 (the wgmma kernel; 16-bit x, fragment layout): the weight tile's columns
   int split_last = -1;  // variant 3: 1 = the last round of tiles split over 2-CTA clusters where it fits
   int wg_rows = 0;      // variant 3 above 128 rows: the row tile, 128 or 256 (0: the launcher's choice)
 };
@@ -506,7 +506,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   tune.force_generic = c.force_generic;
   tune.variant = c.variant;
   tune.balance = c.balance;
-  tune.wg_tiles = c.wg_tiles;
+  tune.wg_columns = c.wg_columns;
   tune.wg_split_last = c.split_last;
   tune.wg_rows = c.wg_rows;
   *path_out = c.force_generic ? "generic (forced)" : kbit::cuda::matmul_path(a);
@@ -530,8 +530,9 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
     g_pull_by_rank_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPull &&
                                tune.launched_k_split > kbit::cuda::kPullBatchMaxRanks;
     CK(cudaDeviceSynchronize());
-    if (!err.empty()) {
+    if (!err.empty()) {  // (a failed case, not a case within its bound)
       printf("  launch error: %s\n", err.c_str());
+      *bound_ratio = INFINITY;
       return INFINITY;
     }
     dy.download(y.data());
@@ -653,19 +654,20 @@ static void test_dispatch() {
              w.nsplit_rows > 0 ? std::to_string(w.nsplit_rows).c_str() : "");
     }
   if (!kbit::cuda::wgmma_rows_here(0, 0, 2).second) return;  // (no wgmma kernel on this device or build)
-  struct WgWant { int K, N, M, bits, rows, tiles; bool split; };
-  const WgWant wg_wants[] = {{8192, 28672, 512, 2, 256, 1, true}, {8192, 28672, 512, 3, 256, 1, true},
-                             {8192, 28672, 512, 4, 256, 1, true}, {4096, 14336, 512, 5, 256, 1, false},
-                             {8192, 5120, 384, 4, 128, 1, false},  {28672, 8192, 384, 4, 128, 1, true}};
+  struct WgWant { int K, N, M, bits, rows, columns; bool split; };
+  const WgWant wg_wants[] = {{8192, 28672, 512, 2, 256, 128, true}, {8192, 28672, 512, 3, 256, 128, true},
+                             {8192, 28672, 512, 4, 256, 128, true}, {4096, 14336, 512, 5, 256, 128, false},
+                             {8192, 5120, 384, 4, 128, 128, false},  {28672, 8192, 384, 4, 128, 128, true},
+                             {2048, 4096, 48, 4, 64, 64, false},     {14336, 4096, 48, 4, 64, 64, false}};
   for (const WgWant& w : wg_wants) {
     kbit::cuda::MatmulTuning tune;
     launch_zeros(w.K, w.N, w.M, DType::kBF16, w.bits, tune);
     const bool split = tune.launched_whole_ctas > 0;
-    EXPECT(tune.launched_variant == 3 && tune.launched_rows == w.rows && tune.launched_wg_tiles == w.tiles &&
+    EXPECT(tune.launched_variant == 3 && tune.launched_rows == w.rows && tune.launched_wg_columns == w.columns &&
                split == w.split,
-           "dispatch K=%d N=%d M=%d bits=%d: variant %d, %d-row tiles, %d weight tiles per warpgroup, %s (the wgmma "
-           "kernel, %d rows, %d tiles, %s expected)\n", w.K, w.N, w.M, w.bits, tune.launched_variant,
-           tune.launched_rows, tune.launched_wg_tiles, split ? "last round split" : "unsplit", w.rows, w.tiles,
+           "dispatch K=%d N=%d M=%d bits=%d: variant %d, %d-row tiles of %d columns, %s (the wgmma kernel, %d rows, "
+           "%d columns, %s expected)\n", w.K, w.N, w.M, w.bits, tune.launched_variant,
+           tune.launched_rows, tune.launched_wg_columns, split ? "last round split" : "unsplit", w.rows, w.columns,
            w.split ? "last round split" : "unsplit");
   }
 }
@@ -744,12 +746,13 @@ static void test_matmul(bool quick) {
           cases.push_back(c);
         }
   }
-  // The wgmma kernel (variant 3) with both weight tiles (128 and 256 columns per CTA) at every
-  // row tile (BM 64, 128; 256 takes 128 columns): partial column tiles (N % 128 != 0), k-split
+  // The wgmma kernel (variant 3) with every weight tile (64 columns per CTA at BM 64, 128 and 256
+  // at every row tile; BM 256 takes 128 columns): partial column tiles (N % 128 != 0), k-split
   // clusters, partial k-range of the last rank, batch entries. At BM = 64 and 128 the
   // 128-column tile splits each rank's chunks over two warpgroup pairs
-  // (WgConfig::kPairs): an odd k-block count, a pair without chunks (K = 96 over 2 ranks: 1 chunk
-  // each), one rank of 64 chunks (each pair's ring wraps many times), at both row tiles.
+  // (WgConfig::kGroups), the 64-column tile over four single warpgroups: an odd k-block count, a
+  // group without chunks (K = 96 over 2 ranks: 1 chunk each), one rank of 64 chunks (each group's
+  // ring wraps many times), at both row tiles.
   if (!quick)
     for (const MMCase& w : {MMCase{1, 100, 1024, 512, 0, false}, MMCase{2, 65, 2048, 272, 3, false},
                             MMCase{1, 128, 4096, 384, 0, false}, MMCase{1, 33, 1056, 144, 4, false},
@@ -757,10 +760,11 @@ static void test_matmul(bool quick) {
                             MMCase{1, 40, 96, 160, 2, false}, MMCase{1, 17, 4096, 128, 1, false},
                             MMCase{1, 80, 1056, 144, 4, false}, MMCase{1, 96, 96, 160, 2, false},
                             MMCase{1, 72, 4096, 128, 1, false}})
-      for (int tiles : {1, 2}) {
+      for (int columns : {64, 128, 256}) {
+        if (columns == 64 && w.M > 64) continue;  // (the 64-column tile: 64-row tiles only)
         MMCase c = w;
         c.variant = 3;
-        c.wg_tiles = tiles;
+        c.wg_columns = columns;
         cases.push_back(c);
       }
   // ... with the last round of tiles split over 2-CTA clusters (WgLauncher::plan), 140 tiles: BM =
@@ -768,8 +772,9 @@ static void test_matmul(bool quick) {
   // tiles over two batch entries with a partial column tile and an odd k-block count.
   constexpr int kSplitLastLaunches = 2 * (4 + 4 + 4);  // (bits 2-5, bf16 and fp16)
   if (!quick)
-    for (const MMCase& c : {MMCase{1, 257, 256, 8960, 0, false, 3, -1, 0, 1, 256}, MMCase{1, 65, 256, 17920, 0, false, 3, -1, 1, 1},
-                            MMCase{2, 65, 288, 17680, 0, false, 3, -1, 2, 1}})
+    for (const MMCase& c : {MMCase{1, 257, 256, 8960, 0, false, 3, -1, 0, 1, 256},
+                            MMCase{1, 65, 256, 17920, 0, false, 3, -1, 128, 1},
+                            MMCase{2, 65, 288, 17680, 0, false, 3, -1, 256, 1}})
       cases.push_back(c);
   // Only some variants' cases (a short run): KBIT_HARNESS_TEST_VARIANTS="2 3" keeps those of the
   // N-split tiling and the wgmma kernel; KBIT_HARNESS_TEST_WGMMA=1 means "3".
@@ -797,8 +802,8 @@ static void test_matmul(bool quick) {
           double bound_ratio = 0;
           std::string path;
           if (verbose)  // the case about to run, for a case that does not return
-            printf("case B=%d M=%d K=%d N=%d k_split=%d variant=%d wg_tiles=%d bits=%d layout=%d dtype=%s\n", c.B,
-                   c.M, c.K, c.N, c.k_split, c.variant, c.wg_tiles, bits, layout, kbit::cuda::dtype_name(dt));
+            printf("case B=%d M=%d K=%d N=%d k_split=%d variant=%d wg_columns=%d bits=%d layout=%d dtype=%s\n", c.B,
+                   c.M, c.K, c.N, c.k_split, c.variant, c.wg_columns, bits, layout, kbit::cuda::dtype_name(dt));
           const double rel = run_matmul_case(c, bits, layout, dt, seed++, &bound_ratio, &path);
           const bool ok = bound_ratio <= 1.0;
           ++n_total;
@@ -1124,10 +1129,10 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 // KBIT_HARNESS_SWEEP_M="128 256 512" sweeps other M (up to 4096), KBIT_HARNESS_SWEEP_BITS="3"
 // other bits. From 65 rows (from any M with KBIT_HARNESS_SWEEP_WGMMA=1) it times the wgmma
 // kernel, and a line ends with " fused <us>" (M <= 128): matmul_fused.cuh's time at that M (its
-// launcher's choice below 65 rows, its 16-row tilings above), and " tiles <J>":
-// the weight tiles per warpgroup the launcher chose. At M <= 128 the forced sizes of the SWEEP
+// launcher's choice below 65 rows, its 16-row tilings above), and " columns <BN>":
+// the weight tile's columns the launcher chose. At M <= 128 the forced sizes of the SWEEP
 // line run the 256-column tile, and a second line, "BN128 ..." (same fields), the 128-column
-// tile (tuning.wg_tiles).
+// tile (tuning.wg_columns).
 // (Session 26's run of 256/384/512 timed the warp-specialized kernel instead: time_variants
 // forces matmul_fused.cuh's variant 0.)
 static void bench_sweep() {
@@ -1144,16 +1149,16 @@ static void bench_sweep() {
       for (int M : ms) {
         const bool wgmma = M >= 65 || wgmma_everywhere;
         // (variants 0 and 1 of time_variants would force matmul_fused.cuh's tilings)
-        auto time = [&](int ks, int wg_tiles, kbit::cuda::MatmulTuning& tune) {
+        auto time = [&](int ks, int wg_columns, kbit::cuda::MatmulTuning& tune) {
           if (wgmma) {
             kbit::cuda::MatmulTuning t;
             t.variant = 3;
             t.k_split = ks;
-            t.wg_tiles = wg_tiles;
+            t.wg_columns = wg_columns;
             const double us = time_tuned(tm, env.matmul_args(s, bits, M), w, t, 5, 10);
             tune.launched_k_split = t.launched_k_split;
             tune.launched_ctas = t.launched_ctas;
-            tune.launched_wg_tiles = t.launched_wg_tiles;
+            tune.launched_wg_columns = t.launched_wg_columns;
             return us;
           }
           double us_v[2];
@@ -1171,20 +1176,20 @@ static void bench_sweep() {
           }
         }
         const bool two_tiles = wgmma && M <= 128;  // the wgmma kernel's 256- and 128-column tiles
-        for (int wg_tiles : {2, 1}) {
-          if (wg_tiles == 1 && !two_tiles) break;
+        for (int columns : {256, 128}) {
+          if (columns == 128 && !two_tiles) break;
           // the line's first time: the launcher's own choice (on the SWEEP line, of the tile too)
           kbit::cuda::MatmulTuning tune;
-          const double us = time(0, wg_tiles == 1 ? 1 : 0, tune);
-          const int chosen_tiles = tune.launched_wg_tiles;
-          printf("%s %-18s %5d %6d %d %2d %8.2f %d %3d ", wg_tiles == 1 ? "BN128" : "SWEEP", s.name, s.K, s.N, bits, M,
+          const double us = time(0, columns == 128 ? 128 : 0, tune);
+          const int chosen_columns = tune.launched_wg_columns;
+          printf("%s %-18s %5d %6d %d %2d %8.2f %d %3d ", columns == 128 ? "BN128" : "SWEEP", s.name, s.K, s.N, bits, M,
                  us, tune.launched_k_split, tune.launched_ctas);
           for (int ks = 1; ks <= 8; ++ks) {
-            const double t = time(ks, two_tiles ? wg_tiles : 0, tune);
+            const double t = time(ks, two_tiles ? columns : 0, tune);
             printf(" %.2f/%d/%d", t, tune.launched_k_split, tune.launched_ctas);
           }
           if (fused_us > 0) printf(" fused %.2f", fused_us);
-          if (wgmma) printf(" tiles %d", chosen_tiles);
+          if (wgmma) printf(" columns %d", chosen_columns);
           printf("\n");
         }
       }
@@ -1367,11 +1372,11 @@ static void bench_split_last() {
       const WeightCopies w(env, s, bits);
       for (int M : ms) {
         const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
-        auto time = [&](int split_last, int wg_tiles, kbit::cuda::MatmulTuning& t, int wg_rows = 0) {
+        auto time = [&](int split_last, int wg_columns, kbit::cuda::MatmulTuning& t, int wg_rows = 0) {
           t = kbit::cuda::MatmulTuning();
           t.variant = 3;
           t.wg_split_last = split_last;
-          t.wg_tiles = wg_tiles;
+          t.wg_columns = wg_columns;
           t.wg_rows = wg_rows;
           return time_tuned(tm, a, w, t, 5, 10);
         };
@@ -1380,24 +1385,24 @@ static void bench_split_last() {
         us += time(-1, 0, dflt);
         us_off += time(0, 0, off);
         printf("SPLIT %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d %d\n", s.name, s.K, s.N, bits, M, us_off / 2,
-               us / 2, us / us_off, dflt.launched_whole_ctas, dflt.launched_ctas, off.launched_wg_tiles,
-               dflt.launched_wg_tiles);
+               us / 2, us / us_off, dflt.launched_whole_ctas, dflt.launched_ctas, off.launched_wg_columns,
+               dflt.launched_wg_columns);
         if (M > 128) {
           kbit::cuda::MatmulTuning tall, r128;
           double u256 = time(-1, 0, tall, 256), u128 = time(-1, 0, r128, 128);
           u128 += time(-1, 0, r128, 128);
           u256 += time(-1, 0, tall, 256);
           printf("SPLITR %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d %d\n", s.name, s.K, s.N, bits, M, u256 / 2,
-                 u128 / 2, u128 / u256, tall.launched_ctas, r128.launched_ctas, r128.launched_wg_tiles,
+                 u128 / 2, u128 / u256, tall.launched_ctas, r128.launched_ctas, r128.launched_wg_columns,
                  dflt.launched_rows);
         }
         if (bits == 5 && M <= 128) {
           printf("SPLITJ %-18s %5d %6d %d %4d", s.name, s.K, s.N, bits, M);
-          for (int tiles : {2, 1}) {
+          for (int columns : {256, 128}) {
             kbit::cuda::MatmulTuning t;
-            const double u0 = time(0, tiles, t);
+            const double u0 = time(0, columns, t);
             const int c0 = t.launched_ctas;
-            const double u1 = time(1, tiles, t);
+            const double u1 = time(1, columns, t);
             printf("  %.2f/%d %.2f/%d/%d", u0, c0, u1, t.launched_ctas, t.launched_whole_ctas);
           }
           printf("\n");
@@ -1407,14 +1412,15 @@ static void bench_split_last() {
 }
 
 // Every tile of the wgmma kernel at each case, for fitting WgLauncher::cost: the row tile (64 up
-// to 64 rows, 128, and 256 above 128 rows) x the column tile (J = 1, 2; not at 256 rows), each
+// to 64 rows, 128, and 256 above 128 rows) x the column tile (128 and 256; at 64 rows also 64;
+// at 256 rows only 128), each
 // with the launcher's plan (cluster size, split last round, cluster sum). Each configuration is
 // timed twice, in two passes over the configurations (the clocks drift within a case), then the
 // launcher's own choice, last in each pass (so on the largest layers, whose clocks drift most, it
 // reads up to ~10 % slow against the same configuration forced). One line per configuration and
 // one for the launcher's choice:
-//   WGPLAN <shape> K N bits M <rows> <J> <ks> <CTAs> <whole-tile CTAs> <sum: - push pull> <us>
-//   WGPICK <shape> K N bits M <rows> <J> <us>
+//   WGPLAN <shape> K N bits M <rows> <columns> <ks> <CTAs> <whole-tile CTAs> <sum: - push pull> <us>
+//   WGPICK <shape> K N bits M <rows> <columns> <us>
 // KBIT_HARNESS_PLANS_M (default "64 128 192 256 384 512") and KBIT_HARNESS_PLANS_BITS ("2 4 5")
 // choose the cases.
 static void bench_wgmma_plans() {
@@ -1423,7 +1429,7 @@ static void bench_wgmma_plans() {
   BenchEnv env(*std::max_element(ms.begin(), ms.end()));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
-  struct Tile { int rows, tiles; };
+  struct Tile { int rows, columns; };
   for (const Shape& s : shapes_and_llama70b_layers({2}))
     for (int bits : bits_list) {
       const WeightCopies w(env, s, bits);
@@ -1432,8 +1438,8 @@ static void bench_wgmma_plans() {
         std::vector<Tile> tiles;
         for (int rows : {64, 128, 256})
           if ((rows == 64) == (M <= 64) && (rows != 256 || M > 128))
-            for (int j : {1, 2})
-              if (rows != 256 || j == 1) tiles.push_back({rows, j});
+            for (int columns : {64, 128, 256})
+              if ((rows == 256 ? columns == 128 : columns != 64 || rows == 64)) tiles.push_back({rows, columns});
         std::vector<double> us(tiles.size(), 0.0);
         std::vector<kbit::cuda::MatmulTuning> tune(tiles.size());
         double pick_us = 0;
@@ -1443,7 +1449,7 @@ static void bench_wgmma_plans() {
             tune[i] = kbit::cuda::MatmulTuning();
             tune[i].variant = 3;
             tune[i].wg_rows = tiles[i].rows > 64 ? tiles[i].rows : 0;
-            tune[i].wg_tiles = tiles[i].tiles;
+            tune[i].wg_columns = tiles[i].columns;
             us[i] += time_tuned(tm, a, w, tune[i], 5, 10) / 2;
           }
           pick = kbit::cuda::MatmulTuning();
@@ -1453,11 +1459,11 @@ static void bench_wgmma_plans() {
         for (size_t i = 0; i < tiles.size(); ++i) {
           const kbit::cuda::MatmulTuning& t = tune[i];
           printf("WGPLAN %-18s %5d %6d %d %4d %3d %d %d %4d %4d %-4s %8.2f\n", s.name, s.K, s.N, bits, M,
-                 t.launched_rows, t.launched_wg_tiles, t.launched_k_split, t.launched_ctas, t.launched_whole_ctas,
+                 t.launched_rows, t.launched_wg_columns, t.launched_k_split, t.launched_ctas, t.launched_whole_ctas,
                  cluster_sum_name(t.launched_cluster_sum), us[i]);
         }
         printf("WGPICK %-18s %5d %6d %d %4d %3d %d %8.2f\n", s.name, s.K, s.N, bits, M, pick.launched_rows,
-               pick.launched_wg_tiles, pick_us);
+               pick.launched_wg_columns, pick_us);
         fflush(stdout);
       }
     }
@@ -1609,9 +1615,11 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   MatmulTuning tune;
   tune.timeline = buf;
   // KBIT_HARNESS_TIMELINE_VARIANT=v forces the tiling variant (MatmulTuning::variant),
-  // KBIT_HARNESS_TIMELINE_KSPLIT=n the cluster size (k_split)
+  // KBIT_HARNESS_TIMELINE_KSPLIT=n the cluster size (k_split), _COLUMNS=c the wgmma kernel's
+  // weight tile (wg_columns)
   if (const char* v = getenv("KBIT_HARNESS_TIMELINE_VARIANT")) tune.variant = atoi(v);
   if (const char* v = getenv("KBIT_HARNESS_TIMELINE_KSPLIT")) tune.k_split = atoi(v);
+  if (const char* v = getenv("KBIT_HARNESS_TIMELINE_COLUMNS")) tune.wg_columns = atoi(v);
   int ctas = 0;
   auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0.0 : v[v.size() / 2]; };
   // KBIT_HARNESS_TIMELINE_FLOOD=1: code_flood before each launch (cold instruction caches);
@@ -1668,7 +1676,7 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
     chunks_max.push_back(maxv(ch));
   }
   // The wgmma kernel (M >= 33 or 65, matmul.cu) marks its own milestones under the same slots.
-  if (tune.launched_wg_tiles > 0) {
+  if (tune.launched_wg_columns > 0) {
     const char* wg_names[kTlMarks] = {"entry", "setup (table, barriers)", "-", "first copies issued",
                                       "table built", "first chunk arrived", "products done",
                                       "tiles staged (cluster)", "own rows in (push)", "reduced and stored", "exit",
@@ -1682,13 +1690,16 @@ static void bench_timeline(int bits, int K, int N, int M, int reps) {
   kbit::cuda::MatmulTuning plain;  // (variants 0 and 1 would force matmul_fused.cuh's tilings)
   plain.variant = tune.variant;     // (a forced variant or cluster size: those launches)
   plain.k_split = tune.k_split;
-  const double us = tune.launched_wg_tiles > 0 || tune.variant != -1 || tune.k_split > 0
+  plain.wg_columns = tune.wg_columns;
+  const double us = tune.launched_wg_columns > 0 || tune.variant != -1 || tune.k_split > 0
                         ? time_tuned(tm, a, w, plain, 7, 20)
                         : time_variants(tm, a, w, 0, us_v);
   const double bytes = w.plane_bytes + w.scale_bytes;
-  printf("TIMELINE bits %d K %d N %d M %d: %d CTAs (variant %d, %d-row blocks, k-split %d), chunks per CTA "
+  printf("TIMELINE bits %d K %d N %d M %d: %d CTAs (variant %d, %d-row blocks, k-split %d, wgmma columns %d), "
+         "chunks per CTA "
          "%.0f..%.0f, clock %.2f GHz; back-to-back launches %.2f us (%.1f %% of copy), DRAM time at copy rate "
          "%.2f us\n", bits, K, N, M, ctas, tune.launched_variant, tune.launched_rows, tune.launched_k_split,
+         tune.launched_wg_columns,
          median(chunks_min), median(chunks_max), median(rate), us, 100 * bytes / (us * 1e-6) / 1e9 / env.copy_gbs,
          bytes / (env.copy_gbs * 1e9) * 1e6);
   printf("  CTA entry after the previous kernel's stamp: first %.2f us, median %.2f, last %.2f; last exit %.2f us; "
@@ -1876,9 +1887,9 @@ static void run_one(int bits, int K, int N, int M, int reps, int variant) {
     const std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
     if (!e.empty()) { printf("ERROR %s\n", e.c_str()); break; }
     if (r == 0)
-      printf("one: bits %d K %d N %d M %d: variant %d, %d-row blocks, cluster size %d, %d CTAs, wgmma tiles %d, "
+      printf("one: bits %d K %d N %d M %d: variant %d, %d-row blocks, cluster size %d, %d CTAs, wgmma columns %d, "
              "cluster sum %s\n", bits, K, N, M, tune.launched_variant, tune.launched_rows, tune.launched_k_split,
-             tune.launched_ctas, tune.launched_wg_tiles, cluster_sum_name(tune.launched_cluster_sum));
+             tune.launched_ctas, tune.launched_wg_columns, cluster_sum_name(tune.launched_cluster_sum));
   }
   CK(cudaDeviceSynchronize());
   cudaFree(pool); cudaFree(cb); cudaFree(ts); cudaFree(x); cudaFree(y);

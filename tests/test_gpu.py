@@ -90,6 +90,28 @@ def test_matmul_wide_bits5_tiling(dtype, rng):
         assert np.all(err <= bound), f"GLU, M={m}: max err/bound = {np.max(err / bound)}"
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("bits", BITS)
+def test_matmul_wgmma_64_column_tile(bits, dtype, rng):
+    """K = 2048, N = 4096 (Qwen3 q) at M = 17..64: the wgmma kernel's plan takes the 64-column
+    tile (64 tiles over 2-CTA k-split clusters, four warpgroups each adding their own chunks'
+    sums), partial at 17 and 40 rows, with and without the GLU epilogue; the same result twice."""
+    gpu = jax.devices("gpu")[0]
+    k, n = 2048, 4096
+    q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
+    w64 = dense64(q)
+    f = jax.jit(kj.matmul)
+    gated = jax.jit(functools.partial(kj.matmul, glu="silu", method="fused"))
+    for m in (17, 40, 64):
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        _assert_bound_and_repeatable(f, x, q, w64, gpu)
+    xs = jnp.asarray(rng.standard_normal((40, k)) * (4 / np.sqrt(k)), dtype)
+    y = gated(jax.device_put(xs, gpu), q)
+    y64, bound = glu_error_bound(xs, w64, dtype, dtype, "silu")
+    err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
+    assert np.all(err <= bound), f"GLU: max err/bound = {np.max(err / bound)}"
+
+
 @pytest.mark.parametrize("glu", GLU_KINDS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("bits", [4, 5])

@@ -1,8 +1,8 @@
 """A small workload for compute-sanitizer (tools/gpu_check.sh): every CUDA kernel once per bits.
 
     python tools/sanitize_case.py [PART ...]   the named parts (default: all): small, clusters,
-                                               glu, wgmma, wgmma_f16 (racecheck over all of them
-                                               takes minutes)
+                                               glu, wgmma, wgmma_f16, wgmma64 (racecheck over all
+                                               of them takes minutes)
 """
 
 import sys
@@ -101,7 +101,22 @@ def wgmma_f16():
                 jax.block_until_ready(kj.matmul(x, q))
 
 
-PARTS = {"small": small, "clusters": clusters, "glu": glu, "wgmma": wgmma, "wgmma_f16": wgmma_f16}
+def wgmma64():
+    # The wgmma kernel's 64-column tile (four warpgroups, each with its own chunks and tile; M <=
+    # 64): K = 2048, N = 4096 at M = 48 (64 tiles over 2-CTA clusters), K = 4096, N = 256 at M = 40
+    # (4 tiles over 8-CTA clusters, a partial row tile); a GLU; fp16 at bits 3.
+    for bits in (2, 3, 4, 5):
+        for (k, n), m in (((2048, 4096), 48), ((4096, 256), 40)):
+            q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            jax.block_until_ready(kj.matmul(x, q))
+            jax.block_until_ready(kj.matmul(x, q, glu="silu"))
+            if bits == 3:
+                jax.block_until_ready(kj.matmul(x.astype(jnp.float16), q))
+
+
+PARTS = {"small": small, "clusters": clusters, "glu": glu, "wgmma": wgmma, "wgmma_f16": wgmma_f16,
+         "wgmma64": wgmma64}
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(PARTS)

@@ -53,8 +53,9 @@ _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 # kbit_matmul_{ws,fused}_kernel<BITS, Act, MT, V> (warp-specialized / cp.async kernel)
 _MATMUL_KERNEL = re.compile(r"kbit_matmul_(ws|fused)_kernelILi(\d)ENS0_\d+(\w+?)ELi(\d)ELi(\d)E")
-# kbit_matmul_wgmma_kernel<BITS, BM, J, Act>: bits, BM, J (session 27+), Act (session 42+)
-_WGMMA_KERNEL = re.compile(r"kbit_matmul_wgmma_kernelILi(\d)ELi(\d+)E(?:Li(\d)E)?(?:NS0_\d+(\w+?)E)?")
+# kbit_matmul_wgmma_kernel<BITS, BM, J, WG, Act>: bits, BM, J (session 27+), Act (session 42+),
+# WG (warpgroups across the tile's columns, session 47+; labelled only where it is 1)
+_WGMMA_KERNEL = re.compile(r"kbit_matmul_wgmma_kernelILi(\d)ELi(\d+)E(?:Li(\d)E)?(?:Li(\d)E)?(?:NS0_\d+(\w+?)E)?")
 
 
 def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
@@ -116,9 +117,9 @@ def label(mangled: str) -> str:
         return f"{'ws' if kind == 'ws' else 'cp.async'} bits {bits} {act:7s} MT {mt} V{v}"
     m = _WGMMA_KERNEL.search(mangled)
     if m:
-        act = m.group(4) if m.group(4) and m.group(4) != "ActBF16" else ""  # (bf16 pairs with older trees)
+        act = m.group(5) if m.group(5) and m.group(5) != "ActBF16" else ""  # (bf16 pairs with older trees)
         return (f"wgmma bits {m.group(1)} BM {m.group(2)}" + (f" J {m.group(3)}" if m.group(3) else "") +
-                (f" {act}" if act else ""))
+                (" WG 1" if m.group(4) == "1" else "") + (f" {act}" if act else ""))
     return mangled[:60]
 
 

@@ -84,8 +84,8 @@ struct MatmulTuning {
   int min_m_tiles = 0;         // warp-specialized kernel: blocks of at least this many n8 row tiles (2:
                                // the 16-row tilings, whose V0 has 32-column groups, even at M <= 8);
                                // 0 = ceil(M / 8)
-  int wg_tiles = 0;            // wgmma kernel, M <= 128: m64 weight tiles per warpgroup, 2 (256 columns
-                               // per CTA) or 1 (128); 0 = the launcher picks (WgLauncher::cost)
+  int wg_columns = 0;          // wgmma kernel, M <= 128: the weight tile's columns, 256, 128 or (M <= 64)
+                               // 64; 0 = the launcher picks (WgLauncher::cost)
   int balance = -1;            // chunk-balanced clusters: 1 = wherever possible (at k_split if set), 0 =
                                // never (uniform k-split), -1 = the launcher picks (KBIT_JAX_BALANCE=0: never)
   int wg_rows = 0;             // wgmma kernel above 128 rows: the row tile, 128 or 256; 0 = the launcher
@@ -98,11 +98,11 @@ struct MatmulTuning {
 #endif
   // Written by the fused kernel's launcher (for benchmarks and tests): the cluster size and CTA
   // count it launched with, whether its clusters were chunk-balanced, the wgmma kernel's weight
-  // tiles per warpgroup (0: another kernel), and the tiling variant (as `variant`) with the rows
+  // tile's columns (0: another kernel), and the tiling variant (as `variant`) with the rows
   // of its blocks of M; the wgmma kernel's CTAs that computed a whole tile each before the split
   // last round (0: none), and how its k-split clusters added their tiles (kClusterSumPush or
   // kClusterSumPull; 0: no k-split).
-  mutable int launched_k_split = 0, launched_ctas = 0, launched_balanced = 0, launched_wg_tiles = 0;
+  mutable int launched_k_split = 0, launched_ctas = 0, launched_balanced = 0, launched_wg_columns = 0;
   mutable int launched_whole_ctas = 0, launched_cluster_sum = 0;
   mutable int launched_variant = -1, launched_rows = 0;
   // matmul_fused.cuh's launcher: the launched plan's cost (Launcher::plan, in chunk times of the V0

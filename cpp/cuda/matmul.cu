@@ -62,7 +62,7 @@ std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
 // Session 38 (H200, harness "rows" without PDL, both kernels timed on the ten shapes and
 // Llama-3-70B's layers at TP 2 and 4, bits 2-5, M = 17..64: 408 cases; benchmarks/results/
 // wgmma_pairs_h200_s38.md) split the 64-row, 128-column tile's chunks over two warpgroup pairs
-// (WgConfig::kPairs): 0.81-0.90x the time (geometric means) on the Llama-3-70B down, o and
+// (WgConfig::kGroups): 0.81-0.90x the time (geometric means) on the Llama-3-70B down, o and
 // q/k/v layers at M = 17..64. Now the wgmma kernel wins at 17..32 on every N of 2560..8192 (the
 // Llama-3-70B layers at TP 1-4: 0.62-0.98x the fused kernel's time) but Llama-3-8B down (K
 // 14336, N 4096) at bits 3-4 (1.15x), at bits 5 on every N (N = 2048: 0.88-0.98x), and still on

@@ -1796,7 +1796,7 @@ struct Launcher {
       tuning->launched_k_split = ks;
       tuning->launched_ctas = static_cast<int>(ncl * ks);
       tuning->launched_balanced = pl.balanced ? 1 : 0;
-      tuning->launched_wg_tiles = 0;
+      tuning->launched_wg_columns = 0;
       tuning->launched_whole_ctas = 0;
       tuning->launched_cluster_sum = 0;
       tuning->launched_variant = V;

@@ -101,7 +101,7 @@
 //  samples in the pull's remote adds.
 //  Sessions 38-40 (H200, H100; benchmarks/results/wgmma_pairs_h200_s38.md,
 //  wgmma_pairs128_h100_s39.md, wgmma_tails_s40.md): the 128-column tile on two warpgroup pairs
-//  (WgConfig::kPairs) at 64 rows, and at 128 (bits 5 from session 40, with the 64 KiB table): the
+//  (WgConfig::kGroups) at 64 rows, and at 128 (bits 5 from session 40, with the 64 KiB table): the
 //  64-row main loop takes 0.68x the time, the 128-row tile 0.86x (M = 96..128), and above 128
 //  rows the launcher now picks it for about half the cases.
 //  Session 40 (H100 and H200, benchmarks/results/wgmma_tails_s40.md): a partial last row tile
@@ -116,6 +116,12 @@
 //  store: 0.66 us of it in thread 0's first item's 12 LDS.128 and adds (timeline marks
 //  kTlSumEntered, kTlSumAdded), not understood. Loads of 4 columns a thread (conflict-free) took
 //  0.47 us, but ptxas reordered every main loop: 1.000x overall, reverted.
+//  Session 47 (H100, benchmarks/results/wgmma64_h100_s47.md): the 64-column tile at BM = 64
+//  (WG = 1, four warpgroups over a rank's chunks) and each group's own staged tile. Harness picks
+//  against the session's start: Llama-3-8B down at M = 17..64 0.84x the time (64 tiles over
+//  2-CTA clusters), Qwen3 q 0.92x, the rest 0.98-1.01x. On N = 2048 layers, for which it was
+//  meant, fewer than 32 4-CTA clusters fit, so it gets 3 ranks, and a rank's push of 11 KiB took
+//  as long as the 6-rank tile's 27 KiB (~1.2 us): that cluster sum is not bound by its bytes.
 //
 // ---- Limits ----
 //  bf16 or fp16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
@@ -143,18 +149,22 @@ constexpr int kSmSmemBytes = 228 * 1024;   // ... and per SM, for all its CTAs
 
 // The decode path: bits 5 at BM = 256 takes the 64 KiB table of 16 lane copies (two wavefronts
 // per lookup) to leave room for four stages; the decode per flop is half that of BM = 128. The
-// paired 128 x 128 tile (WgConfig::kPairs) takes it too: with the 128 KiB table its 2 x 3 stages
-// do not fit.
-template <int BITS, int BM, int J>
-using WgWeightPath = std::conditional_t<BITS == 5 && (BM == 256 || (BM == 128 && J == 1)), fused::WeightPathBits5<16>,
-                                        fused::WeightPath<BITS>>;
+// paired 128 x 128 tile (WgConfig::kGroups) takes it too: with the 128 KiB table its 2 x 3 stages
+// do not fit; so does the 64-column tile (WG = 1), for its 4 x 3 stages.
+template <int BITS, int BM, int J, int WG>
+using WgWeightPath = std::conditional_t<BITS == 5 && (BM == 256 || (BM == 128 && J == 1) || WG == 1),
+                                        fused::WeightPathBits5<16>, fused::WeightPath<BITS>>;
 
 // J: m64 A tiles per warpgroup (see the header); BM = 256 takes only J = 1 (its accumulators).
-template <int BITS, int BM, int J>
+// WG: warpgroups side by side across the tile's columns, 2 (128 J columns) or 1 (64 columns, at
+// BM = 64 only: see kGroups).
+template <int BITS, int BM, int J, int WG = 2>
 struct WgConfig {
   static_assert(J == 1 || (J == 2 && BM <= 128), "accumulators: BM / 2 x J floats per thread, at most 128");
-  // Pairs of warpgroups (P): each pair computes the whole tile's columns over every P-th chunk
-  // of the rank's k-range; the epilogue adds the pairs' tiles. At BM = 64, J = 1 a chunk's
+  static_assert(WG == 2 || (WG == 1 && J == 1 && BM == 64), "the 64-column tile: one m64 tile per warpgroup, 64 rows");
+  // Groups of WG warpgroups (P groups; two pairs at J = 1 and BM <= 128, four single warpgroups
+  // at WG = 1): each group computes the whole tile's columns over every P-th chunk of the rank's
+  // k-range; the epilogue adds the groups' tiles. At BM = 64, J = 1 a chunk's
   // decode (~100 instructions per warp and k-block) outlasts its products 3-4x, with two warps
   // per scheduler to hide its latencies: 0.41 us per chunk on Qwen3 down at M = 32 and 64 alike
   // (H200 timeline, session 38). With two pairs (four warps per scheduler) the main loop takes
@@ -168,11 +178,18 @@ struct WgConfig {
   // BM = 128 takes the 64 KiB table (WgWeightPath) for its 3 stages per pair: 0.94-0.95x the
   // time of one pair with the 128 KiB table and 4 stages at M = 96..128 (H100, session 40,
   // wgmma_tails_s40.md).
-  static constexpr int kPairs = J == 1 && (BM == 64 || BM == 128) ? 2 : 1;
-  // per pair, two warpgroups: decode and products (the pair's warp 0 copies too)
-  static constexpr int kThreads = 256 * kPairs;
+  // The 64-column tile (WG = 1) is for small layers at M <= 64 (N = 2048: 16 tiles of 128
+  // columns, which the launcher splits over 6-CTA clusters to fill the GPU, and whose cluster sum
+  // then took 2.6-3.4 us of a 8-9 us launch, benchmarks/results/small_m32_64_h100_s46.md): twice
+  // the tiles over 4-CTA clusters send 3/4 of a 16 KiB tile to the other ranks instead of 5/6 of
+  // 32 KiB, and each rank decodes 3/4 of the weights. Its four warpgroups decode 16 columns a
+  // warp each, as the pairs do, but read x once per 64 columns instead of per 128.
+  static constexpr int kGroups = WG == 1 ? 4 : J == 1 && (BM == 64 || BM == 128) ? 2 : 1;
+  // per group, WG warpgroups: decode and products (the group's warp 0 copies too)
+  static constexpr int kGroupThreads = 128 * WG;
+  static constexpr int kThreads = kGroupThreads * kGroups;
   static constexpr int kTiles = J;
-  static constexpr int kBN = 128 * kTiles;          // weight columns per CTA: 2 warpgroups x J tiles
+  static constexpr int kBN = 64 * WG * kTiles;      // weight columns per CTA: WG warpgroups x J tiles
   static constexpr int kKCH = 2;        // k-blocks (32 k each) per ring stage
   static constexpr int kXRowBytes = kKCH * 64;            // a row of x in a stage: 64 k (128 bytes)
   static constexpr int kXBytes = BM * kXRowBytes;          // [row][64 k], swizzled
@@ -181,24 +198,26 @@ struct WgConfig {
   static constexpr int kSBytes = kKCH * kBN;               // E4M4 scale bytes
   // (stages stay 1024-byte aligned: the 128-byte swizzle repeats every 8 rows of x)
   static constexpr int kStageBytes = (kXBytes + kWBytes + kSBytes + 1023) / 1024 * 1024;
-  using Path = WgWeightPath<BITS, BM, J>;
+  using Path = WgWeightPath<BITS, BM, J, WG>;
   static constexpr int kLutBytes = Path::kLutBytes;
   static constexpr int kTileStride = kBN + 4;              // floats per row of the epilogue tile
-  static constexpr int kTileBytes = BM * kTileStride * 4;  // overlays table and ring at the end
+  static constexpr int kTileBytes = BM * kTileStride * 4;  // a group's tile
+  static constexpr int kStagedBytes = kGroups * kTileBytes;  // every group's, over table and ring at the end
   // Up to S - 2 chunks in flight beyond the one being computed (a slot is refilled once the
   // products of the chunk before are done): 6 stages where they fit (bits 2-4 at BM <= 128, bits
   // 3 at 256), else 4 or 3 (bits 5's 128 KiB table at 128 x 256; bits 2, 4 and 5 at BM = 256);
-  // 0: this BM does not fit. With pairs, each pair has S / P stages of its own, at least 3: 10
-  // (5 per pair) where they fit (bits 2-4), else 6 (bits 5).
+  // 0: this BM does not fit. With groups, each group has S / P stages of its own, at least 3:
+  // pairs 10 (5 per pair) where they fit (bits 2-4), else 6 (bits 5); four groups 16 (bits 3) or 12.
   // (+ 16 bytes of barriers per stage and the cluster sum's receive barrier)
   static constexpr int fits(int s) { return kLutBytes + s * kStageBytes + 1024 + 16 * s + 8 <= kMaxSmemBytes; }
   static constexpr int pick_stages() {
-    if (kPairs == 2) return fits(10) ? 10 : fits(8) ? 8 : fits(6) ? 6 : 0;
+    if (kGroups == 4) return fits(16) ? 16 : fits(12) ? 12 : 0;
+    if (kGroups == 2) return fits(10) ? 10 : fits(8) ? 8 : fits(6) ? 6 : 0;
     return fits(6) ? 6 : fits(4) ? 4 : fits(3) ? 3 : 0;
   }
   static constexpr int kStages = pick_stages();
-  static constexpr int kPairStages = kStages / kPairs;
-  static constexpr int kBarOffset = std::max(kLutBytes + kStages * kStageBytes + 1024, kTileBytes);
+  static constexpr int kGroupStages = kStages / kGroups;
+  static constexpr int kBarOffset = std::max(kLutBytes + kStages * kStageBytes + 1024, kStagedBytes);
   // One CTA per SM: the launcher's plan (cluster sizes, waves) counts SMs, and two CTAs on one SM
   // share its decode and tensor-core rate while other SMs idle. Bits 3's 8 KiB table leaves BM =
   // 64 at ~99 KiB (and 104-125 registers per thread), so two fit an SM's 228 KiB; the
@@ -211,7 +230,7 @@ struct WgConfig {
   static constexpr int kRecvBarOffset = kSmemBytes - 8;
   static_assert(kStages == 0 || kSmemBytes <= kMaxSmemBytes, "shared memory budget");
   // The k-split cluster sum by push (see the epilogue): rank q's rows of the other ks - 1 ranks'
-  // tiles land in its receive slots, [ks - 1][ceil(BM / ks) rows][BN] floats after the tile, over
+  // tiles land in its receive slots, [ks - 1][ceil(BM / ks) rows][BN] floats after the tiles, over
   // the table and the ring, which are dead by then (not over the ring's mbarriers: their memory
   // would need an mbarrier.inval first). Where the slots do not fit, the sum pulls: BN = 256 at
   // BM = 128 (bits 2 and 3 always, 4 and 5 from 3 ranks), BM = 256 from 3 ranks (bits 3 from 4),
@@ -220,13 +239,15 @@ struct WgConfig {
   static constexpr int push_max_ranks() {
     int m = 1;
     for (int ks = 2; ks <= 8; ++ks)
-      if (kTileBytes + recv_bytes(ks) <= kBarOffset) m = ks;
+      if (kStagedBytes + recv_bytes(ks) <= kBarOffset) m = ks;
     return m;
   }
   static constexpr int kPushMaxRanks = push_max_ranks();
   // (the kernel's choice, and the launcher's: cost, launch; a compile-time bound, so where every
   // cluster size fits the pull's code is dead, and takes no registers)
   static constexpr bool pushes(int ks) { return ks > 1 && ks <= kPushMaxRanks; }
+  // (a pull would read every group's tile from the other ranks: groups always push)
+  static_assert(kGroups == 1 || kPushMaxRanks == 8, "groups' tiles and the receive slots fit every cluster size");
   static_assert(2 * (kSmemBytes + 1024) > kSmSmemBytes, "one CTA per SM (1 KiB reserved per CTA)");
   static_assert(kStageBytes % 16 == 0 && kLutBytes % 16 == 0, "16-byte copies");
 };
@@ -280,25 +301,25 @@ __device__ __forceinline__ int f16_weight_exponent(float cb_abs) {
   return min(11, max(-10, 10 - frexp_exponent));
 }
 
-template <int BITS, int BM, int J, class Act>
-__global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
+template <int BITS, int BM, int J, int WG, class Act>
+__global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     kbit_matmul_wgmma_kernel(const WgParams p, const __grid_constant__ CUtensorMap xmap,
                              const __grid_constant__ CUtensorMap xmap_tail, const __grid_constant__ CUtensorMap wmap,
                              const __grid_constant__ CUtensorMap smap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = WgConfig<BITS, BM, J>;
+  using Cfg = WgConfig<BITS, BM, J, WG>;
   using WP = typename Cfg::Path;
   constexpr bool kF16 = std::is_same_v<Act, ActF16>;
   using Mma = std::conditional_t<kF16, WgmmaF16<BM>, WgmmaBF16<BM>>;
   constexpr int S = Cfg::kStages, KCH = Cfg::kKCH, BN = Cfg::kBN, NACC = BM / 2;
-  constexpr int P = Cfg::kPairs, SP = Cfg::kPairStages;
+  constexpr int P = Cfg::kGroups, SP = Cfg::kGroupStages, GW = 4 * WG;  // (GW: warps per group)
   static_assert(S >= 3 && SP >= 3, "a tile that fits shared memory");
   extern __shared__ __align__(128) uint8_t smem[];
   // (the warp index through a shuffle: ptxas then knows it is warp-uniform, and the branch on it
   // below is no divergent path around the wgmma pipeline)
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-  // pair: the warpgroup pair (its chunks, see WgConfig::kPairs); wg: the warpgroup's 64 J columns
-  const int pair = P == 1 ? 0 : warp >> 3, wg = P == 1 ? warp >> 2 : (warp >> 2) & 1;
+  // group: the warpgroup group (its chunks, see WgConfig::kGroups); wg: the warpgroup's 64 J columns
+  const int group = P == 1 ? 0 : warp / GW, wg = WG == 1 ? 0 : P == 1 ? warp >> 2 : (warp >> 2) & 1;
   const int wq = warp & 3, g = lane >> 2, t = lane & 3;
 
   // (cluster-uniform: whole_ctas is a multiple of the cluster size)
@@ -312,28 +333,28 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   const int rows = int(min(int64_t(BM), p.M - m0));
   const int kbA = rank * p.kps, kbE = whole ? p.KB : min(p.KB, kbA + p.kps);
   const int nch = kbE > kbA ? (kbE - kbA + KCH - 1) / KCH : 0;
-  const bool copier = P == 1 ? warp == 0 : (warp & 7) == 0;  // the pair's warp 0: it copies the pair's chunks
+  const bool copier = P == 1 ? warp == 0 : warp % GW == 0;  // the group's warp 0: it copies the group's chunks
 
   KBIT_TL_MARK(p, kTlEntry, tid == 0);
   KBIT_TL_GLOBAL(p, kTlGlobalEntry, tid == 0);
   KBIT_TL_VALUE(p, kTlChunks, nch, tid == 0);
   const uint32_t s_lut = smem_u32(smem), s_full = s_lut + Cfg::kBarOffset, s_empty = s_full + 8 * S;
   const uint32_t s_ring = (s_lut + Cfg::kLutBytes + 1023u) & ~1023u;  // 1024-byte aligned stages
-  // (each pair's copying lane initializes its pair's barriers: it copies onto them before the
+  // (each group's copying lane initializes its group's barriers: it copies onto them before the
   // CTA's first barrier)
-  if (P == 1 ? tid == 0 : tid % 256 == 0) {
-    for (int s = pair * SP; s < (pair + 1) * SP; ++s) {
-      fused::mbar_init(s_full + 8 * s, 1);                   // the copying lane's arrival + the bytes
-      fused::mbar_init(s_empty + 8 * s, Cfg::kThreads / P);  // every thread of the pair, done with the slot
+  if (P == 1 ? tid == 0 : tid % Cfg::kGroupThreads == 0) {
+    for (int s = group * SP; s < (group + 1) * SP; ++s) {
+      fused::mbar_init(s_full + 8 * s, 1);                    // the copying lane's arrival + the bytes
+      fused::mbar_init(s_empty + 8 * s, Cfg::kGroupThreads);  // every thread of the group, done with the slot
     }
     // the cluster sum's receive barrier (used where it pushes): this CTA's arrival + the bytes
     if (tid == 0) fused::mbar_init(s_lut + Cfg::kRecvBarOffset, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   }
-  // Pair pr's chunk c (the rank's chunk P c + pr): its ring slot (one of the pair's SP), its
+  // Group pr's chunk c (the rank's chunk P c + pr): its ring slot (one of the group's SP), its
   // barriers, the parity of its use of them (the slot's (c / SP)-th), its first k-block; and the
-  // pair's number of chunks. The code that runs them takes pr from an unrolled loop over the
-  // pairs, i.e. as a constant: `pair` (from the warp index) took the addresses off the uniform
+  // group's number of chunks. The code that runs them takes pr from an unrolled loop over the
+  // groups, i.e. as a constant: `group` (from the warp index) took the addresses off the uniform
   // datapath, the bits-4 main loop 201 -> 237 instructions per chunk (tools/sass_loops.py); a
   // generic lambda per pair changed the main loop of P = 1 too (+2..9).
   auto slot = [&](auto pr, int c) { return s_ring + uint32_t(pr * SP + c % SP) * Cfg::kStageBytes; };
@@ -343,8 +364,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   auto kblock0 = [&](auto pr, int c) { return kbA + (P * c + pr) * KCH; };
   auto chunks_of = [&](auto pr) { return P == 1 ? nch : nch > pr ? (nch - pr + P - 1) / P : 0; };
 
-  // ---- copies of the pair's chunk c (k-blocks kblock0(c) ..) into its ring slot, issued by lane 0
-  // of the pair's warp 0 (the whole warp runs this, see the main loop), completing on the slot's
+  // ---- copies of the group's chunk c (k-blocks kblock0(c) ..) into its ring slot, issued by lane 0
+  // of the group's warp 0 (the whole warp runs this, see the main loop), completing on the slot's
   // "full" barrier: one TMA tensor copy each for x (k past K arrives as zeros; a partial row tile
   // brings only its rows, through xmap_tail, over zeros written once below), the chunk's two
   // k-block rows of the CTA's weight cells and of its scale bytes (columns past N and rows past
@@ -371,23 +392,29 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // do not overlap). Issued after the whole CTA had built the table, they went out 1.5 us (bits 4)
   // to 2.3 us (bits 5, a 128 KiB table) after entry, and the first chunk arrived at 1.9-3.0 us
   // (Llama-3-8B down at M = 128, benchmarks/results/wgmma_early_copies_h200_s36.md).
-  // With pairs, each pair's warp 0 (warps 0 and 8, which build no part of the table) issues its
-  // first kEarly chunks here and the rest of its first SP - 1 after the barrier: with all eight
-  // here, the first chunk arrived 0.3 us later than the five of one warpgroup pair (Qwen3 down at
-  // M = 32, harness timeline), and with one warp issuing all eight the barrier waited 0.4 us more.
-  // (The pair is a constant here too, by branch rather than by the unrolled loop below: that
-  // form of this loop took 9 instructions more in the 256-column tile's main loop.)
+  // With groups, each group's warp 0 (which builds no part of the table) issues its first kEarly
+  // chunks here and the rest of its first SP - 1 after the barrier: with all eight here, the
+  // first chunk arrived 0.3 us later than the five of one warpgroup pair (Qwen3 down at M = 32,
+  // harness timeline), and with one warp issuing all eight the barrier waited 0.4 us more. (The
+  // group is a constant here too, by branch rather than by the unrolled loop below: that form of
+  // this loop took 9 instructions more in the 256-column tile's main loop.)
   constexpr int kEarly = P == 1 ? SP - 1 : 2;
+  // f(constant group): by branch (above)
+  auto as_group = [&](auto f) {
+    if (P == 1 || group == 0) f(0);
+    else if (P == 2 || group == 1) f(1);
+    else if (group == 2) f(2);
+    else f(3);
+  };
   // fp16: this lane's codebook entry for f16_weight_exponent, loaded now, reduced after the barrier
   float cb_abs = 0.f;
   if constexpr (kF16) cb_abs = fabsf(__ldg(p.codebook + int64_t(b) * (1 << BITS) + (lane & ((1 << BITS) - 1))));
   if (copier) {
-    if (P == 1 || pair == 0)
-      for (int c = 0; c < min(kEarly, chunks_of(0)); ++c) issue(0, c);
-    else
-      for (int c = 0; c < min(kEarly, chunks_of(1)); ++c) issue(1, c);
+    as_group([&](int pr) {
+      for (int c = 0; c < min(kEarly, chunks_of(pr)); ++c) issue(pr, c);
+    });
   } else {
-    const int worker = tid - 32 * (pair + 1), workers = Cfg::kThreads - 32 * P;  // (every warp but the copiers)
+    const int worker = tid - 32 * (group + 1), workers = Cfg::kThreads - 32 * P;  // (every warp but the copiers)
     fused::build_table<WP, Act, true>(s_lut, p.codebook + int64_t(b) * (1 << BITS), worker, workers);
     if (tail) {
       // A partial tile's rows of x past its own, which xmap_tail's copies never write: zeros in
@@ -462,47 +489,48 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   // Three sets with wgmma_wait<2> (two groups queued during a decode) were tried: ptxas gave two
   // of the sets the same physical registers, the forced-wgmma test failed (cause not found),
   // and it was no faster.
-  // Ring: every thread of the pair arrives on its chunk c - 1's "empty" barrier once that chunk's
-  // groups are done (early in chunk c); the pair's warp 0 waits there, then copies the pair's
-  // chunk c + SP - 1 into that slot. No CTA-wide barrier in the loop: the pairs run on their own.
+  // Ring: every thread of the group arrives on its chunk c - 1's "empty" barrier once that chunk's
+  // wgmma groups are done (early in chunk c); the group's warp 0 waits there, then copies the
+  // group's chunk c + SP - 1 into that slot. No CTA-wide barrier in the loop: the groups run on
+  // their own.
   // (Warp 0 runs the copies whole, lane 0's instructions predicated: under a branch on the
   // thread, ptxas serialized every wgmma, C7520; in a warp of their own, 288 threads, it capped
   // the registers at 168 and spilled.)
   static_assert(KCH == 2, "the pipeline alternates two register sets per chunk");
 #pragma unroll
-  for (int pr = 0; pr < P; ++pr) {  // (the thread's pair as a constant, see slot)
-    if (pr != pair) continue;
-    const int nch_pair = chunks_of(pr);
+  for (int pr = 0; pr < P; ++pr) {  // (the thread's group as a constant, see slot)
+    if (pr != group) continue;
+    const int nch_group = chunks_of(pr);
     if (copier)
-      for (int c = kEarly; c < min(SP - 1, nch_pair); ++c) issue(pr, c);  // (P = 1: none)
+      for (int c = kEarly; c < min(SP - 1, nch_group); ++c) issue(pr, c);  // (P = 1: none)
     uint32_t a_even[J][2][4], a_odd[J][2][4];
-    if (nch_pair > 0) {
+    if (nch_group > 0) {
       fused::mbar_wait(full_bar(pr, 0), parity(0));
       KBIT_TL_MARK(p, kTlFirstChunk, tid == 0);
       decode(a_even, slot(pr, 0), 0);
     }
-    for (int c = 0; c < nch_pair; ++c) {
+    for (int c = 0; c < nch_group; ++c) {
       const uint32_t st = slot(pr, c);
       multiply(a_even, st, 0);
       wgmma_commit();   // group 2c
       wgmma_wait<1>();  // group 2c - 1 (a_odd, chunk c - 1) is done
       if (c > 0) fused::mbar_arrive(empty_bar(pr, c - 1));
-      if (kblock0(pr, c) + 1 < kbE) {  // pair-uniform
+      if (kblock0(pr, c) + 1 < kbE) {  // group-uniform
         decode(a_odd, st, 1);
         multiply(a_odd, st, 1);
       }
       wgmma_commit();  // group 2c + 1 (empty past K)
-      if (copier && c + SP - 1 < nch_pair) {  // refill chunk c - 1's slot (at c = 0: the unused one)
+      if (copier && c + SP - 1 < nch_group) {  // refill chunk c - 1's slot (at c = 0: the unused one)
         if (c > 0) fused::mbar_wait(empty_bar(pr, c - 1), parity(c - 1));
         issue(pr, c + SP - 1);
       }
-      if (c + 1 < nch_pair) {
+      if (c + 1 < nch_group) {
         fused::mbar_wait(full_bar(pr, c + 1), parity(c + 1));
         wgmma_wait<1>();  // group 2c (a_even) is done
         decode(a_even, slot(pr, c + 1), 0);
       }
     }
-    // (inside each pair's copy of the loop: the two copies' accumulators may sit in different
+    // (inside each group's copy of the loop: the copies' accumulators may sit in different
     // registers, and moves at their join before this wait serialized every wgmma, C7515)
     wgmma_wait<0>();
 #pragma unroll
@@ -512,13 +540,16 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
   __syncthreads();  // every warp is done with the table and the ring (and every copy has landed): the
                     // tile overlays them
 
-  // ---- epilogue: this rank's f32 tile into shared memory ([m][n], padded rows); with pairs, pair
-  // 1 stores its sums, then pair 0 adds its own (thread t + 256 holds thread t's outputs). At
-  // J = 1 only the tile's rows of x (nothing reads the others; at BM = 128 the three passes over
-  // the whole tile are ~1,500 shared-memory wavefronts, ~0.8 us); at J = 2 that test made ptxas
-  // reorder the main loop, and Llama-3-70B gate/up took 1.03-1.05x the time (H100, session 41). ----
+  // ---- epilogue: this rank's f32 sums into shared memory ([m][n], padded rows), one tile per
+  // group; whatever reads a row of this rank's sums adds the groups' tiles (own_piece), so the
+  // groups store at once, without a pass that adds one tile into another. At J = 1 only the
+  // tile's rows of x (nothing reads the others; at BM = 128 the three passes over the whole tile
+  // are ~1,500 shared-memory wavefronts, ~0.8 us); at J = 2 that test made ptxas reorder the main
+  // loop, and Llama-3-70B gate/up took 1.03-1.05x the time (H100, session 41). ----
   float* tile_f = reinterpret_cast<float*>(smem);
-  auto stage_tile = [&](bool add) {
+  constexpr int kTileFloats = Cfg::kTileBytes / 4;
+  {
+    float* mine = tile_f + group * kTileFloats;
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -526,17 +557,19 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
         if (J == 1 && 8 * (i >> 2) >= rows) continue;  // (the accumulator's 8-row group: a constant)
         const int m = 8 * (i >> 2) + 2 * t + (i & 1);
         const int n = 64 * J * wg + 64 * j + 16 * wq + g + 8 * ((i >> 1) & 1);
-        float& dst = tile_f[m * Cfg::kTileStride + n];
-        dst = add ? dst + acc[j][i] : acc[j][i];
+        mine[m * Cfg::kTileStride + n] = acc[j][i];
       }
-  };
-  if constexpr (P == 1) {
-    stage_tile(false);
-  } else {
-    if (pair == 1) stage_tile(false);
-    __syncthreads();
-    if (pair == 0) stage_tile(true);
   }
+  // The 4 sums at float offset `at` of the tile: every group's, added in group order
+  auto own_piece = [&](int at) {
+    float4 v = *reinterpret_cast<const float4*>(tile_f + at);
+#pragma unroll
+    for (int q = 1; q < P; ++q) {
+      const float4 u = *reinterpret_cast<const float4*>(tile_f + q * kTileFloats + at);
+      v.x += u.x; v.y += u.y; v.z += u.z; v.w += u.w;
+    }
+    return v;
+  };
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   const bool push = Cfg::pushes(ks);  // (cluster-uniform)
@@ -578,11 +611,11 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
     // instructions per chunk at BM = 64 and 128, J = 1: tools/sass_loops.py.)
     constexpr int kPieces = BN / 4, kRowsPerStep = Cfg::kThreads / kPieces;
     const int step_q = kRowsPerStep / ks, step_r = kRowsPerStep % ks, c4 = tid % kPieces;
-    const uint32_t slots = s_lut + uint32_t(Cfg::kTileBytes);
+    const uint32_t slots = s_lut + uint32_t(Cfg::kStagedBytes);
     int r = tid / kPieces, rq = r / ks, owner = r % ks;  // tile row r is row rq of rank `owner`
     for (; r < rows; r += kRowsPerStep) {
       if (owner != rank) {
-        const float4 v = *reinterpret_cast<const float4*>(tile_f + r * Cfg::kTileStride + 4 * c4);
+        const float4 v = own_piece(r * Cfg::kTileStride + 4 * c4);
         const int slot = rank < owner ? rank : rank - 1;  // (the owner's slots skip its own rank)
         const uint32_t dst = slots + uint32_t((slot * slot_floats + rq * BN + 4 * c4) * 4);
         fused::st_async_f32x4(fused::map_rank(dst, owner), v.x, v.y, v.z, v.w, fused::map_rank(s_recv_bar, owner));
@@ -616,7 +649,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
     for (int it = tid; it < my_rows * kGroups; it += Cfg::kThreads) {
       const int rr = it / kGroups, r = rank + ks * rr, c0 = (it % kGroups) * E;
       if (n0 + c0 >= p.N) continue;
-      const int own = r * Cfg::kTileStride + c0, recv = Cfg::kTileBytes / 4 + rr * BN + c0;
+      const int own = r * Cfg::kTileStride + c0, recv = Cfg::kStagedBytes / 4 + rr * BN + c0;
       float v[E];  // the sums, added in rank order (the same on every run), scaled
       if (Cfg::kPushMaxRanks < fused::kMaxKSplit && !push && ks > kPullBatchMaxRanks) {  // (pull, by rank)
 #pragma unroll
@@ -640,7 +673,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J>::kThreads, 1)
             for (int e4 = EP / 4 * h; e4 < EP / 4 * (h + 1); ++e4) {
               float4& dst = u[e4 - EP / 4 * h][q];
               if (q == rank)
-                dst = *reinterpret_cast<const float4*>(tile_f + own + 4 * e4);
+                dst = own_piece(own + 4 * e4);
               else if (push)
                 dst = *reinterpret_cast<const float4*>(tile_f + recv + (q < rank ? q : q - 1) * slot_floats + 4 * e4);
               else
@@ -699,10 +732,10 @@ struct WgPlan {
 
 // One instantiation's launcher: its shared-memory reservation and resident-cluster counts are
 // cached per device (function statics, one set per template instance).
-template <int BITS, int BM, int J, class Act>
+template <int BITS, int BM, int J, int WG, class Act>
 struct WgLauncher {
-  using Cfg = WgConfig<BITS, BM, J>;
-  static constexpr auto kernel = &kbit_matmul_wgmma_kernel<BITS, BM, J, Act>;
+  using Cfg = WgConfig<BITS, BM, J, WG>;
+  static constexpr auto kernel = &kbit_matmul_wgmma_kernel<BITS, BM, J, WG, Act>;
 
   static std::string shape(const MatmulArgs& a) {  // (built only for messages)
     return "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" + std::to_string(a.k) +
@@ -802,7 +835,7 @@ struct WgLauncher {
   // 256-row tiles that pull over 6 ranks where 128-row tiles push over 3 (Qwen3 o at M = 256:
   // 22.0 against 18.4 us). With it, the pick is within 0.04 % of the fastest tile on
   // (geometric) average and 4.3 % at worst, against 0.8 % and 19.7 % without.
-  // Warpgroup pairs (WgConfig::kPairs: J = 1 at BM = 64 and 128) take a share of a k-block's
+  // Warpgroup pairs (WgConfig::kGroups: J = 1 at BM = 64 and 128) take a share of a k-block's
   // time, the fixed cost unchanged. At BM = 64, kPairKBlock64: fitted on harness
   // "wgplans" (H200, session 38: 13 shapes x bits 2, 4, 5 x M 17, 32, 48, 64, both tiles timed
   // with their plans) by an offline replica of the plan, 0.6-0.65 picks the faster tile within
@@ -814,13 +847,24 @@ struct WgLauncher {
   // picks within 0.2 % of the fastest tile on average, 9.1 % at worst; 0.65 took 128 x 128 on
   // Llama-3-70B down at M = 256 (1.22x the 256-row tile's time), 0.8 128 x 256 on its q/k/v at TP
   // 2, M = 384 (1.11x) (benchmarks/results/wgmma_pairs128_h100_s39.md).
+  // The 64-column tile (WG = 1, four single warpgroups): kQuadKBlock64 of a k-block (half the
+  // pairs' columns over twice the groups) and kQuadFixed64 of the fixed cost. On H100 "wgplans"
+  // (session 47: 13 shapes x bits 2-5 x M 17..64, every tile timed with its plan; an offline
+  // replica of the choice, benchmarks/results/wgmma64_s47_fit.py) these pick within 1.2 % of the
+  // fastest tile on (geometric) average, as the best of a grid of both; without the tile that
+  // was 2.6 % (Llama-3-8B down: 1.22x at worst).
   static constexpr double kPairKBlock64 = 0.65, kPairKBlock128 = 0.75;
+  static constexpr double kQuadKBlock64 = 0.35, kQuadFixed64 = 35.0;
   static double cost(const WgPlan& w) {
     const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : BM == 256 ? 0.9 : 0.7;
-    const double k_share = Cfg::kPairs == 1 ? 1.0 : BM == 64 ? kPairKBlock64 : kPairKBlock128;
+    const double k_share = Cfg::kGroups == 1 ? 1.0
+                           : WG == 1         ? kQuadKBlock64
+                           : BM == 64        ? kPairKBlock64
+                                             : kPairKBlock128;
+    const double fixed = WG == 1 ? kQuadFixed64 : 35.0;
     const double pull = w.ks > 1 && !Cfg::pushes(w.ks) ? 2.0 + w.ks : 0.0;
-    const double split = (35.0 + k_share * w.kps) * double(w.waves);
-    const double whole = (35.0 + k_share * w.kb) * double(w.whole_waves);
+    const double split = (fixed + k_share * w.kps) * double(w.waves);
+    const double whole = (fixed + k_share * w.kb) * double(w.whole_waves);
     return per_kblock * (split + whole) + pull;
   }
 
@@ -847,7 +891,7 @@ struct WgLauncher {
       tuning->launched_ctas = static_cast<int>(w.ctas());
       tuning->launched_whole_ctas = static_cast<int>(w.whole_tiles);
       tuning->launched_balanced = 0;
-      tuning->launched_wg_tiles = J;
+      tuning->launched_wg_columns = Cfg::kBN;
       tuning->launched_variant = 3;
       tuning->launched_rows = BM;
       tuning->launched_cluster_sum = w.ks < 2 ? 0 : Cfg::pushes(w.ks) ? kClusterSumPush : kClusterSumPull;
@@ -895,31 +939,46 @@ struct WgLauncher {
   }
 };
 
-// The weight tile at BM <= 128: 256 columns (J = 2) or 128 (J = 1), whichever WgLauncher::cost
-// predicts faster (tuning->wg_tiles forces one): the narrow tile gives small layers twice the
-// tiles, so shorter k-splits (Qwen3 q at M = 128: 15.1 against 18.4 us), and loses on large ones
-// (Llama-3-70B gate/up: 161 against 115 us).
+// The weight tile at BM <= 128: 256 columns (J = 2), 128 (J = 1) or, at BM = 64, 64 (WG = 1),
+// whichever WgLauncher::cost predicts fastest (tuning->wg_columns forces one): narrower tiles
+// give small layers more tiles, so shorter k-splits (Qwen3 q at M = 128: 15.1 us at 128 columns
+// against 18.4 at 256), and lose on large ones (Llama-3-70B gate/up: 161 against 115 us).
 template <int BITS, int BM, class Act>
 struct WgColumnChoice {
-  using Wide = WgLauncher<BITS, BM, 2, Act>;
-  using Narrow = WgLauncher<BITS, BM, 1, Act>;
+  using Wide = WgLauncher<BITS, BM, 2, 2, Act>;
+  using Narrow = WgLauncher<BITS, BM, 1, 2, Act>;
+  using Slim = WgLauncher<BITS, BM, 1, 1, Act>;  // (instantiated at BM = 64 only)
+  static constexpr bool kSlim = BM == 64;
   std::string error;  // (a reservation failed: nothing to launch)
-  WgPlan wide, narrow;
-  bool use_narrow = false;
+  WgPlan plan;
+  int columns = 0;  // the chosen tile's: 64, 128 or 256
   double cost = 0;
   WgColumnChoice(const MatmulArgs& a, const MatmulTuning* tuning, int dev) {
-    const int forced = tuning ? tuning->wg_tiles : 0;
-    error = forced == 1 ? std::string() : Wide::reserve(a, dev);
-    if (error.empty() && forced != 2) error = Narrow::reserve(a, dev);
-    if (!error.empty()) return;
-    if (forced != 1) wide = Wide::plan(a, tuning, dev);
-    if (forced != 2) narrow = Narrow::plan(a, tuning, dev);
-    use_narrow = forced == 1 || (forced != 2 && Narrow::cost(narrow) < Wide::cost(wide));
-    cost = use_narrow ? Narrow::cost(narrow) : Wide::cost(wide);
+    const int forced = tuning ? tuning->wg_columns : 0;
+    auto consider = [&](auto launcher, int cols) {
+      using L = decltype(launcher);
+      if (!error.empty() || (forced != 0 && forced != cols)) return;
+      error = L::reserve(a, dev);
+      if (!error.empty()) return;
+      const WgPlan w = L::plan(a, tuning, dev);
+      if (columns == 0 || L::cost(w) < cost) {
+        plan = w;
+        columns = cols;
+        cost = L::cost(w);
+      }
+    };
+    consider(Wide(), 256);
+    consider(Narrow(), 128);
+    if constexpr (kSlim) consider(Slim(), 64);
+    if (error.empty() && columns == 0)
+      error = "kbit_matmul_wgmma_kernel: no weight tile of " + std::to_string(forced) + " columns at " +
+              std::to_string(BM) + " rows (" + Wide::shape(a) + ")";
   }
   std::string launch(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning) const {
     if (!error.empty()) return error;
-    return use_narrow ? Narrow::launch(a, narrow, stream, tuning) : Wide::launch(a, wide, stream, tuning);
+    if constexpr (kSlim)
+      if (columns == 64) return Slim::launch(a, plan, stream, tuning);
+    return columns == 128 ? Narrow::launch(a, plan, stream, tuning) : Wide::launch(a, plan, stream, tuning);
   }
 };
 
@@ -934,7 +993,7 @@ std::string launch_wgmma_rows(const MatmulArgs& a, cudaStream_t stream, const Ma
   const int forced_rows = tuning ? tuning->wg_rows : 0;
   if (a.m <= 128 || forced_rows == 128)
     return WgColumnChoice<BITS, 128, Act>(a, tuning, dev).launch(a, stream, tuning);
-  using Tall = WgLauncher<BITS, 256, 1, Act>;
+  using Tall = WgLauncher<BITS, 256, 1, 2, Act>;
   const std::string bad = Tall::reserve(a, dev);
   if (!bad.empty()) return bad;
   const WgPlan tall = Tall::plan(a, tuning, dev);
