@@ -122,6 +122,10 @@
 //  2-CTA clusters), Qwen3 q 0.92x, the rest 0.98-1.01x. On N = 2048 layers, for which it was
 //  meant, fewer than 32 4-CTA clusters fit, so it gets 3 ranks, and a rank's push of 11 KiB took
 //  as long as the 6-rank tile's 27 KiB (~1.2 us): that cluster sum is not bound by its bytes.
+//  Then (H200, benchmarks/results/fastdiv_h200_s47.md) its divisions by the cluster size and the
+//  tile counts became multipliers from the launcher (WgParams::ks_div ...): 0.55 us had passed
+//  from the tiles staged to thread 0's first send. Harness picks 0.973x the time: the Qwen3 and
+//  GLM-4.7 layers 0.95-0.97x (Qwen3 q at M <= 64 0.90x), the Llama layers 0.96-1.00x.
 //
 // ---- Limits ----
 //  bf16 or fp16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
@@ -135,6 +139,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/fast_div.cuh"
 #include "cuda/item_reduce.cuh"  // mbar_init, mbar_wait
 #include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
@@ -267,6 +272,12 @@ struct WgParams {
   int n_tiles, m_tiles;    // output tiles: (b, nt, mt), mt fastest (neighbours share weights in L2)
   int tail_rows;           // the rows of each batch entry's last row tile (M - (m_tiles - 1) BM)
   int glu;
+  // The kernel's divisions by launch constants (fast_div.cuh): ~20 instructions around a MUFU.RCP
+  // each otherwise, on the way to a CTA's first copies and, in the cluster sum, to its first send
+  // (harness timeline, H200, session 47: 0.55 us from the tiles staged to thread 0's first send).
+  FastDiv ks_div, m_tiles_div, n_tiles_div;  // by ks, m_tiles, n_tiles
+  int slot_rows;           // ceil(BM / ks): the rows of a receive slot (the most any rank owns)
+  int push_step_q, push_step_r;  // the push's row step (kThreads / (BN / 4) rows) / ks and % ks
 #ifdef KBIT_TIMELINE
   unsigned long long* timeline;  // timeline.cuh: per-CTA milestone clocks, or null (thread 0's view)
 #endif
@@ -324,10 +335,13 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
 
   // (cluster-uniform: whole_ctas is a multiple of the cluster size)
   const bool whole = int(blockIdx.x) < p.whole_ctas;
-  const int split = int(blockIdx.x) - p.whole_ctas;
-  const int ks = whole ? 1 : p.ks, rank = whole ? 0 : split % ks;
-  const int tile = whole ? int(blockIdx.x) : p.whole_ctas + split / ks;
-  const int mt = tile % p.m_tiles, nt = (tile / p.m_tiles) % p.n_tiles, b = tile / p.m_tiles / p.n_tiles;
+  const int split = whole ? 0 : int(blockIdx.x) - p.whole_ctas;
+  const int ks = whole ? 1 : p.ks;
+  const FastDiv ks_div = whole ? FastDiv(1) : p.ks_div;
+  const int split_cluster = ks_div.div(split), rank = ks_div.mod(split, split_cluster);
+  const int tile = whole ? int(blockIdx.x) : p.whole_ctas + split_cluster;
+  const int mn = p.m_tiles_div.div(tile), b = p.n_tiles_div.div(mn);  // (tile = (b n_tiles + nt) m_tiles + mt)
+  const int mt = p.m_tiles_div.mod(tile, mn), nt = p.n_tiles_div.mod(mn, b);
   const int n0 = nt * BN;
   const int64_t m0 = int64_t(mt) * BM;
   const int rows = int(min(int64_t(BM), p.M - m0));
@@ -601,8 +615,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   // (times 2^-e, see f16_weight_exponent)
   const float ts = p.tensor_scale[b] * __uint_as_float(uint32_t(127 - f16_exp) << 23);
   const uint32_t s_recv_bar = s_lut + Cfg::kRecvBarOffset;
-  const int my_rows = rows > rank ? (rows - rank + ks - 1) / ks : 0;
-  const int slot_floats = (BM + ks - 1) / ks * BN;  // a receive slot: the most rows any rank owns
+  const int my_rows = rows > rank ? ks_div.div(rows - rank + ks - 1) : 0;
+  const int slot_floats = p.slot_rows * BN;  // a receive slot: the most rows any rank owns
   if (push) {
     if (tid == 0) mbar_arrive_expect_tx(s_recv_bar, uint32_t((ks - 1) * my_rows * BN * 4));
     // A thread sends one 16-byte piece of every kRowsPerStep-th row; the row's owner and its index
@@ -610,9 +624,9 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     // owner by owner instead moved the main loop's chunk arithmetic off the uniform datapath, +26
     // instructions per chunk at BM = 64 and 128, J = 1: tools/sass_loops.py.)
     constexpr int kPieces = BN / 4, kRowsPerStep = Cfg::kThreads / kPieces;
-    const int step_q = kRowsPerStep / ks, step_r = kRowsPerStep % ks, c4 = tid % kPieces;
+    const int step_q = p.push_step_q, step_r = p.push_step_r, c4 = tid % kPieces;
     const uint32_t slots = s_lut + uint32_t(Cfg::kStagedBytes);
-    int r = tid / kPieces, rq = r / ks, owner = r % ks;  // tile row r is row rq of rank `owner`
+    int r = tid / kPieces, rq = ks_div.div(r), owner = ks_div.mod(r, rq);  // tile row r is row rq of rank `owner`
     for (; r < rows; r += kRowsPerStep) {
       if (owner != rank) {
         const float4 v = own_piece(r * Cfg::kTileStride + 4 * c4);
@@ -881,6 +895,13 @@ struct WgLauncher {
     p.tail_rows = static_cast<int>(a.m - int64_t(p.m_tiles - 1) * BM);
     p.ks = w.ks;
     p.kps = w.kps;
+    p.ks_div = FastDiv(w.ks);
+    p.m_tiles_div = FastDiv(p.m_tiles);
+    p.n_tiles_div = FastDiv(p.n_tiles);
+    p.slot_rows = ceil_div(BM, w.ks);
+    constexpr int kRowsPerStep = Cfg::kThreads / (Cfg::kBN / 4);  // (the kernel's push)
+    p.push_step_q = kRowsPerStep / w.ks;
+    p.push_step_r = kRowsPerStep % w.ks;
     p.whole_ctas = static_cast<int>(w.whole_tiles);
 #ifdef KBIT_TIMELINE
     p.timeline = tuning ? tuning->timeline : nullptr;
