@@ -1,14 +1,15 @@
-"""Session 47: the wgmma kernel's 64-column tile, harness `wgplans` of this tree against the
-session's start (9b642d0), two runs each, alternating, on an H100 and on an H200
-(wgmma64_{h100,h200}_s47_wgplans_{base,new}{1,2}.log).
+"""Session 47, harness `wgplans` A/Bs, two runs of each tree, alternating in one call: the wgmma
+kernel's 64-column tile against the session's start (9b642d0) on an H100 and on an H200
+(wgmma64_{h100,h200}_s47_wgplans_{base,new}{1,2}.log), and its divisions by launch constants
+(FastDiv) against the tree before them (fastdiv_h200_s47_wgplans_{base,new}{1,2}.log).
 
 Prints, per row tile x column tile, the new tree's time over the base's for the same forced
 configuration (the 128- and 256-column tiles: their epilogue changed too, each warpgroup pair
 now stages its own tile), the spread between the base's two runs, and per shape the launcher's
 pick (WGPICK) new over base.
 
-    python3 benchmarks/results/wgmma64_s47_ab.py [CARD] [DIR]   (CARD h100 or h200, default both;
-                                                                 DIR: where the logs are, default here)
+    python3 benchmarks/results/wgmma64_s47_ab.py [PREFIX ...]   (default: wgmma64_h100_s47
+                                                                 wgmma64_h200_s47 fastdiv_h200_s47)
 """
 
 import collections
@@ -39,10 +40,10 @@ def gmean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs))
 
 
-def main(card, d):
-    print(f"== {card}")
-    base = [load(os.path.join(d, f"wgmma64_{card}_s47_wgplans_base{i}.log")) for i in (1, 2)]
-    new = [load(os.path.join(d, f"wgmma64_{card}_s47_wgplans_new{i}.log")) for i in (1, 2)]
+def main(prefix, d):
+    print(f"== {prefix}")
+    base = [load(os.path.join(d, f"{prefix}_wgplans_base{i}.log")) for i in (1, 2)]
+    new = [load(os.path.join(d, f"{prefix}_wgplans_new{i}.log")) for i in (1, 2)]
     same = collections.defaultdict(list)
     for k in base[0][0]:
         if all(k in r[0] for r in base + new):
@@ -66,6 +67,5 @@ def main(card, d):
 
 
 if __name__ == "__main__":
-    cards = [sys.argv[1]] if len(sys.argv) > 1 else ["h100", "h200"]
-    for c in cards:
-        main(c, sys.argv[2] if len(sys.argv) > 2 else os.path.dirname(os.path.abspath(__file__)))
+    for prefix in sys.argv[1:] or ["wgmma64_h100_s47", "wgmma64_h200_s47", "fastdiv_h200_s47"]:
+        main(prefix, os.path.dirname(os.path.abspath(__file__)))
