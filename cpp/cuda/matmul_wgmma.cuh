@@ -125,7 +125,7 @@
 //  Then (H200, benchmarks/results/fastdiv_h200_s47.md) its divisions by the cluster size and the
 //  tile counts became multipliers from the launcher (WgParams::ks_div ...): 0.55 us had passed
 //  from the tiles staged to thread 0's first send. Harness picks 0.973x the time: the Qwen3 and
-//  GLM-4.7 layers 0.95-0.97x (Qwen3 q at M <= 64 0.90x), the Llama layers 0.96-1.00x.
+//  GLM-4.7 layers 0.95-0.98x (Qwen3 q at M <= 64 0.90x), the Llama layers 0.96-1.00x.
 //
 // ---- Limits ----
 //  bf16 or fp16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
