@@ -51,6 +51,25 @@ def _assert_bound_and_repeatable(f, x, q, w64, gpu):
     assert np.array_equal(np.asarray(y), np.asarray(f(jax.device_put(x, gpu), q)))
 
 
+def _assert_tiling(rng, dtype, k, n, bits, ms, gated_ms):
+    """kj.matmul of random K x N weights at `bits`: within the derived bound and the same twice at
+    every M of `ms`; with the GLU epilogue (silu, in the kernel) within its bound at every M of
+    `gated_ms` (x scaled by 4 / sqrt(K), so gate * up stays inside fp16's range)."""
+    gpu = jax.devices("gpu")[0]
+    q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
+    w64 = dense64(q)
+    f = jax.jit(kj.matmul)
+    gated = jax.jit(functools.partial(kj.matmul, glu="silu", method="fused"))
+    for m in ms:
+        _assert_bound_and_repeatable(f, jnp.asarray(rng.standard_normal((m, k)), dtype), q, w64, gpu)
+    for m in gated_ms:
+        xs = jnp.asarray(rng.standard_normal((m, k)) * (4 / np.sqrt(k)), dtype)
+        y = gated(jax.device_put(xs, gpu), q)
+        y64, bound = glu_error_bound(xs, w64, dtype, dtype, "silu")
+        err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
+        assert np.all(err <= bound), f"GLU, M={m}: max err/bound = {np.max(err / bound)}"
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("n, rows", [(8192, (17, 33, 64, 100, 128)), (32768, (9, 16))], ids=["n8192", "n32768"])
@@ -60,13 +79,7 @@ def test_matmul_nsplit_tiling(n, rows, bits, dtype, rng):
     wgmma kernel takes them), which with bf16 rounds each scaled weight to bf16 (the bound counts
     it); N = 32768 at M = 9 and 16 takes it in blocks of 16 rows with bf16 (fp16 where its price
     says so); the same result twice (deterministic)."""
-    gpu = jax.devices("gpu")[0]
-    k = 256
-    q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
-    w64 = dense64(q)
-    f = jax.jit(kj.matmul)
-    for m in rows:
-        _assert_bound_and_repeatable(f, jnp.asarray(rng.standard_normal((m, k)), dtype), q, w64, gpu)
+    _assert_tiling(rng, dtype, 256, n, bits, rows, ())
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
@@ -74,42 +87,16 @@ def test_matmul_wide_bits5_tiling(dtype, rng):
     """K = 2048, N = 5120 (Qwen3 gate/up) at bits 5 and M = 9..16: the launcher's plan takes the
     64-column 16-row tiling (variant 4, 80 items), with and without the GLU epilogue; the same
     result twice."""
-    gpu = jax.devices("gpu")[0]
-    k, n = 2048, 5120
-    q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), 5)
-    w64 = dense64(q)
-    f = jax.jit(kj.matmul)
-    gated = jax.jit(functools.partial(kj.matmul, glu="silu", method="fused"))
-    for m in (9, 12, 16):
-        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        _assert_bound_and_repeatable(f, x, q, w64, gpu)
-        xs = x * (4 / np.sqrt(k))
-        y = gated(jax.device_put(xs, gpu), q)
-        y64, bound = glu_error_bound(xs, w64, dtype, dtype, "silu")
-        err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
-        assert np.all(err <= bound), f"GLU, M={m}: max err/bound = {np.max(err / bound)}"
+    _assert_tiling(rng, dtype, 2048, 5120, 5, (9, 12, 16), (9, 12, 16))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("bits", BITS)
 def test_matmul_wgmma_64_column_tile(bits, dtype, rng):
     """K = 2048, N = 4096 (Qwen3 q) at M = 17..64: the wgmma kernel's plan takes the 64-column
-    tile (64 tiles over 2-CTA k-split clusters, four warpgroups each adding their own chunks'
-    sums), partial at 17 and 40 rows, with and without the GLU epilogue; the same result twice."""
-    gpu = jax.devices("gpu")[0]
-    k, n = 2048, 4096
-    q = kj.quantize(jax.device_put(random_weight(rng, (k, n)), gpu), bits)
-    w64 = dense64(q)
-    f = jax.jit(kj.matmul)
-    gated = jax.jit(functools.partial(kj.matmul, glu="silu", method="fused"))
-    for m in (17, 40, 64):
-        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        _assert_bound_and_repeatable(f, x, q, w64, gpu)
-    xs = jnp.asarray(rng.standard_normal((40, k)) * (4 / np.sqrt(k)), dtype)
-    y = gated(jax.device_put(xs, gpu), q)
-    y64, bound = glu_error_bound(xs, w64, dtype, dtype, "silu")
-    err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - y64)
-    assert np.all(err <= bound), f"GLU: max err/bound = {np.max(err / bound)}"
+    tile (64 tiles over 2-CTA k-split clusters, four warpgroups each over its own chunks), partial
+    at 17 and 40 rows, with and without the GLU epilogue; the same result twice."""
+    _assert_tiling(rng, dtype, 2048, 4096, bits, (17, 40, 64), (40,))
 
 
 @pytest.mark.parametrize("glu", GLU_KINDS)
