@@ -251,6 +251,9 @@ struct WgConfig {
   // (the kernel's choice, and the launcher's: cost, launch; a compile-time bound, so where every
   // cluster size fits the pull's code is dead, and takes no registers)
   static constexpr bool pushes(int ks) { return ks > 1 && ks <= kPushMaxRanks; }
+  // The push's sends: one 16-byte piece of a row per thread, kPushRowsPerStep rows at a time
+  // (the launcher divides this step by the cluster size: WgParams::push_step_q)
+  static constexpr int kPushPieces = kBN / 4, kPushRowsPerStep = kThreads / kPushPieces;
   // (a pull would read every group's tile from the other ranks: groups always push)
   static_assert(kGroups == 1 || kPushMaxRanks == 8, "groups' tiles and the receive slots fit every cluster size");
   static_assert(2 * (kSmemBytes + 1024) > kSmSmemBytes, "one CTA per SM (1 KiB reserved per CTA)");
@@ -623,7 +626,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     // among the owner's rows advance by a constant step, so the loop divides by nothing. (Looping
     // owner by owner instead moved the main loop's chunk arithmetic off the uniform datapath, +26
     // instructions per chunk at BM = 64 and 128, J = 1: tools/sass_loops.py.)
-    constexpr int kPieces = BN / 4, kRowsPerStep = Cfg::kThreads / kPieces;
+    constexpr int kPieces = Cfg::kPushPieces, kRowsPerStep = Cfg::kPushRowsPerStep;
     const int step_q = p.push_step_q, step_r = p.push_step_r, c4 = tid % kPieces;
     const uint32_t slots = s_lut + uint32_t(Cfg::kStagedBytes);
     int r = tid / kPieces, rq = ks_div.div(r), owner = ks_div.mod(r, rq);  // tile row r is row rq of rank `owner`
@@ -899,9 +902,8 @@ struct WgLauncher {
     p.m_tiles_div = FastDiv(p.m_tiles);
     p.n_tiles_div = FastDiv(p.n_tiles);
     p.slot_rows = ceil_div(BM, w.ks);
-    constexpr int kRowsPerStep = Cfg::kThreads / (Cfg::kBN / 4);  // (the kernel's push)
-    p.push_step_q = kRowsPerStep / w.ks;
-    p.push_step_r = kRowsPerStep % w.ks;
+    p.push_step_q = Cfg::kPushRowsPerStep / w.ks;
+    p.push_step_r = Cfg::kPushRowsPerStep % w.ks;
     p.whole_ctas = static_cast<int>(w.whole_tiles);
 #ifdef KBIT_TIMELINE
     p.timeline = tuning ? tuning->timeline : nullptr;
