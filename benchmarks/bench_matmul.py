@@ -28,8 +28,9 @@ render.py's table). With busy time the call times are only recorded, so their pa
 at one pass (--max-passes, default 8 with --time call and 1 with --time busy): each search step
 compiles the product over P x R weights again, ~2 s a row on the small layers (H200, session 46);
 a one-pass call time is an upper bound where the host set the pace ("host_bound"). (The other
-16-bit dense dot's column is a call time in either mode; its search keeps the cap of 8.) On a CPU backend there is no profile to read, and the call time stays. The
-dense bf16 and fp16 dots are measured in the same run, and the bandwidth floor is bytes moved /
+16-bit dense dot's column is a call time in either mode; its search keeps the cap of 8.) On a
+CPU backend there is no profile to read, and the call time stays. The dense bf16 and fp16 dots
+are measured in the same run, and the bandwidth floor is bytes moved /
 copy bandwidth measured in the same run: the faster of cudaMemcpy (through torch, where it is
 installed) and XLA's own copy. With --out, matmul.json is rewritten after every row.
 
