@@ -248,9 +248,10 @@ struct WgConfig {
     return m;
   }
   static constexpr int kPushMaxRanks = push_max_ranks();
-  // (the kernel's choice, and the launcher's: cost, launch; a compile-time bound, so where every
-  // cluster size fits the pull's code is dead, and takes no registers)
-  static constexpr bool pushes(int ks) { return ks > 1 && ks <= kPushMaxRanks; }
+  // (the kernel's choice, and the launcher's: cost, launch. Where every cluster size fits, the
+  // test is ks > 1 alone, a compile-time bound: the kernel then compiles no pull, whose code would
+  // take registers and instruction-cache lines)
+  static constexpr bool pushes(int ks) { return ks > 1 && (kPushMaxRanks == fused::kMaxKSplit || ks <= kPushMaxRanks); }
   // The push's sends: one 16-byte piece of a row per thread, kPushRowsPerStep rows at a time
   // (the launcher divides this step by the cluster size: WgParams::push_step_q)
   static constexpr int kPushPieces = kBN / 4, kPushRowsPerStep = kThreads / kPushPieces;
@@ -290,6 +291,22 @@ __device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr));
   return v;
+}
+
+// The cluster sum's v[E] holds its 16-byte pieces in the order it loaded them (piece i has columns
+// 4 (i ^ sw)..): swap them back into column order, by selects (an index by sw would put v in
+// local memory).
+template <int E>
+__device__ __forceinline__ void unswizzle_pieces(float (&v)[E], int sw) {
+#pragma unroll
+  for (int bit = 1; bit < E / 4; bit *= 2)
+#pragma unroll
+    for (int i = 0; i < E; ++i)
+      if ((i / 4) & bit) {
+        const float lo = v[i - 4 * bit], hi = v[i];
+        v[i - 4 * bit] = sw & bit ? hi : lo;
+        v[i] = sw & bit ? lo : hi;
+      }
 }
 
 // Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
@@ -647,20 +664,65 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   KBIT_TL_MARK(p, kTlLastChunk, tid == 0);  // (push: this rank's rows have landed)
 
   // A thread takes E consecutive tile columns of one row (8, or 16 with a GLU: 8 outputs, one
-  // 16-byte store); E is a constant, so the item's row and columns are shifts and masks. The
-  // item's loads from every rank are issued before its first add, except where it pulls from more
-  // than kPullBatchMaxRanks ranks: there it adds rank by rank, which took 0.93-0.94x the time of
-  // the whole launch at 5-8 ranks (the many remote loads in flight queue up) and 1.01-1.02x at 2-3
-  // (harness "wgplans", H200, session 35). (Only tiles whose receive slots do not fit every
-  // cluster size compile that loop: elsewhere its registers would be the kernel's, and a build
-  // that paid them ran bits 5 2-4 % slower.)
+  // 16-byte store); E is a constant, so the item's row and columns are shifts and masks.
   const int n_out = p.glu != kGluNone ? p.N / 2 : p.N;
   typename Act::T* y = static_cast<typename Act::T*>(p.y) + (int64_t(b) * p.M + m0) * n_out;
+  // The pull's sums of an item (only tiles whose receive slots do not fit every cluster size
+  // compile it): E columns at tile offset `own` from every rank's tile, pieces in the order sw,
+  // sw ^ 1, ... (see sum_and_store), scaled into v. The loads from every rank go out before the
+  // first add, except from more than kPullBatchMaxRanks ranks: there it adds rank by rank, which
+  // took 0.93-0.94x the time of the whole launch at 5-8 ranks (the many remote loads in flight
+  // queue up) and 1.01-1.02x at 2-3 (harness "wgplans", H200, session 35).
+  auto pull_sum = [&](auto e_const, auto& v, int own, int sw) {
+    constexpr int E = decltype(e_const)::value;
+    // EP columns at a time: all E at 256 threads; 8 at 512, whose 128 registers E = 16's 4 pieces
+    // of loads per rank would exceed (ptxas spilled).
+    constexpr int EP = Cfg::kThreads > 256 ? 8 : E;
+    if (ks > kPullBatchMaxRanks) {
+#pragma unroll
+      for (int e4 = 0; e4 < E / 4; ++e4) {
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+        for (int q = 0; q < ks; ++q) {
+          const float4 u = *cluster.map_shared_rank(reinterpret_cast<const float4*>(tile_f + own + 4 * (e4 ^ sw)), q);
+          s.x += u.x; s.y += u.y; s.z += u.z; s.w += u.w;
+        }
+        v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
+      }
+      return;
+    }
+#pragma unroll
+    for (int h = 0; h < E / EP; ++h) {
+      float4 u[EP / 4][kPullBatchMaxRanks];  // [16-byte piece][rank]
+#pragma unroll
+      for (int q = 0; q < kPullBatchMaxRanks; ++q) {
+        if (q >= ks) break;
+#pragma unroll
+        for (int e4 = EP / 4 * h; e4 < EP / 4 * (h + 1); ++e4)
+          u[e4 - EP / 4 * h][q] = *cluster.map_shared_rank(reinterpret_cast<const float4*>(tile_f + own + 4 * (e4 ^ sw)), q);
+      }
+#pragma unroll
+      for (int e4 = EP / 4 * h; e4 < EP / 4 * (h + 1); ++e4) {
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int q = 0; q < kPullBatchMaxRanks; ++q) {
+          if (q >= ks) break;
+          const float4& a = u[e4 - EP / 4 * h][q];
+          s.x += a.x; s.y += a.y; s.z += a.z; s.w += a.w;
+        }
+        v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
+      }
+    }
+  };
   auto sum_and_store = [&](auto e_const) {
     constexpr int E = decltype(e_const)::value, kGroups = BN / E;
-    // The item's loads from every rank go out EP columns at a time: all E at 256 threads; 8 at
-    // 512, whose 128 registers E = 16's 8 ranks x 4 pieces of loads would exceed (ptxas spilled).
-    constexpr int EP = Cfg::kThreads > 256 ? 8 : E;
+    // A shared-memory load of 16 bytes per thread is served 8 threads (128 bytes) at a time;
+    // eight threads' items start E floats apart, so their first pieces fell on 2 (E = 8) or 4
+    // (E = 16) bank quads at once, and each load took 2-4 wavefronts. A thread instead reads its
+    // pieces in the order sw, sw ^ 1, ...: the eight threads' first loads cover all 32 banks, and
+    // so does each later one. (The item's rows are BN floats apart in a receive slot, a multiple of
+    // 32.) Its sums are put back in column order before the store (unswizzle_pieces).
+    const int sw = tid / (32 / E) % (E / 4);
     const GluLogit logit(p.glu);
     KBIT_TL_MARK(p, kTlSumEntered, tid == 0);
     for (int it = tid; it < my_rows * kGroups; it += Cfg::kThreads) {
@@ -668,48 +730,37 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
       if (n0 + c0 >= p.N) continue;
       const int own = r * Cfg::kTileStride + c0, recv = Cfg::kStagedBytes / 4 + rr * BN + c0;
       float v[E];  // the sums, added in rank order (the same on every run), scaled
-      if (Cfg::kPushMaxRanks < fused::kMaxKSplit && !push && ks > kPullBatchMaxRanks) {  // (pull, by rank)
+      if (push || ks == 1) {
+        // This rank's tiles and its receive slots, rank by rank: a short loop. Unrolled over the 8
+        // possible ranks, each with its own, pushed and pulled loads (~1,100 instructions from the
+        // wait to the first add, 64 registers of loads in flight), thread 0's first item took
+        // 0.73-1.13 us, as long in a build that sent nothing; rolled, 0.48-0.55 us (harness
+        // timeline, H200, session 48). Why is not pinned down: not bank conflicts (the piece order
+        // alone changed nothing at E = 8), nor a cold instruction cache (it stays warm from launch
+        // to launch: benchmarks/icache_probe.cu, session 41).
+        float4 s[E / 4];
+#pragma unroll
+        for (int e4 = 0; e4 < E / 4; ++e4) s[e4] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+        for (int q = 0; q < ks; ++q) {
+          // (the owner's slots skip its own rank; at q == rank this points at a valid, unread row)
+          const float* slot = tile_f + recv + (q >= rank ? q - 1 : q) * slot_floats;
+#pragma unroll
+          for (int e4 = 0; e4 < E / 4; ++e4) {
+            const int at = 4 * (e4 ^ sw);
+            const float4 a = q == rank ? own_piece(own + at) : *reinterpret_cast<const float4*>(slot + at);
+            s[e4].x += a.x; s[e4].y += a.y; s[e4].z += a.z; s[e4].w += a.w;
+          }
+        }
 #pragma unroll
         for (int e4 = 0; e4 < E / 4; ++e4) {
-          float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-          for (int q = 0; q < ks; ++q) {
-            const float4 u = *cluster.map_shared_rank(reinterpret_cast<const float4*>(tile_f + own + 4 * e4), q);
-            s.x += u.x; s.y += u.y; s.z += u.z; s.w += u.w;
-          }
-          v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
+          v[4 * e4] = s[e4].x * ts; v[4 * e4 + 1] = s[e4].y * ts;
+          v[4 * e4 + 2] = s[e4].z * ts; v[4 * e4 + 3] = s[e4].w * ts;
         }
-      } else {
-#pragma unroll
-        for (int h = 0; h < E / EP; ++h) {
-          float4 u[EP / 4][fused::kMaxKSplit];  // [16-byte piece][rank]
-#pragma unroll
-          for (int q = 0; q < fused::kMaxKSplit; ++q) {
-            if (q >= ks) break;
-#pragma unroll
-            for (int e4 = EP / 4 * h; e4 < EP / 4 * (h + 1); ++e4) {
-              float4& dst = u[e4 - EP / 4 * h][q];
-              if (q == rank)
-                dst = own_piece(own + 4 * e4);
-              else if (push)
-                dst = *reinterpret_cast<const float4*>(tile_f + recv + (q < rank ? q : q - 1) * slot_floats + 4 * e4);
-              else
-                dst = *cluster.map_shared_rank(reinterpret_cast<const float4*>(tile_f + own + 4 * e4), q);
-            }
-          }
-#pragma unroll
-          for (int e4 = EP / 4 * h; e4 < EP / 4 * (h + 1); ++e4) {
-            float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int q = 0; q < fused::kMaxKSplit; ++q) {
-              if (q >= ks) break;
-              const float4& a = u[e4 - EP / 4 * h][q];
-              s.x += a.x; s.y += a.y; s.z += a.z; s.w += a.w;
-            }
-            v[4 * e4] = s.x * ts; v[4 * e4 + 1] = s.y * ts; v[4 * e4 + 2] = s.z * ts; v[4 * e4 + 3] = s.w * ts;
-          }
-        }
+      } else if constexpr (Cfg::kPushMaxRanks < fused::kMaxKSplit) {
+        pull_sum(e_const, v, own, sw);
       }
+      unswizzle_pieces<E>(v, sw);
       // (the test on v[0], always true, keeps the mark's clock read behind the adds)
       KBIT_TL_MARK(p, kTlSumAdded, tid == 0 && it == tid && __float_as_uint(v[0]) != 1u);
       uint32_t packed[4];
