@@ -72,6 +72,10 @@ std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
 // (Qwen3 down, bits 2, M = 17); session 37's rule was 2.0 % and 61 % off on the same data
 // (Llama-3-70B q/k/v at TP 4, bits 2), and taking every N of 2560..8192 from 17 rows 0.37 % and
 // 17 % (Llama-3-8B down at bits 3; benchmarks/results/wgmma_pairs_s38_fit.py).
+// Session 48 re-scored it on that session's kernels (H200, harness "rows" graph-timed with PDL, as
+// JAX runs them, both kernels on every case; benchmarks/results/dispatch_s48_check.py): 0.48 % off
+// the faster kernel on average over 168 cases at M = 17..32, 8.3 % at worst (Qwen3 q, bits 2), and
+// the wgmma kernel the faster on every case at 48 and 64. Left as it is.
 // The environment overrides the range for every N and bits (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read
 // once per process; MIN_M=0: never).
 constexpr int kWgmmaMinRows = 33, kWgmmaEarlyMinRows = 17, kWgmmaMaxRows = 1024, kWgmmaWideBitsMaxRows = 512;

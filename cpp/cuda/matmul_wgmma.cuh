@@ -126,6 +126,12 @@
 //  tile counts became multipliers from the launcher (WgParams::ks_div ...): 0.55 us had passed
 //  from the tiles staged to thread 0's first send. Harness picks 0.973x the time: the Qwen3 and
 //  GLM-4.7 layers 0.95-0.98x (Qwen3 q at M <= 64 0.90x), the Llama layers 0.96-1.00x.
+//  Session 48 (H200, benchmarks/results/cluster_sum_h200_s48.md): the push path's final add rank
+//  by rank in a short loop, its pieces in a swizzled order, and no pull code where every cluster
+//  size pushes: thread 0's first item 0.73-1.13 -> 0.48-0.55 us; harness picks 0.988x the time
+//  (Qwen3 0.96-0.97x), 0.965x with a GLU. What is left of the sum is its sends (~27 KiB a rank
+//  at ~23 GB/s per SM: a build that sent nothing ran 0.9 us shorter, Qwen3 o at M = 64); loading
+//  a batch of rows before sending them did not shorten it.
 //
 // ---- Limits ----
 //  bf16 or fp16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
