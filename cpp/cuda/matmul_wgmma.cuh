@@ -739,7 +739,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
       if (push || ks == 1) {
         // This rank's tiles and its receive slots, rank by rank: a short loop. Unrolled over the 8
         // possible ranks, each with its own, pushed and pulled loads (~1,100 instructions from the
-        // wait to the first add, 64 registers of loads in flight), thread 0's first item took
+        // wait to the first add, 64-128 registers of loads in flight), thread 0's first item took
         // 0.73-1.13 us, as long in a build that sent nothing; rolled, 0.48-0.55 us (harness
         // timeline, H200, session 48). Why is not pinned down: not bank conflicts (the piece order
         // alone changed nothing at E = 8), nor a cold instruction cache (it stays warm from launch
