@@ -286,17 +286,25 @@ constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 // shared-memory wavefronts per k-block against ~11 per decoded tile, hence two tiles per warp
 // (64 accumulators at MT = 8; bits 5 decodes from a 64 KiB table to leave room for them, see
 // Config::Path). Blocks of 16 (M = 9..16), 32 or 64 rows (MT 2, 4, 8).
-// V = 4 (kWideBits5; warp-specialized kernel, bits 5, MT = 2 only): V1 with the 64-column group
-// of bits 2..4, decoded from the 64 KiB table that every bits-5 tiling at MT = 2 reads
-// (Config::Path). The 32-column groups of V0/V1 at bits 5 make twice the items of the other bits
+// V = 4 (kWideBits5; warp-specialized kernel, bits 5, MT <= 2): V1 with the 64-column group
+// of bits 2..4, decoded from the table of bits 5's other tilings at its MT (Config::Path: 64 KiB
+// at MT = 2, 128 KiB at MT = 1). The 32-column groups of V0/V1 at bits 5 make twice the items of the other bits
 // (Qwen3 gate/up, K 2048, N 5120: 160 items of 4 chunks for 132 CTAs; V4 makes 80), and a
 // chunk's fixed work (barriers, activations, scale decode) serves half the weights. Harness
 // "wide5" (H200, session 46, benchmarks/results/wide5_h200_s46.md; the ten shapes and a
 // Llama-3-70B layer's products at TP 2 and 4 x M 9, 12, 16, graph-timed, every tiling forced):
 // where the launcher now takes it, 0.80-0.85x the time on Qwen3 gate/up (M = 16: 11.1 -> 9.0 us)
 // and 0.82-0.99x on the Llama-3 layers (fp16 on Llama-3-8B gate/up: 1.03-1.05x). At M <= 8
-// (MT = 1) it was slower on 44 of 51 cases (geometric mean 1.09x, up to 1.25x: two-wavefront
-// lookups against V1's 128 KiB table) and faster by at most 5 %, so it is not offered there.
+// (MT = 1) it was slower from the 64 KiB table on 44 of 51 cases (geometric mean 1.09x, up to
+// 1.25x: two-wavefront lookups against V1's 128 KiB table).
+// At MT = 1 it reads the 128 KiB table (session 49), which leaves its ring 2 stages of 20 KiB.
+// Harness "wide5" at M = 1, 4, 8 (H200, the same 17 shapes, graph-timed, every tiling forced;
+// benchmarks/results/wide5_m1_h200_s49.md): 0.84-0.89x V1's time on Qwen3 gate/up (M = 1: 8.04
+// -> 7.11 us), 0.88-0.95x on Llama-3-70B o at TP 2 and 4 (N 8192), 0.94-0.99x on Llama-3-70B
+// down at TP 4 (K 7168, N 8192); elsewhere at M <= 4 up to 1.15x (the 2-stage ring on layers
+// that stream many chunks; cluster sums of twice the columns on those that need a cluster). No
+// price in the plan's unit separates those (the winners' break-even prices, 1.78-2.0, are also
+// losers'), so the launcher takes it by a rule instead (launch_fused_bits: wide5_one_round).
 constexpr int kWideBits5 = 4;
 // Its chunk's time in V0 chunks of MT = 2 (Config::chunk_cost): fitted on the same run
 // (benchmarks/results/wide5_s46_fit.py): 1.70-1.74 picks within 0.53 % (bf16) and 1.13 % (fp16)
@@ -307,7 +315,7 @@ constexpr double kWideBits5Price = 1.72;
 template <int BITS, int MT, int V = 0>
 struct Config {
   static_assert(V != 2 || MT >= 2, "the N-split tiling serves blocks of 16, 32 or 64 rows");
-  static_assert(V != kWideBits5 || (BITS == 5 && MT == 2), "the wide bits-5 tiling serves bits 5 in 16-row blocks");
+  static_assert(V != kWideBits5 || (BITS == 5 && MT <= 2), "the wide bits-5 tiling serves bits 5 in blocks of 8 or 16 rows");
   static constexpr bool kWide5 = V == kWideBits5;
   // Warps per CTA (one CTA per SM). At MT >= 4 the activation chunk grows with the rows, so
   // 8 warps (smaller chunks) fit.
@@ -1910,9 +1918,9 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   // <= 16, and forced at M <= 8), 32 (M <= 32) or 64 rows, runs only on the warp-specialized
   // kernel; a request for it elsewhere gets the default.
   // Bits 5 on the warp-specialized kernel also has V4 (kWideBits5: 64-column groups in blocks of
-  // 16 rows), planned at M = 9..16.
+  // 8 or 16 rows), planned at M = 9..16 and taken at M <= 8 by wide5_one_round (below).
   const bool forced_variant = tuning && tuning->variant >= 0 && (tuning->variant != 2 || ws) &&
-                              (tuning->variant != kWideBits5 || (ws && BITS == 5 && mt == 2 && a.m <= 16));
+                              (tuning->variant != kWideBits5 || (ws && BITS == 5 && mt <= 2 && a.m <= 16));
   constexpr int kDefaultV = (BITS == 3 || BITS == 5) ? 1 : 0;
   const int variant = forced_variant ? tuning->variant : mt > 1 ? 0 : ws ? 1 : kDefaultV;
   auto with_nsplit = [&](auto act_tag, auto&& use) -> std::string {
@@ -1939,9 +1947,28 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
       // Bits 5's wide tiling (V4): forced (forced_variant has checked ws), or at M = 9..16 planned
       // next to V0 and V1 and taken where its plan is the shortest.
       using LW = Launcher<BITS, A, MT, kWideBits5, true>;
-      constexpr bool has_wide = BITS == 5 && MT == 2 && MT <= kWsMaxMT;
+      constexpr bool has_wide = BITS == 5 && MT <= 2 && MT <= kWsMaxMT;
       if constexpr (has_wide)
         if (variant == kWideBits5) return LW::launch(a, stream, tuning);
+      // At M <= 8 V4 (2 ring stages next to the 128 KiB table) pays where it turns V1's two
+      // rounds of items, or V1's cluster, into one round of whole items on single CTAs that each
+      // stream fewer chunks than the deep ring is for (kDeepRingMinChunks): then the launch is
+      // bound by its fixed start and end, which half the items and no cluster shorten, not by the
+      // ring. The measured winners (see kWideBits5) are exactly those launches.
+      if constexpr (has_wide && MT == 1)
+        if (ws && !forced_variant) {
+          using L1 = Launcher<BITS, A, 1, 1, true>;
+          const auto p1 = L1::plan(a, tuning);
+          const bool v1_one_round = p1.error.empty() && p1.ks == 1 && p1.items <= p1.ncl;
+          if (!v1_one_round) {
+            const auto pw = LW::plan(a, tuning);
+            const int chunks = ceil_div(pw.KB, LW::Cfg::kKCH);  // (an item's: ks is 1)
+            const bool wide5_one_round = pw.error.empty() && pw.ks == 1 && !pw.balanced && pw.items <= pw.ncl &&
+                                         chunks < kDeepRingMinChunks;
+            if (wide5_one_round) return LW::launch(a, stream, tuning, pw);
+          }
+          return L1::launch(a, stream, tuning, p1);
+        }
       if constexpr (MT == 2 && MT <= kWsMaxMT)
         if (ws && !forced_variant) {
           using L0 = Launcher<BITS, A, 2, 0, true>;
