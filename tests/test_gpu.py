@@ -84,10 +84,11 @@ def test_matmul_nsplit_tiling(n, rows, bits, dtype, rng):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 def test_matmul_wide_bits5_tiling(dtype, rng):
-    """K = 2048, N = 5120 (Qwen3 gate/up) at bits 5 and M = 9..16: the launcher's plan takes the
-    64-column 16-row tiling (variant 4, 80 items), with and without the GLU epilogue; the same
-    result twice."""
-    _assert_tiling(rng, dtype, 2048, 5120, 5, (9, 12, 16), (9, 12, 16))
+    """K = 2048, N = 5120 (Qwen3 gate/up) at bits 5: the 64-column tiling (variant 4, 80 items),
+    in 16-row blocks at M = 9..16 (the launcher's plan) and in 8-row blocks from the 128 KiB table
+    at M = 1..8 (its rule, wide5_one_round: one round of whole items), with and without the GLU
+    epilogue; the same result twice."""
+    _assert_tiling(rng, dtype, 2048, 5120, 5, (1, 3, 8, 9, 12, 16), (1, 8, 9, 12, 16))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)

@@ -1,8 +1,8 @@
 """A small workload for compute-sanitizer (tools/gpu_check.sh): every CUDA kernel once per bits.
 
     python tools/sanitize_case.py [PART ...]   the named parts (default: all): small, clusters,
-                                               glu, wgmma, wgmma_f16, wgmma64 (racecheck over all
-                                               of them takes minutes)
+                                               glu, wide5, wgmma, wgmma_f16, wgmma64 (racecheck
+                                               over all of them takes minutes)
 """
 
 import sys
@@ -41,11 +41,9 @@ def clusters():
     # M = 9 and 16 takes the N-split tiling in blocks of 16 rows with bf16. (Longer walks of
     # pieces, e.g. K = 8192, N = 5120, run in the harness's test; under racecheck they take
     # minutes.)
-    # K = 2048, N = 5120 (Qwen3 gate/up) at M = 12, bits 5, takes the 64-column 16-row tiling
-    # (variant 4), 80 items on as many CTAs.
+    # (Bits 5's 64-column tiling: the wide5 part.)
     cases = [(((256, 8192), (17, 33, 64)), (2, 3, 4, 5)), (((4096, 256), (1, 12)), (2, 3, 4, 5)),
-             (((2048, 256), (1, 12)), (2, 3, 4, 5)), (((128, 16384), (9, 16)), (2, 3, 4, 5)),
-             (((2048, 5120), (12,)), (5,))]
+             (((2048, 256), (1, 12)), (2, 3, 4, 5)), (((128, 16384), (9, 16)), (2, 3, 4, 5))]
     for ((k, n), ms), bits_values in cases:
         for bits in bits_values:
             q = kj.quantize(jax.random.normal(jax.random.key(bits), (k, n)), bits)
@@ -65,6 +63,19 @@ def glu():
             for dtype in (jnp.bfloat16, jnp.float32):
                 x = jax.random.normal(jax.random.key(m), (m, k), dtype)
                 jax.block_until_ready(kj.matmul(x, q, method="fused", glu="silu"))
+
+
+def wide5():
+    # Bits 5's 64-column tiling (variant 4) on K = 2048, N = 5120 (Qwen3 gate/up), 80 items on as
+    # many CTAs: in 16-row blocks at M = 12 (the launcher's plan), in 8-row blocks from the 128 KiB
+    # table at M = 1 and 5 (its rule at M <= 8); bf16 and fp16, and a GLU at M = 1.
+    q = kj.quantize(jax.random.normal(jax.random.key(5), (2048, 5120)), 5)
+    for m in (1, 5, 12):
+        for dtype in (jnp.bfloat16, jnp.float16):
+            x = jax.random.normal(jax.random.key(m), (m, 2048), dtype)
+            jax.block_until_ready(kj.matmul(x, q, method="fused"))
+    x = jax.random.normal(jax.random.key(1), (1, 2048), jnp.bfloat16)
+    jax.block_until_ready(kj.matmul(x, q, method="fused", glu="silu"))
 
 
 # (K, N) and M values of the wgmma parts (see wgmma)
@@ -115,8 +126,8 @@ def wgmma64():
                 jax.block_until_ready(kj.matmul(x.astype(jnp.float16), q))
 
 
-PARTS = {"small": small, "clusters": clusters, "glu": glu, "wgmma": wgmma, "wgmma_f16": wgmma_f16,
-         "wgmma64": wgmma64}
+PARTS = {"small": small, "clusters": clusters, "glu": glu, "wide5": wide5, "wgmma": wgmma,
+         "wgmma_f16": wgmma_f16, "wgmma64": wgmma64}
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(PARTS)
