@@ -241,6 +241,9 @@
 //  16-row tiling (Config V4): Qwen3 gate/up 0.80-0.85x the time, the Llama-3 layers where the
 //  plan takes it 0.82-0.93x (bf16); in JAX (busy time) Llama-3-70B down at M = 16 80.6 -> 66.6 us.
 //  At M <= 8 the same tiling was slower (the 64 KiB table's two-wavefront lookups).
+//  Session 49 (H200, benchmarks/results/wide5_m1_h200_s49.md): V4 at M <= 8 from the 128 KiB
+//  table, taken where it makes one round of whole items of V1's two rounds or cluster
+//  (wide5_one_round): Qwen3 gate/up at bits 5, M = 1 and 4, 7.8 / 8.4 -> 6.9 / 7.0 us in JAX.
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
@@ -297,14 +300,19 @@ constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 // and 0.82-0.99x on the Llama-3 layers (fp16 on Llama-3-8B gate/up: 1.03-1.05x). At M <= 8
 // (MT = 1) it was slower from the 64 KiB table on 44 of 51 cases (geometric mean 1.09x, up to
 // 1.25x: two-wavefront lookups against V1's 128 KiB table).
-// At MT = 1 it reads the 128 KiB table (session 49), which leaves its ring 2 stages of 20 KiB.
+// At MT = 1 it reads the 128 KiB table (session 49). Next to it the ring holds 3 stages of 20 KiB
+// at M <= 3 and 2 at M = 4..8 (its reducer keeps one receive slot: WsSizes::recv_slots).
 // Harness "wide5" at M = 1, 4, 8 (H200, the same 17 shapes, graph-timed, every tiling forced;
-// benchmarks/results/wide5_m1_h200_s49.md): 0.84-0.89x V1's time on Qwen3 gate/up (M = 1: 8.04
-// -> 7.11 us), 0.88-0.95x on Llama-3-70B o at TP 2 and 4 (N 8192), 0.94-0.99x on Llama-3-70B
-// down at TP 4 (K 7168, N 8192); elsewhere at M <= 4 up to 1.15x (the 2-stage ring on layers
-// that stream many chunks; cluster sums of twice the columns on those that need a cluster). No
-// price in the plan's unit separates those (the winners' break-even prices, 1.78-2.0, are also
-// losers'), so the launcher takes it by a rule instead (launch_fused_bits: wide5_one_round).
+// benchmarks/results/wide5_m1_h200_s49.md): 0.88-0.89x V1's time on Qwen3 gate/up (M = 1: 8.03
+// -> 7.07 us), 0.89-0.94x on Llama-3-70B o at TP 2 and 4 (N 8192), 0.90-0.97x on Llama-3-70B
+// down at TP 4 (K 7168, N 8192). With 2 stages (M = 4..8) it is up to 1.10x slower on the layers
+// that stream many chunks, and at any M up to 1.38x on those that need a cluster (sums of twice
+// the columns). No price in the plan's unit separates those at M = 4..8 (the winners' break-even
+// prices, 1.78-2.0, are also losers'), so the launcher takes it by a rule instead
+// (launch_fused_bits: wide5_one_round). With 3 stages (M = 1) V4 forced was also faster on every
+// Llama-3 layer (0.90-0.98x; Llama-3-70B down 54.8 -> 49.8 us), and the plans at this price
+// would pick within 0.09 % of the faster tiling on average, 0.8 % at worst (wide5_m1_s49_summary
+// .py); not taken yet: that rule has not run through the launcher on a GPU.
 constexpr int kWideBits5 = 4;
 // Its chunk's time in V0 chunks of MT = 2 (Config::chunk_cost): fitted on the same run
 // (benchmarks/results/wide5_s46_fit.py): 1.70-1.74 picks within 0.53 % (bf16) and 1.13 % (fp16)
@@ -1178,6 +1186,10 @@ struct WsSizes {
   // bits 5 at MT = 1, V0 gets 2 slots, bits 2 and 4 at MT = 2, V1 6. Bits 5 at MT = 2, V0 had 4
   // next to the 128 KiB table, until session 36.)
   static constexpr int recv_slots() {
+    // V4 at MT = 1 (the 128 KiB table) runs without a cluster where the launcher takes it
+    // (launch_fused_bits: wide5_one_round): one slot (clusters of 2 when forced) leaves its
+    // ring a third stage at M <= 3.
+    if constexpr (C::kWide5 && MT == 1) return 1;
     using R = ItemReducer<kWarps, C::kAcc, 1>;
     const int want = std::min(stages_with(R::bytes_with(1)), 4);
     for (int n = kMaxKSplit - 1; n > 1; --n)
@@ -1786,7 +1798,9 @@ struct Launcher {
       // stages instead of 4 at M = 1 took llama3-70b gate/up 59.9 -> 57.7 us but qwen3 down, ~5
       // chunks per CTA, 7.3 -> 7.6; kernel_ring_rows_h200.md).
       using WC = WsConfig<BITS, MT, V>;
-      pl.stages = chunks_per_cta >= kDeepRingMinChunks ? WC::stages(pl.x_rows) : WC::stages(8 * MT);
+      // (V4 at MT = 1: 3 stages against 2, one more copy in flight, at any chunk count)
+      const bool deep = chunks_per_cta >= kDeepRingMinChunks || (Cfg::kWide5 && MT == 1);
+      pl.stages = deep ? WC::stages(pl.x_rows) : WC::stages(8 * MT);
     }
     return pl;
   }
@@ -1950,11 +1964,11 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
       constexpr bool has_wide = BITS == 5 && MT <= 2 && MT <= kWsMaxMT;
       if constexpr (has_wide)
         if (variant == kWideBits5) return LW::launch(a, stream, tuning);
-      // At M <= 8 V4 (2 ring stages next to the 128 KiB table) pays where it turns V1's two
-      // rounds of items, or V1's cluster, into one round of whole items on single CTAs that each
-      // stream fewer chunks than the deep ring is for (kDeepRingMinChunks): then the launch is
-      // bound by its fixed start and end, which half the items and no cluster shorten, not by the
-      // ring. The measured winners (see kWideBits5) are exactly those launches.
+      // At M <= 8 V4 pays where it turns V1's two rounds of items, or V1's cluster, into one
+      // round of whole items on single CTAs that each stream fewer chunks than the deep ring is
+      // for (kDeepRingMinChunks): then the launch is bound by its fixed start and end, which half
+      // the items and no cluster shorten. The measured winners (see kWideBits5) are exactly those
+      // launches.
       if constexpr (has_wide && MT == 1)
         if (ws && !forced_variant) {
           using L1 = Launcher<BITS, A, 1, 1, true>;
