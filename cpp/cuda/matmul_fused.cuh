@@ -291,9 +291,10 @@ constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 // Config::Path). Blocks of 16 (M = 9..16), 32 or 64 rows (MT 2, 4, 8).
 // V = 4 (kWideBits5; warp-specialized kernel, bits 5, MT <= 2): V1 with the 64-column group
 // of bits 2..4, decoded from the table of bits 5's other tilings at its MT (Config::Path: 64 KiB
-// at MT = 2, 128 KiB at MT = 1). The 32-column groups of V0/V1 at bits 5 make twice the items of the other bits
-// (Qwen3 gate/up, K 2048, N 5120: 160 items of 4 chunks for 132 CTAs; V4 makes 80), and a
-// chunk's fixed work (barriers, activations, scale decode) serves half the weights. Harness
+// at MT = 2, 128 KiB at MT = 1). The 32-column groups of V0/V1 at bits 5 make twice the items
+// of the other bits (Qwen3 gate/up, K 2048, N 5120: 160 items of 4 chunks for 132 CTAs; V4
+// makes 80), and a chunk's fixed work (barriers, activations, scale decode) serves half the
+// weights. Harness
 // "wide5" (H200, session 46, benchmarks/results/wide5_h200_s46.md; the ten shapes and a
 // Llama-3-70B layer's products at TP 2 and 4 x M 9, 12, 16, graph-timed, every tiling forced):
 // where the launcher now takes it, 0.80-0.85x the time on Qwen3 gate/up (M = 16: 11.1 -> 9.0 us)
@@ -323,7 +324,8 @@ constexpr double kWideBits5Price = 1.72;
 template <int BITS, int MT, int V = 0>
 struct Config {
   static_assert(V != 2 || MT >= 2, "the N-split tiling serves blocks of 16, 32 or 64 rows");
-  static_assert(V != kWideBits5 || (BITS == 5 && MT <= 2), "the wide bits-5 tiling serves bits 5 in blocks of 8 or 16 rows");
+  static_assert(V != kWideBits5 || (BITS == 5 && MT <= 2),
+                "the wide bits-5 tiling serves bits 5 in blocks of 8 or 16 rows");
   static constexpr bool kWide5 = V == kWideBits5;
   // Warps per CTA (one CTA per SM). At MT >= 4 the activation chunk grows with the rows, so
   // 8 warps (smaller chunks) fit.
