@@ -310,10 +310,10 @@ constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 // that stream many chunks, and at any M up to 1.38x on those that need a cluster (sums of twice
 // the columns). No price in the plan's unit separates those at M = 4..8 (the winners' break-even
 // prices, 1.78-2.0, are also losers'), so the launcher takes it by a rule instead
-// (launch_fused_bits: wide5_one_round). With 3 stages (M = 1) V4 forced was also faster on every
-// Llama-3 layer (0.90-0.98x; Llama-3-70B down 54.8 -> 49.8 us), and the plans at this price
-// would pick within 0.09 % of the faster tiling on average, 0.8 % at worst (wide5_m1_s49_summary
-// .py); not taken yet: that rule has not run through the launcher on a GPU.
+// (launch_fused_bits: wide5_one_round). With 3 stages (M <= 3) the plans decide at this price
+// (session 50, benchmarks/results/wide5_m123_h200_s50.md, M = 1, 2, 3): V4 on 10 of the 17
+// shapes, every Llama-3 layer among them, 0.955-0.965x V1's time on the 17 (Llama-3-70B down at
+// M = 1: 54.5 -> 49.4 us), within 0.4 % of the faster tiling on average.
 constexpr int kWideBits5 = 4;
 // Its chunk's time in V0 chunks of MT = 2 (Config::chunk_cost): fitted on the same run
 // (benchmarks/results/wide5_s46_fit.py): 1.70-1.74 picks within 0.53 % (bf16) and 1.13 % (fp16)
@@ -1966,23 +1966,30 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
       constexpr bool has_wide = BITS == 5 && MT <= 2 && MT <= kWsMaxMT;
       if constexpr (has_wide)
         if (variant == kWideBits5) return LW::launch(a, stream, tuning);
-      // At M <= 8 V4 pays where it turns V1's two rounds of items, or V1's cluster, into one
-      // round of whole items on single CTAs that each stream fewer chunks than the deep ring is
-      // for (kDeepRingMinChunks): then the launch is bound by its fixed start and end, which half
-      // the items and no cluster shorten. The measured winners (see kWideBits5) are exactly those
-      // launches.
+      // At M <= 8, V4 against V1 (see kWideBits5):
+      //  * Where its ring has 3 stages (M <= 3) the plans decide, V4's chunk at kWideBits5Price V1
+      //    chunks (harness, M = 1..3: within 0.4 % of the faster tiling on average).
+      //  * With 2 stages (M = 4..8) it pays only where it turns V1's two rounds of items, or V1's
+      //    cluster, into one round of whole items on single CTAs that each stream fewer chunks
+      //    than the deep ring is for (kDeepRingMinChunks): wide5_one_round.
       if constexpr (has_wide && MT == 1)
         if (ws && !forced_variant) {
           using L1 = Launcher<BITS, A, 1, 1, true>;
           const auto p1 = L1::plan(a, tuning);
-          const bool v1_one_round = p1.error.empty() && p1.ks == 1 && p1.items <= p1.ncl;
-          if (!v1_one_round) {
-            const auto pw = LW::plan(a, tuning);
-            const int chunks = ceil_div(pw.KB, LW::Cfg::kKCH);  // (an item's: ks is 1)
-            const bool wide5_one_round = pw.error.empty() && pw.ks == 1 && !pw.balanced && pw.items <= pw.ncl &&
-                                         chunks < kDeepRingMinChunks;
-            if (wide5_one_round) return LW::launch(a, stream, tuning, pw);
+          const auto pw = LW::plan(a, tuning);
+          bool wide = pw.error.empty() && !p1.error.empty();  // (V1 cannot run: V4 can)
+          if (p1.error.empty() && pw.error.empty()) {
+            if (pw.stages >= 3) {
+              wide = pw.cost < p1.cost;
+            } else {
+              const bool v1_one_round = p1.ks == 1 && p1.items <= p1.ncl;
+              const int chunks = ceil_div(pw.KB, LW::Cfg::kKCH);  // (an item's: ks is 1)
+              const bool wide5_one_round = pw.ks == 1 && !pw.balanced && pw.items <= pw.ncl &&
+                                           chunks < kDeepRingMinChunks;
+              wide = !v1_one_round && wide5_one_round;
+            }
           }
+          if (wide) return LW::launch(a, stream, tuning, pw);
           return L1::launch(a, stream, tuning, p1);
         }
       if constexpr (MT == 2 && MT <= kWsMaxMT)
