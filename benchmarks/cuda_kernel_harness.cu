@@ -17,6 +17,8 @@
 //   build/cuda_kernel_harness narrow             M <= 8 in the 16-row tilings' 32-column groups
 //   build/cuda_kernel_harness wide5              bits 5, M = 9..16: the 64-column tiling (variant 4)
 //                                                against the other tilings, with their plans
+//   build/cuda_kernel_harness tiles              bits 2..5, M = 9..16: every tiling forced beside the
+//                                                launcher's pick, with their plans ("TILES" lines)
 //   build/cuda_kernel_harness rows               M = 17..128: the warp-specialized kernel's tilings vs
 //                                                the cp.async kernel
 //   build/cuda_kernel_harness split              M = 384..1024: the wgmma kernel's split last round of
@@ -36,7 +38,8 @@
 // KBIT_HARNESS_TEST_VARIANTS="2 3" runs only those tiling variants' matmul tests;
 // KBIT_HARNESS_F16=1 times fp16 products instead of bf16 (see BenchEnv::matmul_args);
 // KBIT_HARNESS_GRAPH=1 times launches captured into CUDA graphs, as JAX runs them (time_tuned);
-// KBIT_HARNESS_NARROW_M and _BITS set those of "narrow", KBIT_HARNESS_WIDE5_M those of "wide5";
+// KBIT_HARNESS_NARROW_M and _BITS set those of "narrow", KBIT_HARNESS_WIDE5_M those of "wide5",
+// KBIT_HARNESS_TILES_M and _BITS those of "tiles";
 // KBIT_HARNESS_TIMELINE_VARIANT=v, _KSPLIT=n and _COLUMNS=c force "timeline"'s tiling variant,
 // cluster size and wgmma weight tile; KBIT_HARNESS_TIMELINE_FLOOD=1 and
 // _TWICE=1 precede each "timeline" launch by a code flood or by the same product.
@@ -1239,38 +1242,60 @@ static void bench_narrow() {
     }
 }
 
-// Bits 5 at M = 9..16: the wide tiling (variant 4, 64-column groups) against the others the
-// launcher plans there (V1, V0: 32 columns; V2, the N-split tiling), with their plans
-// (MatmulTuning::launched_plan_cost, in V0 chunks, and the chunk's price in that unit). One line
-// per case
-//   WIDE5 <shape> K N M <default us> v<variant>/<k_split>/<ctas>  then for V1, V4, V0 and V2:
+// Every tiling the launcher plans at M <= 16 forced, beside its own pick, with their plans
+// (MatmulTuning::launched_plan_cost, in V0 chunks, and the chunk's price in that unit): the data
+// its prices are fitted on. One line per case, `tag` first:
+//   <tag> <shape> K N [bits] M <default us> v<variant>/<k_split>/<ctas>  then per forced tiling:
 //         v<variant> <us> <k_split>/<ctas> <plan cost> <chunk price>
+// (a tiling the launcher does not run at that M, e.g. V4 at M > 8 with 2 or more MT, runs another,
+// whose label the line shows).
+static void time_tilings(const char* tag, bool with_bits, const std::vector<int>& bits_list,
+                         const std::vector<int>& ms, const std::vector<int>& variants) {
+  BenchEnv env(*std::max_element(ms.begin(), ms.end()));
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  Timer tm;
+  for (const Shape& s : shapes_and_llama70b_layers({2, 4}))
+    for (int bits : bits_list) {
+      const WeightCopies w(env, s, bits);
+      for (int M : ms) {
+        const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
+        kbit::cuda::MatmulTuning dflt;
+        const double us = time_tuned(tm, a, w, dflt, 5, 10);
+        printf("%s %-18s %5d %6d", tag, s.name, s.K, s.N);
+        if (with_bits) printf(" %d", bits);
+        printf(" %2d %8.2f v%d/%d/%d", M, us, dflt.launched_variant, dflt.launched_k_split, dflt.launched_ctas);
+        for (int v : variants) {
+          if (v == 4 && bits != 5) continue;  // (bits 5's tiling)
+          kbit::cuda::MatmulTuning t;
+          t.variant = v;
+          const double v_us = time_tuned(tm, a, w, t, 5, 10);
+          printf("  v%d %8.2f %d/%d %.2f %.2f", t.launched_variant, v_us, t.launched_k_split, t.launched_ctas,
+                 t.launched_plan_cost, t.launched_chunk_price);
+        }
+        printf("\n");
+        fflush(stdout);
+      }
+    }
+}
+
+// Bits 5 at M = 9..16: the wide tiling (variant 4, 64-column groups) against the others the
+// launcher plans there (V1, V0: 32 columns; V2, the N-split tiling): "WIDE5" lines of
+// time_tilings (no bits field), V1, V4, V0, V2 in that order.
 // KBIT_HARNESS_WIDE5_M="9 12 16" (default) sets the M (at M <= 8 a forced variant 4 runs the
 // default, V1); KBIT_HARNESS_F16=1 times fp16.
 static void bench_wide5() {
-  const std::vector<int> ms = env_int_list("KBIT_HARNESS_WIDE5_M", "9 12 16", 1, 16);
-  BenchEnv env(16);
-  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
-  Timer tm;
-  for (const Shape& s : shapes_and_llama70b_layers({2, 4})) {
-    const WeightCopies w(env, s, 5);
-    for (int M : ms) {
-      const kbit::cuda::MatmulArgs a = env.matmul_args(s, 5, M);
-      kbit::cuda::MatmulTuning dflt;
-      const double us = time_tuned(tm, a, w, dflt, 5, 10);
-      printf("WIDE5 %-18s %5d %6d %2d %8.2f v%d/%d/%d", s.name, s.K, s.N, M, us, dflt.launched_variant,
-             dflt.launched_k_split, dflt.launched_ctas);
-      for (int v : {1, 4, 0, 2}) {
-        kbit::cuda::MatmulTuning t;
-        t.variant = v;
-        const double v_us = time_tuned(tm, a, w, t, 5, 10);
-        printf("  v%d %8.2f %d/%d %.2f %.2f", t.launched_variant, v_us, t.launched_k_split, t.launched_ctas,
-               t.launched_plan_cost, t.launched_chunk_price);
-      }
-      printf("\n");
-      fflush(stdout);
-    }
-  }
+  time_tilings("WIDE5", false, {5}, env_int_list("KBIT_HARNESS_WIDE5_M", "9 12 16", 1, 16), {1, 4, 0, 2});
+}
+
+// Any bits at M <= 32: "TILES" lines of time_tilings (with the bits), V0, V1, V2 (and V4 at bits
+// 5) forced beside the launcher's pick. KBIT_HARNESS_TILES_M="9 12 16" (default) and
+// KBIT_HARNESS_TILES_BITS="2 3 4 5" (default) set the M and bits; KBIT_HARNESS_F16=1 times fp16.
+// (At M = 17..32 the pick may be the wgmma kernel (its label v0/1/..: see launched_wg_columns),
+// and the forced tilings are the warp-specialized kernel's 16-row blocks and its N-split tiling
+// in blocks of 32 rows.)
+static void bench_tiles() {
+  time_tilings("TILES", true, env_int_list("KBIT_HARNESS_TILES_BITS", "2 3 4 5", 2, 5),
+               env_int_list("KBIT_HARNESS_TILES_M", "9 12 16", 1, 32), {0, 1, 2, 4});
 }
 
 // Selected shapes (both tiling variants at M <= 16): one "SEL" line per case, for comparing
@@ -1937,7 +1962,8 @@ int main(int argc, char** argv) {
   const std::pair<const char*, void (*)()> timing_modes[] = {
       {"sweep", bench_sweep}, {"narrow", bench_narrow}, {"wide5", bench_wide5}, {"host", bench_host},
       {"layers", bench_layers}, {"sel", bench_sel}, {"prefetch", bench_prefetch},
-      {"rows", bench_rows}, {"split", bench_split_last}, {"wgplans", bench_wgmma_plans}};
+      {"rows", bench_rows}, {"split", bench_split_last}, {"wgplans", bench_wgmma_plans},
+      {"tiles", bench_tiles}};
   for (const auto& [name, run] : timing_modes)
     if (mode == name) {
       run();

@@ -38,6 +38,9 @@
 #   tools/kernel_profile.sh wide5                bits 5, M = 9..16: the 64-column tiling (variant 4)
 #                                                 against the other tilings and the launcher's pick
 #                                                 (KBIT_HARNESS_WIDE5_M)
+#   tools/kernel_profile.sh tiles                bits 2..5, M = 9..16: every tiling forced beside the
+#                                                 launcher's pick, with their plans (KBIT_HARNESS_TILES_M,
+#                                                 _BITS; benchmarks/tiles_price_fit.py fits the prices)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
@@ -105,6 +108,7 @@ case $mode in
   sweep) "$bin" sweep > "$OUT/sweep${TAG:-}.log"; python3 benchmarks/ksplit_fit.py "$OUT/sweep${TAG:-}.log" ;;
   narrow) "$bin" narrow | tee "$OUT/narrow${TAG:-}.log" | grep -E "^NARROW|copy" ;;
   wide5) "$bin" wide5 | tee "$OUT/wide5${TAG:-}.log" | grep -E "^WIDE5|copy" ;;
+  tiles) "$bin" tiles | tee "$OUT/tiles${TAG:-}.log" | grep -E "^TILES|copy" ;;
   ncu)
     while [[ $# -ge 4 ]]; do
       tag="b$1_k$2_n$3_m$4"
