@@ -366,10 +366,17 @@ struct Config {
   static constexpr int kAcc = kTN * MT * 4;
   // A chunk's time relative to a chunk of the V0 tiling of the same MT, for the launcher's
   // choice between the tilings at MT = 2 (M > 8 on the warp-specialized kernel, see
-  // launch_fused_bits). There V1's chunk holds twice the columns at bits 2..4 and takes about
-  // 1.4x as long: fitted on the harness's "sel" at M = 16 (H200, 10 shapes x bits 2..5, both
-  // tilings timed): 1.3-1.5 pick within 1.7 % of the faster tiling in all 40 cases, 1.0 (pure
-  // work count) is up to 11 % off. Bits 5 keeps 32 columns.
+  // launch_fused_bits). There V1's chunk holds twice the columns at bits 2..4. Session 6 fitted
+  // it at 1.4 V0 chunks (harness "sel", M = 16, H200). Session 50 refitted it on today's kernels
+  // (harness "tiles", H200, 17 shapes x bits 2..5 x M 9, 12, 16, every tiling forced, with the
+  // N-split tiling's price and its cluster's item end below;
+  // benchmarks/results/tiles_h200_s50.md, tiles_price_fit.py): in one block of rows (M <= 16)
+  // 1.0 at bits 2 and 4 (a V1 chunk, twice the weights, takes a V0 chunk's time), 1.4 kept at
+  // bits 3 (no better price). At 1.4, V0 ran Qwen3 q and o at M = 9..16, V1 0.85-0.96x its time.
+  // With more blocks (M = 17..128) 1.4 stays: there the 16-row tilings are weighed against the
+  // N-split tiling in blocks of 32 and 64 rows, whose prices below were fitted against it (1.0
+  // there too took Llama-3-70B gate/up at M = 32 from V2 to V1: 70 -> 88 us). Bits 5 keeps 32
+  // columns.
   // V2 is compared with the 16-row tilings (MT = 2) at M > 16 in the same unit, a V0 chunk at
   // MT = 2: fitted on the harness's "rows" (H200, 10 shapes x bits 2, 4, 5 x M 17..128, bf16;
   // benchmarks/rows_fit.py), 1.0 at MT = 4 and 1.3 at MT = 8 (bits 5, then one tile per warp:
@@ -403,20 +410,24 @@ struct Config {
   // gate/up, bits 5, M = 64). Harness against them (both rounds' faster time): 0.931x where the
   // pick changed at M = 9..16 (27 of 156 cases), 0.919x at M = 33..128 (43 of 260; 0.78x at
   // best, 1.064x at worst: Llama-3-70B gate/up, bits 4, M = 96); the unchanged picks read 0.99x.
+  // At MT = 2, bits 2 and 4, session 50 refitted 0.4 (bf16 and fp16) together with V1's price
+  // (1.4 -> 1.0) and V2's cluster item end (nsplit_rank_end): what matters is V2's price against
+  // V1's, 0.4 against 0.43 (0.6 / 1.4) before, and 0.375-0.45 all beat the old prices there.
   static constexpr double nsplit_price_bf16() {
-    if constexpr (MT == 2) return BITS == 3 || BITS == 5 ? 0.8 : 0.6;
+    if constexpr (MT == 2) return BITS == 3 || BITS == 5 ? 0.8 : 0.4;  // (bits 2, 4: session 50)
     if constexpr (MT == 4) return 0.9;
     return 1.3;
   }
   static constexpr double nsplit_price_f16() {
-    if constexpr (MT == 2) return BITS == 3 ? 0.8 : BITS == 5 ? 0.95 : 0.61;
+    if constexpr (MT == 2) return BITS == 3 ? 0.8 : BITS == 5 ? 0.95 : 0.4;
     if constexpr (MT == 4) return 0.9;
     return BITS == 2 ? 2.1 : BITS == 5 ? 1.6 : 1.7;
   }
-  static constexpr double chunk_cost(bool bf16) {
+  static constexpr double chunk_cost(bool bf16, bool one_block_of_rows) {
     if constexpr (V == 2) return bf16 ? nsplit_price_bf16() : nsplit_price_f16();
     if constexpr (kWide5) return kWideBits5Price;
-    return (MT == 2 && V == 1 && BITS != 5) ? 1.4 : 1.0;
+    if constexpr (MT == 2 && V == 1 && BITS != 5) return BITS == 3 || !one_block_of_rows ? 1.4 : 1.0;
+    return 1.0;
   }
   static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
   static constexpr int kWChunk = kKCH * kSlabBytes;
@@ -1675,7 +1686,10 @@ struct Launcher {
   }
 
   // A chunk's time in V0 chunks of this MT (Config::chunk_cost, by the activations' dtype).
-  static constexpr double chunk_price() { return Cfg::chunk_cost(std::is_same_v<Act, ActBF16>); }
+  // (`one_block_of_rows`: the launch's M fits one block of 8 MT rows)
+  static constexpr double chunk_price(bool one_block_of_rows = true) {
+    return Cfg::chunk_cost(std::is_same_v<Act, ActBF16>, one_block_of_rows);
+  }
 
   using Plan = LaunchPlan;
   static Plan plan(const MatmulArgs& a, const MatmulTuning* tuning) {
@@ -1742,10 +1756,12 @@ struct Launcher {
       // distributed shared memory, ~6 us at 5 ranks on Qwen3 gate/up (item_end_h100_s29.md); at 64
       // rows, twice as many: 2.5 per rank. At 0.5 the plan took one 64-row block over 8-CTA
       // clusters for Llama-3-70B q/k/v at TP 4 (K 8192, N 2560) at M = 56 and 64, 1.11-1.24x the
-      // time of 16-row blocks (fused_rows_tp_h200_s35_m40-64.log).)
-      const double nsplit_rank_end = V == 2 && MT == 4 ? 1.25 : V == 2 && MT == 8 ? 2.5 : 0.5;
+      // time of 16-row blocks (fused_rows_tp_h200_s35_m40-64.log). At 16 rows 1.0, fitted with
+      // the prices (session 50, Config::chunk_cost): at 0.5 the same layer at M = 9..16 ran in
+      // 8-CTA clusters, 1.26-1.31x the time of V1.)
+      const double nsplit_rank_end = V != 2 ? 0.5 : MT == 2 ? 1.0 : MT == 4 ? 1.25 : 2.5;
       const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + nsplit_rank_end * ks : 1.0;
-      const double cost = per_cluster * (chunks + item_end) * chunk_price();
+      const double cost = per_cluster * (chunks + item_end) * chunk_price(pl.m_blocks == 1);
       if (cost < best_cost - 1e-9) { best_cost = cost; pl.ks = ks; }
     }
     pl.cost = best_cost;
@@ -1779,7 +1795,7 @@ struct Launcher {
         if (senders > kRecv) continue;
         const double pieces = double((per_rank + nchi - 1) / nchi + 1);
         const double cost = (double(per_rank) + 0.5 * pieces + 0.5 * double(senders)) *
-                            chunk_price();
+                            chunk_price(pl.m_blocks == 1);
         if (cost < best_bal - 1e-9) {
           best_bal = cost;
           pl.balanced = true;
@@ -1826,7 +1842,7 @@ struct Launcher {
       tuning->launched_variant = V;
       tuning->launched_rows = 8 * MT;
       tuning->launched_plan_cost = pl.cost;
-      tuning->launched_chunk_price = chunk_price();
+      tuning->launched_chunk_price = chunk_price(pl.m_blocks == 1);
     }
 
     Params prm;
