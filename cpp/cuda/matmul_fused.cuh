@@ -244,6 +244,10 @@
 //  Session 49 (H200, benchmarks/results/wide5_m1_h200_s49.md): V4 at M <= 8 from the 128 KiB
 //  table, taken where it makes one round of whole items of V1's two rounds or cluster
 //  (wide5_one_round): Qwen3 gate/up at bits 5, M = 1 and 4, 7.8 / 8.4 -> 6.9 / 7.0 us in JAX.
+//  Session 50 (H200, benchmarks/results/wide5_m123_h200_s50.md, tiles_h200_s50.md): at M <= 3
+//  V4 is planned against V1 (Llama-3-70B down, bits 5, M = 1: 55.1 -> 49.2 us in JAX, 75 % of
+//  copy); the prices at M = 9..16 refitted on harness "tiles" (Config::chunk_cost): Qwen3 q at
+//  M = 16, bits 2 and 4, 0.86x the time (V1 instead of V0).
 //  * CTAs are persistent (one per SM, the lookup table is built once) and walk a list of work
 //    items (column group x k-range x block of M x batch entry); their chunk stream runs across
 //    item boundaries, so the ring never drains. K is split across the warps of a CTA and, when
