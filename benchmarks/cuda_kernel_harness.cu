@@ -1247,8 +1247,8 @@ static void bench_narrow() {
 // its prices are fitted on. One line per case, `tag` first:
 //   <tag> <shape> K N [bits] M <default us> v<variant>/<k_split>/<ctas>  then per forced tiling:
 //         v<variant> <us> <k_split>/<ctas> <plan cost> <chunk price>
-// (a tiling the launcher does not run at that M, e.g. V4 at M > 8 with 2 or more MT, runs another,
-// whose label the line shows).
+// (a tiling the launcher does not run at that M, e.g. V4 above 16 rows, runs another, whose label
+// the line shows).
 static void time_tilings(const char* tag, bool with_bits, const std::vector<int>& bits_list,
                          const std::vector<int>& ms, const std::vector<int>& variants) {
   BenchEnv env(*std::max_element(ms.begin(), ms.end()));

@@ -71,6 +71,8 @@ def plan_costs(cases, resident):
         if m <= 8:
             rows16 = v1
         else:
+            # (V1's chunk at 1.4 V0 chunks; at 16 rows the launcher prices bits 2 and 4 at 1.0 since
+            # session 50, with V2's price refitted with it: tiles_price_fit.py)
             rows16 = min(plan_cost(k, n, m, bits, "v0", resident), v1 * (1.0 if bits == 5 else 1.4))
         costs.append((rows16, plan_cost(k, n, m, bits, "v2", resident)))
     return costs

@@ -50,7 +50,7 @@ class Case:
         self.picked = runs[0][key][1].split("/")[0]
         _, k, n, _, _ = key
         ks, ctas = map(int, forced["v2"][1].split("/"))
-        self.v2 = (math.ceil(n / 256 / (ctas // ks)), math.ceil(math.ceil(k / 32 / ks) / 2), ks)
+        self.v2 = (math.ceil(math.ceil(n / 256) / (ctas // ks)), math.ceil(math.ceil(k / 32 / ks) / 2), ks)
 
     def pick(self, p1, pn, r, pw=1.72):
         """launch_fused_bits's choice at MT = 2 with these prices (V1 ties go to V1)."""
