@@ -1199,18 +1199,14 @@ static void bench_sweep() {
     }
 }
 
-// M <= 8 in the 16-row tilings' narrow column groups (MatmulTuning::min_m_tiles = 2, variant 0:
-// 32 columns at every bits value, half of the 8-row tiling's 64 at bits 2-4), for the small
-// layers whose 64-column groups leave SMs idle. One line per case
-//   NARROW <shape> K N bits M <default us> v<variant>/<k_split>/<ctas>  <narrow us> <k_split>/<ctas>
-//          <narrow us at k-split 1..4 (each: us/launched k_split)> <best narrow / default>
-// KBIT_HARNESS_NARROW_M="1 4 8" (default) the M, KBIT_HARNESS_NARROW_BITS="2 3 4 5" the bits.
-static void bench_narrow() {
-  const std::vector<int> ms = env_int_list("KBIT_HARNESS_NARROW_M", "1 4 8", 1, 8);
-  const std::vector<int> bits_list = env_int_list("KBIT_HARNESS_NARROW_BITS", "2 3 4 5", 2, 5);
-  BenchEnv env(8);
+// The ten shapes and a Llama-3-70B layer's products at TP 2 and 4, x `bits_list` x `ms`: each
+// case timed first with the launcher's own choice, then handed to `each(shape, a, w, us, dflt)`
+// with that time and the tuning the launch reported.
+template <class Each>
+static void time_cases_after_default(const std::vector<int>& bits_list, const std::vector<int>& ms, Timer& tm,
+                                     Each each) {
+  BenchEnv env(*std::max_element(ms.begin(), ms.end()));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
-  Timer tm;
   for (const Shape& s : shapes_and_llama70b_layers({2, 4}))
     for (int bits : bits_list) {
       const WeightCopies w(env, s, bits);
@@ -1218,6 +1214,24 @@ static void bench_narrow() {
         const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
         kbit::cuda::MatmulTuning dflt;
         const double us = time_tuned(tm, a, w, dflt, 5, 10);
+        each(s, a, w, us, dflt);
+        fflush(stdout);
+      }
+    }
+}
+
+// M <= 8 in the 16-row tilings' narrow column groups (MatmulTuning::min_m_tiles = 2, variant 0:
+// 32 columns at every bits value, half of the 8-row tiling's 64 at bits 2-4), for the small
+// layers whose 64-column groups leave SMs idle. One line per case
+//   NARROW <shape> K N bits M <default us> v<variant>/<k_split>/<ctas>  <narrow us> <k_split>/<ctas>
+//          <narrow us at k-split 1..4 (each: us/launched k_split)> <best narrow / default>
+// KBIT_HARNESS_NARROW_M="1 4 8" (default) the M, KBIT_HARNESS_NARROW_BITS="2 3 4 5" the bits.
+static void bench_narrow() {
+  Timer tm;
+  time_cases_after_default(
+      env_int_list("KBIT_HARNESS_NARROW_BITS", "2 3 4 5", 2, 5), env_int_list("KBIT_HARNESS_NARROW_M", "1 4 8", 1, 8),
+      tm, [&](const Shape& s, const kbit::cuda::MatmulArgs& a, const WeightCopies& w, double us,
+              const kbit::cuda::MatmulTuning& dflt) {
         auto narrow = [&](int ks, kbit::cuda::MatmulTuning& t) {
           t.min_m_tiles = 2;
           t.variant = 0;
@@ -1227,7 +1241,7 @@ static void bench_narrow() {
         kbit::cuda::MatmulTuning nt;
         const double nus = narrow(0, nt);
         double best = nus;
-        printf("NARROW %-18s %5d %6d %d %d %8.2f v%d/%d/%d %8.2f %d/%d", s.name, s.K, s.N, bits, M, us,
+        printf("NARROW %-18s %5d %6d %d %d %8.2f v%d/%d/%d %8.2f %d/%d", s.name, s.K, s.N, a.bits, int(a.m), us,
                dflt.launched_variant, dflt.launched_k_split, dflt.launched_ctas, nus, nt.launched_k_split,
                nt.launched_ctas);
         for (int ks = 1; ks <= 4; ++ks) {
@@ -1237,9 +1251,7 @@ static void bench_narrow() {
           printf(" %.2f/%d", k_us, t.launched_k_split);
         }
         printf(" %.3f\n", best / us);
-        fflush(stdout);
-      }
-    }
+      });
 }
 
 // Every tiling the launcher plans at M <= 16 forced, beside its own pick, with their plans
@@ -1251,31 +1263,23 @@ static void bench_narrow() {
 // the line shows).
 static void time_tilings(const char* tag, bool with_bits, const std::vector<int>& bits_list,
                          const std::vector<int>& ms, const std::vector<int>& variants) {
-  BenchEnv env(*std::max_element(ms.begin(), ms.end()));
-  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
-  for (const Shape& s : shapes_and_llama70b_layers({2, 4}))
-    for (int bits : bits_list) {
-      const WeightCopies w(env, s, bits);
-      for (int M : ms) {
-        const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
-        kbit::cuda::MatmulTuning dflt;
-        const double us = time_tuned(tm, a, w, dflt, 5, 10);
-        printf("%s %-18s %5d %6d", tag, s.name, s.K, s.N);
-        if (with_bits) printf(" %d", bits);
-        printf(" %2d %8.2f v%d/%d/%d", M, us, dflt.launched_variant, dflt.launched_k_split, dflt.launched_ctas);
-        for (int v : variants) {
-          if (v == 4 && bits != 5) continue;  // (bits 5's tiling)
-          kbit::cuda::MatmulTuning t;
-          t.variant = v;
-          const double v_us = time_tuned(tm, a, w, t, 5, 10);
-          printf("  v%d %8.2f %d/%d %.2f %.2f", t.launched_variant, v_us, t.launched_k_split, t.launched_ctas,
-                 t.launched_plan_cost, t.launched_chunk_price);
-        }
-        printf("\n");
-        fflush(stdout);
-      }
+  time_cases_after_default(bits_list, ms, tm, [&](const Shape& s, const kbit::cuda::MatmulArgs& a,
+                                                  const WeightCopies& w, double us,
+                                                  const kbit::cuda::MatmulTuning& dflt) {
+    printf("%s %-18s %5d %6d", tag, s.name, s.K, s.N);
+    if (with_bits) printf(" %d", a.bits);
+    printf(" %2d %8.2f v%d/%d/%d", int(a.m), us, dflt.launched_variant, dflt.launched_k_split, dflt.launched_ctas);
+    for (int v : variants) {
+      if (v == 4 && a.bits != 5) continue;  // (bits 5's tiling)
+      kbit::cuda::MatmulTuning t;
+      t.variant = v;
+      const double v_us = time_tuned(tm, a, w, t, 5, 10);
+      printf("  v%d %8.2f %d/%d %.2f %.2f", t.launched_variant, v_us, t.launched_k_split, t.launched_ctas,
+             t.launched_plan_cost, t.launched_chunk_price);
     }
+    printf("\n");
+  });
 }
 
 // Bits 5 at M = 9..16: the wide tiling (variant 4, 64-column groups) against the others the
