@@ -86,8 +86,8 @@ def test_matmul_nsplit_tiling(n, rows, bits, dtype, rng):
 def test_matmul_wide_bits5_tiling(dtype, rng):
     """K = 2048, N = 5120 (Qwen3 gate/up) at bits 5: the 64-column tiling (variant 4, 80 items),
     in 16-row blocks at M = 9..16 (the launcher's plan) and in 8-row blocks from the 128 KiB table
-    at M = 1..8 (its rule, wide5_one_round: one round of whole items), with and without the GLU
-    epilogue; the same result twice."""
+    at M = 1..8 (planned at M <= 3, its rule wide5_one_round above: one round of whole items), with
+    and without the GLU epilogue; the same result twice."""
     _assert_tiling(rng, dtype, 2048, 5120, 5, (1, 3, 8, 9, 12, 16), (1, 8, 9, 12, 16))
 
 

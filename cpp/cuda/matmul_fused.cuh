@@ -1655,6 +1655,7 @@ struct LaunchPlan {
   int x_rows = 0, KB = 0, ks = 1, kps = 1, stages = 0;
   bool balanced = false;  // chunk-balanced clusters (ItemWalk) instead of a uniform k-split
   int64_t col_groups = 0, m_blocks = 0, items = 0, ncl = 0;
+  double price = 0;  // the plan's chunk in V0 chunks (Launcher::chunk_price), the unit of `cost`
   double cost = 0;
   std::string error;
 };
@@ -1691,13 +1692,14 @@ struct Launcher {
 
   // A chunk's time in V0 chunks of this MT (Config::chunk_cost, by the activations' dtype).
   // (`one_block_of_rows`: the launch's M fits one block of 8 MT rows)
-  static constexpr double chunk_price(bool one_block_of_rows = true) {
+  static constexpr double chunk_price(bool one_block_of_rows) {
     return Cfg::chunk_cost(std::is_same_v<Act, ActBF16>, one_block_of_rows);
   }
 
   using Plan = LaunchPlan;
   static Plan plan(const MatmulArgs& a, const MatmulTuning* tuning) {
     Plan pl;
+    pl.price = chunk_price(a.m <= 8 * MT);  // (also on a plan that fails: callers report it)
     pl.KB = static_cast<int>(a.k / 32);
     // (V2 reads all 8 MT rows of its block without a bound check: the box always has them)
     pl.x_rows = V == 2 ? 8 * MT : static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
@@ -1765,7 +1767,7 @@ struct Launcher {
       // 8-CTA clusters, 1.26-1.31x the time of V1.)
       const double nsplit_rank_end = V != 2 ? 0.5 : MT == 2 ? 1.0 : MT == 4 ? 1.25 : 2.5;
       const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + nsplit_rank_end * ks : 1.0;
-      const double cost = per_cluster * (chunks + item_end) * chunk_price(pl.m_blocks == 1);
+      const double cost = per_cluster * (chunks + item_end) * pl.price;
       if (cost < best_cost - 1e-9) { best_cost = cost; pl.ks = ks; }
     }
     pl.cost = best_cost;
@@ -1798,8 +1800,7 @@ struct Launcher {
         const int64_t senders = (nchi - 1 + fewest - 1) / fewest;  // most later ranks that share an item
         if (senders > kRecv) continue;
         const double pieces = double((per_rank + nchi - 1) / nchi + 1);
-        const double cost = (double(per_rank) + 0.5 * pieces + 0.5 * double(senders)) *
-                            chunk_price(pl.m_blocks == 1);
+        const double cost = (double(per_rank) + 0.5 * pieces + 0.5 * double(senders)) * pl.price;
         if (cost < best_bal - 1e-9) {
           best_bal = cost;
           pl.balanced = true;
@@ -1846,7 +1847,7 @@ struct Launcher {
       tuning->launched_variant = V;
       tuning->launched_rows = 8 * MT;
       tuning->launched_plan_cost = pl.cost;
-      tuning->launched_chunk_price = chunk_price(pl.m_blocks == 1);
+      tuning->launched_chunk_price = pl.price;
     }
 
     Params prm;
@@ -2035,7 +2036,7 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
             if (tuning) {
               tuning->planned_rows16_cost = best < 1e300 ? best : -1.0;
               tuning->planned_nsplit_cost = pn.error.empty() ? pn.cost : -1.0;
-              tuning->planned_nsplit_price = LN::chunk_price();
+              tuning->planned_nsplit_price = pn.price;
             }
             if (!pn.error.empty() || pn.cost >= best) return std::string();
             taken = true;
