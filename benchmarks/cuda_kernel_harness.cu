@@ -19,6 +19,8 @@
 //                                                against the other tilings, with their plans
 //   build/cuda_kernel_harness tiles              bits 2..5, M = 9..16: every tiling forced beside the
 //                                                launcher's pick, with their plans ("TILES" lines)
+//   build/cuda_kernel_harness balance            M <= 16: every cluster size, uniform and chunk-balanced,
+//                                                in the launcher's tiling ("BALANCE" lines)
 //   build/cuda_kernel_harness rows               M = 17..128: the warp-specialized kernel's tilings vs
 //                                                the cp.async kernel
 //   build/cuda_kernel_harness split              M = 384..1024: the wgmma kernel's split last round of
@@ -39,7 +41,8 @@
 // KBIT_HARNESS_F16=1 times fp16 products instead of bf16 (see BenchEnv::matmul_args);
 // KBIT_HARNESS_GRAPH=1 times launches captured into CUDA graphs, as JAX runs them (time_tuned);
 // KBIT_HARNESS_NARROW_M and _BITS set those of "narrow", KBIT_HARNESS_WIDE5_M those of "wide5",
-// KBIT_HARNESS_TILES_M and _BITS those of "tiles";
+// KBIT_HARNESS_TILES_M and _BITS those of "tiles", KBIT_HARNESS_BALANCE_M and _BITS those of
+// "balance";
 // KBIT_HARNESS_TIMELINE_VARIANT=v, _KSPLIT=n and _COLUMNS=c force "timeline"'s tiling variant,
 // cluster size and wgmma weight tile; KBIT_HARNESS_TIMELINE_FLOOD=1 and
 // _TWICE=1 precede each "timeline" launch by a code flood or by the same product.
@@ -1302,6 +1305,42 @@ static void bench_tiles() {
                env_int_list("KBIT_HARNESS_TILES_M", "9 12 16", 1, 32), {0, 1, 2, 4});
 }
 
+// The warp-specialized kernel's cluster sizes at M <= 16, uniform k-split and chunk-balanced
+// (ItemWalk) alike, in the launcher's own tiling (V0, V1 or V4; the N-split tiling has no
+// balanced form): the data Launcher::plan's choice between them (kBalancedMaxRanks,
+// kBalancedGain) is fitted on. One line per case,
+//   BALANCE <shape> K N bits M <default us> v<variant>/<k_split>/<ctas>/<balanced> <plan cost>
+//           then per cluster size ks = 1..8: u<ks> <us>/<ctas>/<plan cost>  (uniform k-split)
+//           and from 2: b<ks> <us>/<ctas>/<plan cost>  ("b<ks> -" where it cannot be balanced)
+// A size the launcher cannot take (a rank without k-blocks) runs another, whose count of CTAs the
+// line shows. KBIT_HARNESS_BALANCE_M="1 4 16" (default), KBIT_HARNESS_BALANCE_BITS="2 3 4 5".
+static void bench_balance() {
+  Timer tm;
+  time_cases_after_default(
+      env_int_list("KBIT_HARNESS_BALANCE_BITS", "2 3 4 5", 2, 5), env_int_list("KBIT_HARNESS_BALANCE_M", "1 4 16", 1, 16),
+      tm, [&](const Shape& s, const kbit::cuda::MatmulArgs& a, const WeightCopies& w, double us,
+              const kbit::cuda::MatmulTuning& dflt) {
+        const int v = dflt.launched_variant;
+        if (v == 2 || dflt.launched_wg_columns > 0) return;  // (no balanced form)
+        printf("BALANCE %-18s %5d %6d %d %2d %8.2f v%d/%d/%d/%d %.2f", s.name, s.K, s.N, a.bits, int(a.m), us, v,
+               dflt.launched_k_split, dflt.launched_ctas, dflt.launched_balanced, dflt.launched_plan_cost);
+        for (int ks = 1; ks <= 8; ++ks)
+          for (int bal = 0; bal <= (ks > 1 ? 1 : 0); ++bal) {
+            kbit::cuda::MatmulTuning t;
+            t.variant = v;
+            t.k_split = ks;
+            t.balance = bal;
+            const double t_us = time_tuned(tm, a, w, t, 5, 10);
+            if (bal && !t.launched_balanced) {
+              printf("  b%d -", ks);
+              continue;
+            }
+            printf("  %c%d %.2f/%d/%.2f", bal ? 'b' : 'u', ks, t_us, t.launched_ctas, t.launched_plan_cost);
+          }
+        printf("\n");
+      });
+}
+
 // Selected shapes (both tiling variants at M <= 16): one "SEL" line per case, for comparing
 // two builds of the kernel (benchmarks/sel_compare.py). KBIT_HARNESS_KSPLIT=n forces the
 // cluster size (k-split) of every launch.
@@ -1967,7 +2006,7 @@ int main(int argc, char** argv) {
       {"sweep", bench_sweep}, {"narrow", bench_narrow}, {"wide5", bench_wide5}, {"host", bench_host},
       {"layers", bench_layers}, {"sel", bench_sel}, {"prefetch", bench_prefetch},
       {"rows", bench_rows}, {"split", bench_split_last}, {"wgplans", bench_wgmma_plans},
-      {"tiles", bench_tiles}};
+      {"tiles", bench_tiles}, {"balance", bench_balance}};
   for (const auto& [name, run] : timing_modes)
     if (mode == name) {
       run();

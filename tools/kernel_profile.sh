@@ -41,6 +41,9 @@
 #   tools/kernel_profile.sh tiles                bits 2..5, M = 9..16: every tiling forced beside the
 #                                                 launcher's pick, with their plans (KBIT_HARNESS_TILES_M,
 #                                                 _BITS; benchmarks/tiles_price_fit.py fits the prices)
+#   tools/kernel_profile.sh balance              M <= 16: every cluster size, uniform and chunk-balanced,
+#                                                 in the launcher's tiling (KBIT_HARNESS_BALANCE_M, _BITS;
+#                                                 benchmarks/balance_fit.py fits the launcher's choice)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
@@ -109,6 +112,7 @@ case $mode in
   narrow) "$bin" narrow | tee "$OUT/narrow${TAG:-}.log" | grep -E "^NARROW|copy" ;;
   wide5) "$bin" wide5 | tee "$OUT/wide5${TAG:-}.log" | grep -E "^WIDE5|copy" ;;
   tiles) "$bin" tiles | tee "$OUT/tiles${TAG:-}.log" | grep -E "^TILES|copy" ;;
+  balance) "$bin" balance | tee "$OUT/balance${TAG:-}.log" | grep -E "^BALANCE|copy" ;;
   ncu)
     while [[ $# -ge 4 ]]; do
       tag="b$1_k$2_n$3_m$4"
