@@ -1317,7 +1317,8 @@ static void bench_tiles() {
 static void bench_balance() {
   Timer tm;
   time_cases_after_default(
-      env_int_list("KBIT_HARNESS_BALANCE_BITS", "2 3 4 5", 2, 5), env_int_list("KBIT_HARNESS_BALANCE_M", "1 4 16", 1, 16),
+      env_int_list("KBIT_HARNESS_BALANCE_BITS", "2 3 4 5", 2, 5),
+      env_int_list("KBIT_HARNESS_BALANCE_M", "1 4 16", 1, 16),
       tm, [&](const Shape& s, const kbit::cuda::MatmulArgs& a, const WeightCopies& w, double us,
               const kbit::cuda::MatmulTuning& dflt) {
         const int v = dflt.launched_variant;
