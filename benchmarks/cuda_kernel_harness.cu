@@ -1232,7 +1232,8 @@ static void time_cases_after_default(const std::vector<int>& bits_list, const st
 static void bench_narrow() {
   Timer tm;
   time_cases_after_default(
-      env_int_list("KBIT_HARNESS_NARROW_BITS", "2 3 4 5", 2, 5), env_int_list("KBIT_HARNESS_NARROW_M", "1 4 8", 1, 8),
+      env_int_list("KBIT_HARNESS_NARROW_BITS", "2 3 4 5", 2, 5),
+      env_int_list("KBIT_HARNESS_NARROW_M", "1 4 8", 1, 8),
       tm, [&](const Shape& s, const kbit::cuda::MatmulArgs& a, const WeightCopies& w, double us,
               const kbit::cuda::MatmulTuning& dflt) {
         auto narrow = [&](int ks, kbit::cuda::MatmulTuning& t) {

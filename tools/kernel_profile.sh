@@ -43,7 +43,7 @@
 #                                                 _BITS; benchmarks/tiles_price_fit.py fits the prices)
 #   tools/kernel_profile.sh balance              M <= 16: every cluster size, uniform and chunk-balanced,
 #                                                 in the launcher's tiling (KBIT_HARNESS_BALANCE_M, _BITS;
-#                                                 benchmarks/balance_fit.py fits the launcher's choice)
+#                                                 benchmarks/results/balance_s51_summary.py scores the pick)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
