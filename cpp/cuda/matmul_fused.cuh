@@ -140,7 +140,7 @@
 //  scales (2 LDS.U8 + STS.64 + 2 LDS.128 per k-block), with the TMA writes ~1000 per chunk against
 //  ~1450 cycles, i.e. the MIO pipe ~70 % busy. Next: a scale-byte order that puts a lane's 8
 //  scales of a k-block in one 8-byte word (one LDS.64, decoded in registers; a format change:
-//  DESIGN.md section 1), then fewer lookups per weight for bits 2/3 (register tables).
+//  docs/format.md), then fewer lookups per weight for bits 2/3 (register tables).
 //  Also learned: a 64-bit division anywhere in ItemWalk (a called subroutine) cost the hot loop
 //  its uniform registers (the table base moved to a general register, +20 % instructions per
 //  chunk, ~10 % time): keep the walk's arithmetic 32-bit, and check the SASS of the loop.
