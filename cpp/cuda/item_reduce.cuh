@@ -54,7 +54,6 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
-#include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"  // mbar_arrive_expect_tx
 
 namespace kbit::cuda::fused {
@@ -158,11 +157,10 @@ struct ItemReducer {
   uint32_t red, recv;
   uint32_t full, empty, cl_full, cl_empty;  // full[NW], empty, cl_full[NW], cl_empty
   int ks, rank;
-  unsigned long long* timeline;  // (timeline builds: milestones of the first item; else unused)
 
-  __device__ ItemReducer(uint32_t base, int k_split, int cluster_rank, unsigned long long* tl = nullptr)
+  __device__ ItemReducer(uint32_t base, int k_split, int cluster_rank)
       : red(base), recv(base + kRedBytes), full(base + kRedBytes + kRecvBytes), empty(full + 8 * NW),
-        cl_full(empty + 8), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank), timeline(tl) {}
+        cl_full(empty + 8), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank) {}
 
   // One thread, before the CTA-wide (or cluster-wide) barrier that publishes the init.
   __device__ void init() const {
@@ -267,7 +265,6 @@ struct ItemReducer {
         sts128f(slot_addr(slot_of(warp, e4), e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2],
                 acc[4 * e4 + 3]);
     asm volatile("bar.sync 2, %0;\n" ::"n"(NW * 32) : "memory");  // every consumer warp's groups are in
-    KBIT_TL_MARK_TO(timeline, kTlSumEntered, seq == 0 && warp == 0 && lane == 0);
     if (warp >= NACC / 4) return;  // (owns no group)
     // From here the warp handles its group e4 = warp alone, as one float4: straight-line selects
     // instead of a branch around each group's block (harness timeline, H200, session 44: the
@@ -286,7 +283,6 @@ struct ItemReducer {
       const float4 q = w == warp ? own_v : ld;
       v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
     }
-    KBIT_TL_MARK_TO(timeline, kTlWarpsSummed, seq == 0 && warp == 0 && lane == 0);
     if (ks > 1) {
       const int leader = seq % NW;  // the barrier (and phase) the leader's path would use
       if (rank > 0) {
@@ -297,7 +293,6 @@ struct ItemReducer {
       }
       if (warp == 0 && lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
       mbar_wait<true>(cl_full + 8 * leader, uint32_t(seq / NW) & 1u);
-      KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && warp == 0 && lane == 0);
       for (int s = 0; s < ks - 1; ++s) {  // ranks 1..ks-1, in rank order
         const float4 q = lds128f(recv_slot_addr(s, e4, lane));
         v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
@@ -323,7 +318,6 @@ struct ItemReducer {
     const uint32_t led = uint32_t(seq / NW) & 1u;      // the leader's phase of cl_full
     float v[NACC];
     if (sum_warps(acc, seq, warp, lane, v)) {
-      KBIT_TL_MARK_TO(timeline, kTlWarpsSummed, seq == 0 && lane == 0);
       if (ks == 1) {
         store(v);
       } else if (rank > 0) {
@@ -332,7 +326,6 @@ struct ItemReducer {
       } else {
         if (lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
         mbar_wait<true>(cl_full + 8 * leader, led);
-        KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && lane == 0);
         add_received(v, ks - 1, lane);  // ranks 1..ks-1
         for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty, r);  // (an item follows)
         store(v);
@@ -389,11 +382,9 @@ struct WarpClusterReducer {
 
   uint32_t part, cl_full, cl_empty;  // part[NW], cl_full[NW], cl_empty[NW]
   int ks, rank;
-  unsigned long long* timeline;  // (timeline builds: milestones of the first item; else unused)
 
-  __device__ WarpClusterReducer(uint32_t base, int k_split, int cluster_rank, unsigned long long* tl = nullptr)
-      : part(base), cl_full(base + kPartBytes), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank),
-        timeline(tl) {}
+  __device__ WarpClusterReducer(uint32_t base, int k_split, int cluster_rank)
+      : part(base), cl_full(base + kPartBytes), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank) {}
 
   // One thread, before the cluster-wide barrier that publishes the init.
   __device__ void init() const {
@@ -423,7 +414,6 @@ struct WarpClusterReducer {
       mbar_arrive_rank(cl_full + 8 * warp, 0);
     } else {
       mbar_wait<true>(cl_full + 8 * warp, uint32_t(seq) & 1u);
-      KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && warp == 0 && lane == 0);
       for (int r = 1; r < ks; ++r) {  // rank order
         const uint32_t rp = map_rank(slot_addr(warp, 0, lane), r);
 #pragma unroll

@@ -147,7 +147,6 @@
 #include "cuda/common.cuh"
 #include "cuda/fast_div.cuh"
 #include "cuda/item_reduce.cuh"  // mbar_init, mbar_wait
-#include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
 #include "cuda/weight_path.cuh"
 #include "cuda/wgmma.cuh"
@@ -288,9 +287,6 @@ struct WgParams {
   FastDiv ks_div, m_tiles_div, n_tiles_div;  // by ks, m_tiles, n_tiles
   int slot_rows;           // ceil(BM / ks): the rows of a receive slot (the most any rank owns)
   int push_step_q, push_step_r;  // the push's row step (kThreads / (BN / 4) rows) / ks and % ks
-#ifdef KBIT_TIMELINE
-  unsigned long long* timeline;  // timeline.cuh: per-CTA milestone clocks, or null (thread 0's view)
-#endif
 };
 
 __device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
@@ -384,9 +380,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   const int nch = kbE > kbA ? (kbE - kbA + KCH - 1) / KCH : 0;
   const bool copier = P == 1 ? warp == 0 : warp % GW == 0;  // the group's warp 0: it copies the group's chunks
 
-  KBIT_TL_MARK(p, kTlEntry, tid == 0);
-  KBIT_TL_GLOBAL(p, kTlGlobalEntry, tid == 0);
-  KBIT_TL_VALUE(p, kTlChunks, nch, tid == 0);
   const uint32_t s_lut = smem_u32(smem), s_full = s_lut + Cfg::kBarOffset, s_empty = s_full + 8 * S;
   const uint32_t s_ring = (s_lut + Cfg::kLutBytes + 1023u) & ~1023u;  // 1024-byte aligned stages
   // (each group's copying lane initializes its group's barriers: it copies onto them before the
@@ -480,10 +473,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
   }
-  KBIT_TL_MARK(p, kTlFirstCopy, tid == 0);
-  KBIT_TL_MARK(p, kTlTable, tid == 32);  // (warp 1's part of the table)
   __syncthreads();  // every thread sees the initialized barriers, and the whole table
-  KBIT_TL_MARK(p, kTlSetup, tid == 0);
   // The E4M4 decode's factor: decode_e4m4_fast's 2^116, times 2^e with fp16 (f16_weight_exponent;
   // e = 0 with bf16), whose inverse the epilogue applies
   int f16_exp = 0;
@@ -555,7 +545,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     uint32_t a_even[J][2][4], a_odd[J][2][4];
     if (nch_group > 0) {
       fused::mbar_wait(full_bar(pr, 0), parity(0));
-      KBIT_TL_MARK(p, kTlFirstChunk, tid == 0);
       decode(a_even, slot(pr, 0), 0);
     }
     for (int c = 0; c < nch_group; ++c) {
@@ -585,7 +574,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < J; ++j) fence_operands(acc[j]);
   }
-  KBIT_TL_MARK(p, kTlFirstItemEnd, tid == 0);  // (the products are done)
   __syncthreads();  // every warp is done with the table and the ring (and every copy has landed): the
                     // tile overlays them
 
@@ -635,7 +623,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     __syncthreads();
     if (ks > 1) fused::cluster_barrier_relaxed();
   }
-  KBIT_TL_MARK(p, kTlFirstStored, tid == 0);  // (every rank's tile is staged)
 
   // ---- rank q owns every ks-th row from q: it sums it over the ranks (in rank order: the same
   // sums on every run), scales, rounds and stores it. Push (ks <= kPushMaxRanks): every rank sends
@@ -675,10 +662,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
       owner += step_r;
       if (owner >= ks) { owner -= ks; ++rq; }
     }
-    KBIT_TL_LATEST(p, kTlLastWarpItemEnd, lane == 0);  // (every warp has issued its sends)
     fused::mbar_wait<true>(s_recv_bar, 0);
   }
-  KBIT_TL_MARK(p, kTlLastChunk, tid == 0);  // (push: this rank's rows have landed)
 
   // A thread takes E consecutive tile columns of one row (8, or 16 with a GLU: 8 outputs, one
   // 16-byte store); E is a constant, so the item's row and columns are shifts and masks.
@@ -738,7 +723,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     // 32.) Its sums are put back in column order before the store (unswizzle_pieces).
     const int sw = tid / (32 / E) % (E / 4);
     const GluLogit logit(p.glu);
-    KBIT_TL_MARK(p, kTlSumEntered, tid == 0);
     for (int it = tid; it < my_rows * kGroups; it += Cfg::kThreads) {
       const int rr = it / kGroups, r = rank + ks * rr, c0 = (it % kGroups) * E;
       if (n0 + c0 >= p.N) continue;
@@ -772,7 +756,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
       }
       unswizzle_pieces<E>(v, sw);
       // (the test on v[0], always true, keeps the mark's clock read behind the adds)
-      KBIT_TL_MARK(p, kTlSumAdded, tid == 0 && it == tid && __float_as_uint(v[0]) != 1u);
       uint32_t packed[4];
 #pragma unroll
       for (int o = 0; o < 4; ++o)
@@ -781,18 +764,13 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
                             : Act::pack2(v[2 * o], v[2 * o + 1]);
       const int col = E == 16 ? (n0 + c0) / 2 : n0 + c0;
       *reinterpret_cast<uint4*>(y + int64_t(r) * n_out + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      KBIT_TL_MARK(p, kTlWarpsSummed, tid == 0 && it == tid);  // (thread 0's first output)
     }
   };
   if (p.glu != kGluNone)
     sum_and_store(std::integral_constant<int, 16>());
   else
     sum_and_store(std::integral_constant<int, 8>());
-  KBIT_TL_MARK(p, kTlLoopEnd, tid == 0);
-  KBIT_TL_LATEST(p, kTlLastWarpStored, lane == 0);
   if (ks > 1 && !push) cluster.sync();  // (pull) no rank leaves while another reads its tile
-  KBIT_TL_MARK(p, kTlExit, tid == 0);
-  KBIT_TL_GLOBAL(p, kTlGlobalExit, tid == 0);
 #endif
 }
 
@@ -966,21 +944,19 @@ struct WgLauncher {
     p.push_step_q = Cfg::kPushRowsPerStep / w.ks;
     p.push_step_r = Cfg::kPushRowsPerStep % w.ks;
     p.whole_ctas = static_cast<int>(w.whole_tiles);
-#ifdef KBIT_TIMELINE
-    p.timeline = tuning ? tuning->timeline : nullptr;
-#endif
     if (w.ctas() > 0x7fffffffLL) return "kbit_matmul_wgmma_kernel: too many tiles for " + shape(a);
-    if (tuning) {
-      tuning->launched_k_split = w.ks;
-      tuning->launched_ctas = static_cast<int>(w.ctas());
-      tuning->launched_whole_ctas = static_cast<int>(w.whole_tiles);
-      tuning->launched_balanced = 0;
-      tuning->launched_wg_columns = Cfg::kBN;
-      tuning->launched_variant = 3;
-      tuning->launched_rows = BM;
-      tuning->launched_cluster_sum = w.ks < 2 ? 0 : Cfg::pushes(w.ks) ? kClusterSumPush : kClusterSumPull;
-      tuning->launched_plan_cost = 0;  // (matmul_fused.cuh's plans only)
-      tuning->launched_chunk_price = 0;
+    if (tuning && tuning->report) {
+      MatmulLaunchReport& r = *tuning->report;
+      r.k_split = w.ks;
+      r.ctas = static_cast<int>(w.ctas());
+      r.whole_ctas = static_cast<int>(w.whole_tiles);
+      r.balanced = 0;
+      r.wg_columns = Cfg::kBN;
+      r.variant = 3;
+      r.rows = BM;
+      r.cluster_sum = w.ks < 2 ? 0 : Cfg::pushes(w.ks) ? kClusterSumPush : kClusterSumPull;
+      r.plan_cost = 0;  // (matmul_fused.cuh's plans only)
+      r.chunk_price = 0;
     }
     // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
     // row's 16-byte pieces swizzled by the row's index mod 8 (see the header). Each batch entry's
