@@ -596,35 +596,27 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
   printf("%s\n", tiles.size() > 32 ? " ..." : "");
 }
 
-// The launcher's tiling choice where the harness's "rows" fitted it (Config::chunk_cost and
-// Launcher::plan in matmul_fused.cuh): bf16 at M = 9..16 on a wide, short layer (K 256, N 32768)
-// takes the N-split tiling in blocks of 16 rows, bf16 on a narrow layer (K 5120, N 2048) a
-// 16-row tiling (variant 0 or 1). fp16 (session 42's prices, nsplit_price_f16; H100 "rows",
-// benchmarks/results/nsplit_f16_s42.md) on Llama-3-8B gate/up (K 4096, N 14336) at M = 16 takes
-// the N-split tiling at bits 2, 4 and 5 (18.8-25.7 against 21.1-29.4 us; bits 5 since session
-// 46 the 64-column tiling, below) and a 16-row tiling at bits 3; on GLM-4.7 gate/up (K 2048,
-// N 10240) at M = 64, bits 5, the N-split tiling (28.2 against 36.4 us: before, a 16-row
-// tiling). On Qwen3 gate/up (K 2048, N 5120) at M = 32 bits 2-4 take a 16-row tiling and bits 5
-// the N-split tiling in blocks of 32 rows. On Llama-3-8B down
-// (K 14336, N 4096) at M = 17, whose second 16-row block has one row, bits 2 and 4 take a 16-row
-// tiling: 0.83-0.88x the N-split tiling's time since that block's copy is shifted (session 32,
-// benchmarks/results/last_block_h200_s32.md).
-// Bits 5 at M = 9..16 (session 46, harness "wide5", benchmarks/results/wide5_h200_s46.md):
-// the 64-column tiling (variant 4) on Qwen3 gate/up (M = 9: 8.4 against V1's 10.4 us; fp16 at
-// M = 16), Llama-3-70B down (K 28672, N 8192) and Llama-3-8B gate/up with fp16 (24.8 against the
-// N-split tiling's 23.6 us: the price's one loss there); the N-split tiling on Llama-3-8B gate/up
-// with bf16; V1 on GLM-4.7 gate/up (K 2048, N 10240; V4 1.04x).
-// The wgmma kernel's plan (WgLauncher, session 32, benchmarks/results/wgmma_split_last_h200_s32.md):
-// Llama-3-70B gate/up (K 8192, N 28672) at M = 512, bits 2-4, splits its last round of tiles
-// (448 tiles of 256 x 128 on 132 SMs; 0.88-0.91x the time); Llama-3-8B gate/up (K 4096, N 14336)
-// at M = 512, bits 5, runs 224 tiles of 256 x 128 unsplit (session 33: bits 5 takes the 256-row
-// tile too; the last round fills 92 of 132 SMs). With the wrong count of resident CTAs the
-// session-32 launcher split it. At M = 384 (WgLauncher::cost's row tile) the 128 x 128 tile on
-// two warpgroup pairs (session 39, H100 wgplans; benchmarks/results/wgmma_pairs128_h100_s39.md):
-// Llama-3-70B q/k/v at TP 2 (K 8192, N 5120) in 120 unsplit tiles (54.9 us, against 60.2 for
-// 128 x 256 over 2-CTA clusters, session 33's pick, and 88.3 for 256 x 128), and Llama-3-70B down
-// (K 28672, N 8192) in 252 tiles with the last round split (308.6 us, against 357.1 for the 128
-// 256-row tiles session 33 picked).
+// The launchers' choices where their fitted prices decide (Config::chunk_cost and Planner::plan
+// in matmul_fused_config.cuh / matmul_fused_plan.cuh, WgLauncher in matmul_wgmma.cuh), each the
+// faster option in the timings the prices were fitted on: bf16 at M = 9..16 on a wide, short
+// layer (K 256, N 32768) takes the N-split tiling in blocks of 16 rows, bf16 on a narrow layer
+// (K 5120, N 2048) a 16-row tiling (variant 0 or 1). fp16 on Llama-3-8B gate/up (K 4096,
+// N 14336) at M = 16 takes the N-split tiling at bits 2 and 4, the 64-column tiling at bits 5,
+// a 16-row tiling at bits 3; on GLM-4.7 gate/up (K 2048, N 10240) at M = 64, bits 5, the N-split
+// tiling. On Qwen3 gate/up (K 2048, N 5120) at M = 32 bits 2-4 take a 16-row tiling and bits 5
+// the N-split tiling in blocks of 32 rows. On Llama-3-8B down (K 14336, N 4096) at M = 17, whose
+// second 16-row block has one row, bits 2 and 4 take a 16-row tiling (its shifted last-block copy
+// makes it 0.83-0.88x the N-split tiling's time).
+// Bits 5 at M = 9..16: the 64-column tiling (variant 4) on Qwen3 gate/up (fp16 at M = 16),
+// Llama-3-70B down (K 28672, N 8192) and Llama-3-8B gate/up with fp16; the N-split tiling on
+// Llama-3-8B gate/up with bf16; variant 1 on GLM-4.7 gate/up (K 2048, N 10240).
+// The wgmma kernel's plan: Llama-3-70B gate/up (K 8192, N 28672) at M = 512, bits 2-4, splits its
+// last round of tiles (448 tiles of 256 x 128 on 132 SMs); Llama-3-8B gate/up (K 4096, N 14336)
+// at M = 512, bits 5, runs 224 tiles of 256 x 128 unsplit (the last round fills 92 of 132 SMs;
+// with a wrong count of resident CTAs the launcher would split it). At M = 384 (WgLauncher::cost's
+// row tile) the 128 x 128 tile on two warpgroup pairs: Llama-3-70B q/k/v at TP 2 (K 8192,
+// N 5120) in 120 unsplit tiles, and Llama-3-70B down (K 28672, N 8192) in 252 tiles with the last
+// round split.
 // Only the choice is checked (the data are zeros); the results of these tilings are checked in
 // test_matmul.
 static void test_dispatch() {
@@ -1148,8 +1140,6 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 // the weight tile's columns the launcher chose. At M <= 128 the forced sizes of the SWEEP
 // line run the 256-column tile, and a second line, "BN128 ..." (same fields), the 128-column
 // tile (tuning.wg_columns).
-// (Session 26's run of 256/384/512 timed the warp-specialized kernel instead: time_variants
-// forces matmul_fused.cuh's variant 0.)
 static void bench_sweep() {
   const std::vector<int> ms = env_int_list("KBIT_HARNESS_SWEEP_M", "1 16", 1, 4096);
   const std::vector<int> bits_list = env_int_list("KBIT_HARNESS_SWEEP_BITS", "2 4 5", 2, 5);
@@ -1268,7 +1258,7 @@ static void bench_narrow() {
 }
 
 // Every tiling the launcher plans at M <= 16 forced, beside its own pick, with their plans
-// (MatmulTuning::launched_plan_cost, in V0 chunks, and the chunk's price in that unit): the data
+// (MatmulLaunchReport::plan_cost, in variant-0 chunks, and the chunk's price in that unit): the data
 // its prices are fitted on. One line per case, `tag` first:
 //   <tag> <shape> K N [bits] M <default us> v<variant>/<k_split>/<ctas>  then per forced tiling:
 //         v<variant> <us> <k_split>/<ctas> <plan cost> <chunk price>
@@ -1307,7 +1297,7 @@ static void bench_wide5() {
 // Any bits at M <= 32: "TILES" lines of time_tilings (with the bits), V0, V1, V2 (and V4 at bits
 // 5) forced beside the launcher's pick. KBIT_HARNESS_TILES_M="9 12 16" (default) and
 // KBIT_HARNESS_TILES_BITS="2 3 4 5" (default) set the M and bits; KBIT_HARNESS_F16=1 times fp16.
-// (At M = 17..32 the pick may be the wgmma kernel (its label v0/1/..: see launched_wg_columns),
+// (At M = 17..32 the pick may be the wgmma kernel (its label v0/1/..: see MatmulLaunchReport::wg_columns),
 // and the forced tilings are the warp-specialized kernel's 16-row blocks and its N-split tiling
 // in blocks of 32 rows.)
 static void bench_tiles() {
@@ -1379,7 +1369,7 @@ static void bench_sel() {
 // the cp.async kernel (32- and 64-row tilings); one line per case
 //   ROWS <shape> K N bits M <16-row us> <N-split us> <default us> <cp.async us> <default / best>
 //        v<the default's variant>/<rows of its blocks> plan <16-row cost> <N-split cost> <its price>
-// (the plan costs of matmul_fused.cuh's launcher, MatmulTuning::planned_*, from one more launch
+// (the plan costs of matmul_fused.cuh's launcher, MatmulLaunchReport::planned_*, from one more launch
 // with its own choice: what benchmarks/nsplit_price_fit.py fits the N-split prices on)
 // KBIT_HARNESS_ROWS_M="1 4 16" times other M (1..128) instead, KBIT_HARNESS_ROWS_BITS="2 3 4 5"
 // other bits, and KBIT_HARNESS_ROWS_TP="2 4" adds a Llama-3-70B layer's products at those

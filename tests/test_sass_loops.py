@@ -68,12 +68,12 @@ def test_hot_loop_is_the_shortest_loop_around_an_mma():
 
 
 def test_labels_name_the_template_arguments():
-    assert sass_loops.label(WS) == "ws bits 4 ActBF16 MT 1 V1"
-    assert sass_loops.label(CP) == "cp.async bits 2 ActF16  MT 8 V0"
+    assert sass_loops.label(WS) == "ws bits 4 ActBF16 MT 1 kWarpKPair"
+    assert sass_loops.label(CP) == "cp.async bits 2 ActF16  MT 8 kWarpKBlock"
     assert sass_loops.label(WG) == "wgmma bits 4 BM 128"
-    # since session 27 the kernel also takes J, the weight tiles per warpgroup
+    # J, the weight tiles per warpgroup
     assert sass_loops.label(WG.replace("Li128E", "Li128ELi1E")) == "wgmma bits 4 BM 128 J 1"
-    # session 42's activation type: fp16 kernels apart, bf16 ones paired with older trees' kernels
+    # the activation type: fp16 kernels apart, bf16 ones paired with trees whose kernels lack it
     assert sass_loops.label(WG.replace("Li128E", "Li128ELi1ENS0_6ActF16E")) == "wgmma bits 4 BM 128 J 1 ActF16"
     assert sass_loops.label(WG.replace("Li128E", "Li128ELi1ENS0_7ActBF16E")) == "wgmma bits 4 BM 128 J 1"
     assert sass_loops.label("_Z8quantizev") == "_Z8quantizev"

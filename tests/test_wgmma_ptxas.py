@@ -3,10 +3,10 @@ no wgmma serialized and no register spilled, for every bits value.
 
 Why: ptxas makes every wgmma of a kernel wait for the previous one when the pipeline around them
 is not one it can prove safe (its "Potential Performance Loss: wgmma.mma_async instructions are
-serialized" notes, C7510-C7520), and the kernel still gives right results, only slower. Session 23
-met two of them: a copy branch on the thread index inside the k loop (C7520) and a 288-thread
-block whose register cap made it spill (C7512). Both are visible at compile time, before a GPU run.
-Where cuobjdump is found, also: no thread-index read inside the main loop (session 34).
+serialized" notes, C7510-C7520), and the kernel still gives right results, only slower: e.g. a
+copy branch on the thread index inside the k loop (C7520), or a 288-thread block whose register
+cap makes it spill (C7512). Both are visible at compile time, before a GPU run.
+Where cuobjdump is found, also: no thread-index read inside the main loop.
 """
 
 import concurrent.futures
@@ -67,7 +67,7 @@ def test_no_registers_spilled(reports, bits):
 
 
 def test_the_patterns_match_ptxas_wording():
-    # (the notes ptxas printed for the two versions that session 23 dropped)
+    # (notes ptxas prints for a copy branch in the k loop and for a register cap that spills)
     assert SERIALIZED.search("ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async "
                              "instructions are serialized due to program dependence on compiler-inserted "
                              "WG.AR in divergent path in the function 'k'")

@@ -51,10 +51,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC_FLAGS = ["-arch=sm_90a", "-O3", "-std=c++17", "--expt-relaxed-constexpr"]
 _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
-# kbit_matmul_{ws,fused}_kernel<BITS, Act, MT, V> (warp-specialized / cp.async kernel)
+# kbit_matmul_{ws,fused}_kernel<BITS, Act, MT, V> (warp-specialized / cp.async kernel; V the tiling,
+# matmul_fused_config.cuh's Tiling)
 _MATMUL_KERNEL = re.compile(r"kbit_matmul_(ws|fused)_kernelILi(\d)ENS0_\d+(\w+?)ELi(\d)ELi(\d)E")
 # kbit_matmul_wgmma_kernel<BITS, BM, J, WG, Act>: bits, BM, J, WG (warpgroups across the tile's
 # columns; labelled only where it is 1), Act (optional: trees without it pair with bf16)
+TILINGS = {"0": "kWarpKBlock", "1": "kWarpKPair", "2": "kNSplit", "4": "kWideBits5"}
 _WGMMA_KERNEL = re.compile(r"kbit_matmul_wgmma_kernelILi(\d)ELi(\d+)E(?:Li(\d)E)?(?:Li(\d)E)?(?:NS0_\d+(\w+?)E)?")
 
 
@@ -114,7 +116,7 @@ def label(mangled: str) -> str:
     m = _MATMUL_KERNEL.search(mangled)
     if m:
         kind, bits, act, mt, v = m.groups()
-        return f"{'ws' if kind == 'ws' else 'cp.async'} bits {bits} {act:7s} MT {mt} V{v}"
+        return f"{'ws' if kind == 'ws' else 'cp.async'} bits {bits} {act:7s} MT {mt} {TILINGS.get(v, 'V' + v)}"
     m = _WGMMA_KERNEL.search(mangled)
     if m:
         act = m.group(5) if m.group(5) and m.group(5) != "ActBF16" else ""  # (bf16 pairs with older trees)
