@@ -141,3 +141,28 @@ def test_ops_lists_the_opcodes_whose_count_changed(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[-4:] == ["5", "->", "4", "(-1)"]
     assert lines[2].split() == ["IMAD", "-1", "LOP3", "+1", "MOV", "-1"]
+
+
+def test_cache_reuses_a_revisions_cubins(tmp_path, monkeypatch):
+    # compile_cubin stubbed (no nvcc here) and a disassembler that prints the "cubin": a revision's
+    # cubins are compiled once into cache/<commit>/, the working tree's every time
+    compiled = []
+    dis = tmp_path / "cuobjdump"
+    dis.write_text('#!/bin/sh\ncat "$2"\n')  # (called as: cuobjdump -sass FILE)
+    dis.chmod(0o755)
+
+    def fake_compile(src, include, out):
+        compiled.append(os.path.relpath(src, os.path.dirname(include)))
+        with open(out, "w") as f:
+            f.write(f"Function : k\n        /*0000*/   EXIT ;  // {os.path.basename(src)}\n")
+
+    monkeypatch.setattr(sass_loops, "compile_cubin", fake_compile)
+    unit = os.path.join(sass_loops.ROOT, "cpp", "cuda", "quantize.cu")
+    for run in range(2):
+        work = tmp_path / f"work{run}"
+        work.mkdir()
+        sass = sass_loops.disassemble([unit], "HEAD", str(work), str(dis), cache=str(tmp_path / "cache"))
+        assert sass_loops.report_identity(sass) == 0
+    assert compiled == [os.path.join("cpp", "cuda", "quantize.cu")] * 3  # ref once, the working tree twice
+    (commit,) = os.listdir(tmp_path / "cache")
+    assert len(commit) == 40 and os.listdir(tmp_path / "cache" / commit) == ["quantize.cubin"]
