@@ -10,8 +10,9 @@
 // item stops only its leader warp (item_reduce.cuh; in kNSplit each warp stores its own
 // columns); the producer takes part in no per-item synchronization, only in the cluster barriers
 // at the start and the end of the kernel. With the copies and the barrier off the consumers it
-// takes 0.71-0.91x the cp.async kernel's time at M = 1 and 4, and the TMA copies (the cp.async
-// copies competed with the consumers for the MIO queue) took that to a median 0.93x.
+// takes 0.71-0.91x the cp.async kernel's time at M = 1 and 4 even with cp.async copies of its
+// own; the TMA copies take a further 0.93x (median): per-thread cp.async copies compete with the
+// consumers for the MIO queue.
 //
 // A slot holds [weights: KCH x SLAB][scale bytes: KCH x COLS][activations: KCH x x_rows x 64 B,
 // 64-byte swizzle]. The activation box has the rows inside the k-block (TMA writes boxes densely,
