@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   using WP = typename Cfg::Path;
   using T = typename Act::T;
   constexpr int NW = Cfg::kWarps, NT = Cfg::kThreads, TN = Cfg::kTN;
-  const int D = p.stages;  // WC::stages of p.x_rows or of 8 MT rows (Launcher::plan), 2..8
+  const int D = p.stages;  // WC::stages of p.x_rows or of 8 MT rows (Planner::plan), 2..8
   constexpr int KCH = Cfg::kKCH, NACC = Cfg::kAcc, COLS = Cfg::kCols;
   constexpr int SLAB = Cfg::kSlabBytes, KPW = Cfg::kKPW, SFW = WC::kSfWarpBytes;
 
