@@ -106,7 +106,7 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   // (a forced kNSplit, blocks of 16 rows at M <= 16, or kWideBits5 runs only on the
   // warp-specialized kernel; a request for it elsewhere gets the default)
   const bool forced_variant = tuning && tuning->variant >= 0 && (tuning->variant != Tiling::kNSplit || ws) &&
-                              (tuning->variant != kWideBits5 || (ws && BITS == 5 && mt <= 2 && a.m <= 16));
+                              (tuning->variant != Tiling::kWideBits5 || (ws && BITS == 5 && mt <= 2 && a.m <= 16));
   constexpr int kCpAsyncTiling = (BITS == 3 || BITS == 5) ? Tiling::kWarpKPair : Tiling::kWarpKBlock;  // (M <= 8)
   const int variant = forced_variant ? tuning->variant
                       : mt > 1       ? Tiling::kWarpKBlock
@@ -135,10 +135,10 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
         return with_nsplit(act_tag, [&](auto ln) { return decltype(ln)::launch(a, stream, tuning); });
       // Bits 5's wide tiling: forced (forced_variant has checked ws), or at M = 9..16 planned
       // next to the K-split tilings and taken where its plan is the shortest.
-      using LW = Launcher<BITS, A, MT, kWideBits5, true>;
+      using LW = Launcher<BITS, A, MT, Tiling::kWideBits5, true>;
       constexpr bool has_wide = BITS == 5 && MT <= 2 && MT <= kWsMaxMT;
       if constexpr (has_wide)
-        if (variant == kWideBits5) return LW::launch(a, stream, tuning);
+        if (variant == Tiling::kWideBits5) return LW::launch(a, stream, tuning);
       // At M <= 8, kWideBits5 against kWarpKPair (see Tiling::kWideBits5):
       //  * Where its ring has 3 stages (M <= 3) the plans decide, its chunk at kWideBits5Price
       //    kWarpKPair chunks (M = 1..3: within 0.4 % of the faster tiling on average).

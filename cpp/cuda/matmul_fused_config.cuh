@@ -48,7 +48,6 @@ struct Tiling {
   // from the winners, so launch_fused_bits takes it there by a rule (wide5_one_round).
   static constexpr int kWideBits5 = 4;
 };
-constexpr int kWideBits5 = Tiling::kWideBits5;
 // kWideBits5's chunk in kWarpKBlock chunks of MT = 2 (Config::chunk_cost): with it the plan picks
 // a tiling within 0.5 % (bf16) and 1.1 % (fp16) of the fastest on (geometric) average over 17
 // shapes x M 9, 12, 16, 9 % at worst (Qwen3 q at M = 16). 1.65 would take GLM-4.7 gate/up (1.09x
@@ -58,9 +57,9 @@ constexpr double kWideBits5Price = 1.72;
 template <int BITS, int MT, int V = Tiling::kWarpKBlock>
 struct Config {
   static_assert(V != Tiling::kNSplit || MT >= 2, "the N-split tiling serves blocks of 16, 32 or 64 rows");
-  static_assert(V != kWideBits5 || (BITS == 5 && MT <= 2),
+  static_assert(V != Tiling::kWideBits5 || (BITS == 5 && MT <= 2),
                 "the wide bits-5 tiling serves bits 5 in blocks of 8 or 16 rows");
-  static constexpr bool kWide5 = V == kWideBits5;
+  static constexpr bool kWide5 = V == Tiling::kWideBits5;
   // Warps per CTA (one CTA per SM). At MT >= 4 the activation chunk grows with the rows, so
   // 8 warps (smaller chunks) fit.
   static constexpr int kWarps = (MT >= 4 || V >= Tiling::kWarpKPair) ? 8 : 16;

@@ -26,7 +26,7 @@ namespace kbit::cuda::fused {
 template <int BITS, class Act, int MT, int V>
 __global__ void __launch_bounds__(Config<BITS, MT, V>::kThreads, 1)
     kbit_matmul_fused_kernel(const Params p, const WalkDivs dv) {
-  static_assert(V != Tiling::kNSplit && V != kWideBits5, "a tiling of the warp-specialized kernel only");
+  static_assert(V != Tiling::kNSplit && V != Tiling::kWideBits5, "a tiling of the warp-specialized kernel only");
   using Cfg = Config<BITS, MT, V>;
   using WP = typename Cfg::Path;
   using T = typename Act::T;

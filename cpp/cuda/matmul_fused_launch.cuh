@@ -77,8 +77,8 @@ struct Launcher : Planner<BITS, Act, MT, V, WS> {
     if constexpr (WS) {  // the tensor maps of the kernel's three copies (see its header)
       CUtensorMap wmap, smap, xmap;
       const uint64_t rows = uint64_t(a.batch) * KB, n = uint64_t(a.n);
-      // A column group wider than a box dimension allows (256 words; kNSplit, kWideBits5): the map splits the
-      // columns into 16-column pieces, {16 BITS words, N / 16 pieces, rows}; the box of
+      // A column group wider than a box dimension allows (256 words; kNSplit, kWideBits5): the map
+      // splits the columns into 16-column pieces, {16 BITS words, N / 16 pieces, rows}; the box of
       // COLS / 16 pieces lands in shared memory in the same order as a 2-D box would.
       constexpr bool pieces = Cfg::kPieceMap;
       constexpr int w_rank = pieces ? 3 : 2;
