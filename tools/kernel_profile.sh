@@ -15,8 +15,6 @@
 #                                                 cluster-size sweep, ~1 s a run, for A/B rounds)
 #   tools/kernel_profile.sh prefetch             those products after an idle gap, with and without
 #                                                 an L2 prefetch of their weights before the gap
-#   tools/kernel_profile.sh timeline BITS K N M ...   where a launch's time goes: milestone clocks
-#                                                 per CTA (an instrumented build, cuda/timeline.cuh)
 #   tools/kernel_profile.sh repeat BITS DTYPE B M K N KS VARIANT REPS   one test case launched
 #                                                 REPS times, every run checked (the harness's
 #                                                 "repeat": a hunt for intermittent failures)
@@ -42,8 +40,7 @@
 #                                                 launcher's pick, with their plans (KBIT_HARNESS_TILES_M,
 #                                                 _BITS; benchmarks/tiles_price_fit.py fits the prices)
 #   tools/kernel_profile.sh balance              M <= 16: every cluster size, uniform and chunk-balanced,
-#                                                 in the launcher's tiling (KBIT_HARNESS_BALANCE_M, _BITS;
-#                                                 benchmarks/results/balance_s51_summary.py scores the pick)
+#                                                 in the launcher's tiling (KBIT_HARNESS_BALANCE_M, _BITS)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
@@ -59,11 +56,6 @@
 #   tools/kernel_profile.sh ab env:KBIT_JAX_PDL=0 2   base = this build run with that variable
 #                                                 set (here: without programmatic dependent launch);
 #                                                 in a chain: AB_BASE=... AB_ROUNDS=2 ... test,ab
-#   EXTRA_NVCC="-DKBIT_WS_MAX_MT=2" tools/kernel_profile.sh sel   a compile-time variant
-#   EXTRA_NVCC="-DKBIT_SKIP_EPILOGUE" tools/kernel_profile.sh rows   what the items' ends cost: the
-#                                                 warp-specialized kernel without them (sums and
-#                                                 stores; -DKBIT_SKIP_STORE: without the stores),
-#                                                 wrong results, timings to compare with a plain build
 #   tools/kernel_profile.sh test,sel,sweep       modes without arguments, one after another on
 #                                                 one build
 set -uo pipefail
@@ -77,7 +69,7 @@ mkdir -p "$work"
 build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then link
   local root=$1 out=$2 objs=$work/obj_$(basename "$2") pids=()
   # (KBIT_WGMMA as in CMake's 90a build: the harness dispatches like the module)
-  local flags="-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -DKBIT_WGMMA=1 -I$root/cpp ${EXTRA_NVCC:-}"
+  local flags="-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -DKBIT_WGMMA=1 -I$root/cpp"
   echo "== build $out from $root ($flags)"
   mkdir -p "$objs"
   for src in "$root"/benchmarks/cuda_kernel_harness.cu "$root"/cpp/cuda/*.cu; do
@@ -87,12 +79,7 @@ build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then 
   for p in "${pids[@]}"; do wait "$p" || { echo "build failed"; return 1; }; done
   nvcc -gencode=arch=compute_90a,code=sm_90a "$objs"/*.o -o "$out"
 }
-if [[ $what == timeline ]]; then  # an instrumented build (cuda/timeline.cuh) of its own
-  bin=$work/harness_timeline
-  EXTRA_NVCC="${EXTRA_NVCC:-} -DKBIT_TIMELINE" build . "$bin" || exit 1
-else
-  build . "$bin" || exit 1
-fi
+build . "$bin" || exit 1
 
 run_mode() {  # MODE [ARGS...]
 local mode=$1; shift
@@ -104,7 +91,6 @@ case $mode in
   prefetch) "$bin" prefetch | tee "$OUT/prefetch${TAG:-}.log" ;;
   repeat) timeout 300 "$bin" repeat "$@" > "$OUT/repeat${TAG:-}.log" 2>&1; echo "harness repeat rc=$?"
           grep -E "^REPEAT [0-9]+ of|^repeat" "$OUT/repeat${TAG:-}.log" ;;
-  timeline) "$bin" timeline "$@" | tee "$OUT/timeline${TAG:-}.log" ;;
   host) "$bin" host | tee "$OUT/host${TAG:-}.log" ;;
   rows) "$bin" rows | tee "$OUT/rows${TAG:-}.log" | grep -E "^ROWS|copy" ;;
   split) "$bin" split | tee "$OUT/split${TAG:-}.log" | grep -E "^SPLIT|copy" ;;
