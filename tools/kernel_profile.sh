@@ -27,8 +27,7 @@
 #                                                 tiles against none, and above 128 rows its 256- and
 #                                                 128-row tiles forced (SPLITR; KBIT_HARNESS_SPLIT_M, _BITS)
 #   tools/kernel_profile.sh sweep                every cluster size (k-split) against the launcher's
-#                                                 choice; benchmarks/ksplit_fit.py scores its cost model
-#                                                 (M <= 16). KBIT_HARNESS_SWEEP_M="128 256 512" sweeps
+#                                                 choice (M <= 16). KBIT_HARNESS_SWEEP_M="128 256 512" sweeps
 #                                                 those M instead (above 128: the wgmma kernel),
 #                                                 KBIT_HARNESS_SWEEP_BITS="3" those bits
 #   tools/kernel_profile.sh narrow               M <= 8 in the 16-row tilings' 32-column groups against
@@ -38,7 +37,7 @@
 #                                                 (KBIT_HARNESS_WIDE5_M)
 #   tools/kernel_profile.sh tiles                bits 2..5, M = 9..16: every tiling forced beside the
 #                                                 launcher's pick, with their plans (KBIT_HARNESS_TILES_M,
-#                                                 _BITS; benchmarks/tiles_price_fit.py fits the prices)
+#                                                 _BITS)
 #   tools/kernel_profile.sh balance              M <= 16: every cluster size, uniform and chunk-balanced,
 #                                                 in the launcher's tiling (KBIT_HARNESS_BALANCE_M, _BITS)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
@@ -47,7 +46,7 @@
 #   tools/kernel_profile.sh ab BASE [ROUNDS]     A/B on one GPU: the harness of BASE (an older
 #                                                 tree's cpp/ and benchmarks/) and of this tree run
 #                                                 "sel" alternately, ROUNDS (3) times each; prints
-#                                                 benchmarks/sel_compare.py's summary. Prepare BASE
+#                                                 both result lines side by side. Prepare BASE
 #                                                 here and carry it, e.g.
 #        mkdir -p .git/info .ab_base; echo /.ab_base/ >> .git/info/exclude
 #        git archive <ref> cpp benchmarks | tar -x -C .ab_base      (then carry [".ab_base"])
@@ -94,7 +93,7 @@ case $mode in
   host) "$bin" host | tee "$OUT/host${TAG:-}.log" ;;
   rows) "$bin" rows | tee "$OUT/rows${TAG:-}.log" | grep -E "^ROWS|copy" ;;
   split) "$bin" split | tee "$OUT/split${TAG:-}.log" | grep -E "^SPLIT|copy" ;;
-  sweep) "$bin" sweep > "$OUT/sweep${TAG:-}.log"; python3 benchmarks/ksplit_fit.py "$OUT/sweep${TAG:-}.log" ;;
+  sweep) "$bin" sweep | tee "$OUT/sweep${TAG:-}.log" | grep -E "^SWEEP|^sweep|copy" ;;
   narrow) "$bin" narrow | tee "$OUT/narrow${TAG:-}.log" | grep -E "^NARROW|copy" ;;
   wide5) "$bin" wide5 | tee "$OUT/wide5${TAG:-}.log" | grep -E "^WIDE5|copy" ;;
   tiles) "$bin" tiles | tee "$OUT/tiles${TAG:-}.log" | grep -E "^TILES|copy" ;;
@@ -123,11 +122,7 @@ case $mode in
       "$bin" "$ab" > "$work/${ab}_new_$i.log"; a+=("$work/${ab}_new_$i.log")
     done
     cat "${b[@]}" > "$OUT/${ab}_base.log"; cat "${a[@]}" > "$OUT/${ab}_new.log"
-    if [[ $ab == sel ]]; then
-      (IFS=,; python3 benchmarks/sel_compare.py "${a[*]}" "${b[*]}" --md "$OUT/sel_ab.md")
-    else
-      paste <(grep -E "^[A-Z]+ " "$OUT/${ab}_base.log") <(grep -E "^[A-Z]+ " "$OUT/${ab}_new.log")
-    fi ;;
+    paste <(grep -E "^[A-Z]+ " "$OUT/${ab}_base.log") <(grep -E "^[A-Z]+ " "$OUT/${ab}_new.log") ;;
   none) ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac
