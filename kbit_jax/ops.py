@@ -234,6 +234,47 @@ def ragged_dot(x, w_q: KbitWeight, group_sizes, *, glu: str | None = None,
                              method=method, glu=glu)
 
 
+def gathered_dot(x, w_q: KbitWeight, expert_ids, *, glu: str | None = None,
+                 method: str = "auto") -> jax.Array:
+    """Each token times each of its experts: ``y[t, j] = x[t] @ W[expert_ids[t, j]]``.
+
+    ``x[T, K]``, ``w_q`` stacked ``[G, K, N]``, ``expert_ids`` integer ``[T, k]`` (a router's
+    top-k choices; ``[T]`` for one expert per token) -> ``[T, k, N]`` (``N / 2`` with ``glu``)
+    in x's dtype. The ``T * k`` (token, expert) rows are sorted by expert, multiplied with one
+    `ragged_dot` call and put back in token order, so only the experts some token chose are
+    read. Use it when tokens come straight from a router; use `ragged_dot` when rows are
+    already grouped by expert (after an expert-parallel dispatch), or to run several products
+    on one sorted order (a MoE block sorts once for gate/up and down: `kbit_jax.flax.moe`).
+    Concrete ids must lie in ``[0, G)``; under ``jit`` an id outside gives a zero row.
+    """
+    _check_weight(w_q)
+    if len(w_q.batch_shape) != 1:
+        raise ValueError(f"w_q must be stacked over the experts, shape [G, K, N], got a weight of "
+                         f"shape {w_q.shape}")
+    if not hasattr(expert_ids, "dtype") or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise TypeError(f"expert_ids must be an integer array [T, k], got "
+                        f"{getattr(expert_ids, 'dtype', type(expert_ids).__name__)}")
+    if not hasattr(x, "dtype") or x.ndim != 2:
+        raise ValueError(f"x must be an array [T, K], got {getattr(x, 'shape', type(x).__name__)}")
+    one = expert_ids.ndim == 1
+    ids = expert_ids[:, None] if one else expert_ids
+    if ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids must have shape [T, k] with T = x.shape[0] = {x.shape[0]}, "
+                         f"got {expert_ids.shape}")
+    g = w_q.batch_shape[0]
+    if _is_concrete(ids) and ids.size and (int(np.min(ids)) < 0 or int(np.max(ids)) >= g):
+        raise ValueError(f"expert_ids must lie in [0, {g}) (the experts of w_q), got values in "
+                         f"[{int(np.min(ids))}, {int(np.max(ids))}]")
+    t, k = ids.shape
+    flat = ids.reshape(-1).astype(jnp.int32)
+    key = jnp.where((flat >= 0) & (flat < g), flat, g)       # invalid ids sort last: zero rows
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.zeros((g,), jnp.int32).at[key].add(1, mode="drop")
+    y = ragged_dot(x[order // k], w_q, sizes, glu=glu, method=method)
+    y = jnp.zeros_like(y).at[order].set(y)
+    return y.reshape(t, y.shape[-1]) if one else y.reshape(t, k, y.shape[-1])
+
+
 def interleave_glu(gate, up):
     """One kernel ``[..., K, 2 H]`` from a gated MLP's gate and up kernels (``[..., K, H]``
     each), in the column order ``matmul(..., glu=...)`` reads: column 2j is gate feature j,

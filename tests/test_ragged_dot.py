@@ -172,6 +172,41 @@ def test_unchecked_sizes_under_jit(rng):
         check(y, x, w_q, np.asarray(meaning))
 
 
+# -- gathered form ------------------------------------------------------------------------------
+@pytest.mark.parametrize("glu", [None, "silu"])
+@pytest.mark.parametrize("tokens", [1, 4, 19])
+def test_gathered_dot(rng, tokens, glu):
+    g, k, n, top_k = 8, 64, 32, 3
+    w_q = stacked_weight(rng, g, k, n)
+    x = jnp.asarray(rng.standard_normal((tokens, k)), jnp.bfloat16)
+    ids = np.stack([rng.choice(g, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    for f in (kj.gathered_dot, jax.jit(kj.gathered_dot, static_argnames="glu")):
+        y = f(x, w_q, jnp.asarray(ids), glu=glu)
+        assert y.shape == (tokens, top_k, n // 2 if glu else n)
+        for j in range(top_k):    # column j: each token with its j-th expert, one group per row
+            for t in range(tokens):
+                sizes = np.zeros(g, np.int32)
+                sizes[ids[t, j]] = 1
+                check(y[t, j][None], x[t][None], w_q, sizes, glu)
+    y1 = kj.gathered_dot(x, w_q, jnp.asarray(ids[:, 0]))
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(kj.gathered_dot(x, w_q, jnp.asarray(ids))[:, 0]))
+
+
+def test_gathered_dot_bad_ids(rng):
+    w_q = stacked_weight(rng, 4, 32, 16)
+    x = jnp.ones((3, 32), jnp.float32)
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 4\)"):
+        kj.gathered_dot(x, w_q, jnp.asarray([[0, 4], [1, 2], [3, 0]], jnp.int32))
+    with pytest.raises(TypeError, match="expert_ids must be an integer array"):
+        kj.gathered_dot(x, w_q, jnp.zeros((3, 2), jnp.float32))
+    with pytest.raises(ValueError, match="expert_ids must have shape"):
+        kj.gathered_dot(x, w_q, jnp.zeros((2, 2), jnp.int32))
+    # Under jit an id outside [0, G) gives a zero row and leaves the others alone.
+    y = jax.jit(kj.gathered_dot)(x, w_q, jnp.asarray([[0, 7], [1, 2], [-1, 0]], jnp.int32))
+    assert not np.asarray(y[0, 1]).any() and not np.asarray(y[2, 0]).any()
+    np.testing.assert_array_equal(np.asarray(y[2, 1]), np.asarray(y[0, 0]))
+
+
 # -- transformations -----------------------------------------------------------------------------
 def test_vmap_over_token_sets(rng):
     g, k, n, m, v = 5, 64, 24, 17, 4
@@ -311,18 +346,19 @@ def compiled_collectives(f, *args):
 
 
 @needs8
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 @pytest.mark.parametrize("glu", [None, "silu"])
 @pytest.mark.parametrize("layout,reduces", [
     ("experts", 1),    # G sharded: each device its experts' rows, one all-reduce of y
     ("columns", 0),    # N sharded inside every expert: no collective
     ("rows", 1),       # K sharded inside every expert: one all-reduce
 ])
-def test_sharded_jit_never_gathers_weights(rng, layout, reduces, glu):
+def test_sharded_jit_never_gathers_weights(rng, layout, reduces, glu, axis_type):
     g, k, n, m = 16, 512, 64, 60
     w_q = stacked_weight(rng, g, k, n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     sizes = jnp.asarray(random_sizes(rng, g, m - 4))
-    mesh = jax.make_mesh((8,), ("d",))
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
     spec = {"experts": P("d", None, None), "columns": P(None, None, "d"), "rows": P(None, "d", None)}[layout]
     with jax.set_mesh(mesh):
         w_s = ks.shard_weight(w_q, mesh, spec)
@@ -331,6 +367,8 @@ def test_sharded_jit_never_gathers_weights(rng, layout, reduces, glu):
         y = jax.jit(f)(xs, w_s, sizes)
         counts, gathered = compiled_collectives(f, xs, w_s, sizes)
     check(y, x, w_q, np.asarray(sizes), glu)
+    if layout == "columns":
+        assert y.sharding.spec == P(None, "d")
     assert gathered == [], gathered
     assert counts == {**dict.fromkeys(ks.COLLECTIVES, 0), "all-reduce": reduces}, counts
 
