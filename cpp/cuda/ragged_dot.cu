@@ -286,42 +286,59 @@ struct MmaParams {
   int lut_bytes, xs_bytes, red_bytes;  // shared-memory regions after the schedule
 };
 
-// k-blocks in flight per warp (register double buffer): 8 where a lane's fields are 2 words.
+// k-blocks per group of a warp's register double buffer: 1.5-2 KB of weights in flight per warp
+// (16 columns x bits x 16 bytes a k-block), within 255 registers without spills.
 template <int BITS>
-constexpr int kUnroll = (BITS == 2 || BITS == 4) ? 8 : 6;
+constexpr int kUnroll = BITS == 2 ? 12 : BITS == 3 ? 8 : BITS == 4 ? 8 : 6;
 
-// One warp's slice [kb0, kb1) of its 16-column tile for MT n8 tiles of staged rows.
+// A warp's register double buffer of U k-blocks: the weight fields and the two scale bytes (rows
+// g and g + 8) of each.
+template <int BITS>
+struct Fields {
+  using WP = typename Path<BITS>::type;
+  static constexpr int U = kUnroll<BITS>;
+  typename WP::Raw w[U];
+  uint32_t s[U];
+  // k-blocks kb .. kb + U - 1 (those below kb1) of the tile at (wtile, stile).
+  __device__ __forceinline__ void load(const uint32_t* __restrict__ wtile, const uint8_t* __restrict__ stile,
+                                       int64_t kb_words, int N, int kb, int kb1, int o0, int o1) {
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      if (kb + j < kb1) {
+        load_raw<BITS>(w[j], wtile + (kb + j) * kb_words, o0, o1);
+        const uint8_t* sp = stile + int64_t(kb + j) * N;
+        s[j] = ld_stream_u8(sp) | (ld_stream_u8(sp + 8) << 8);
+      }
+    }
+  }
+};
+
+// One warp's slice [kb0, kb1) of its 16-column tile for MT n8 tiles of staged rows. `cur` holds
+// the slice's first U k-blocks on entry; on exit it holds the first U k-blocks of the next item's
+// tile (next_w, next_s; none where next_w is null), whose loads went out with the last group of
+// this one, so they are in flight during the item's end (partial sums, barrier, stores).
 template <int BITS, class Act, int MT>
-__device__ __forceinline__ void mma_slice(float (&acc)[kMmaMaxRows / 8][4], const uint32_t* __restrict__ wtile,
-                                          const uint8_t* __restrict__ stile, int64_t kb_words, int N, int kb0,
-                                          int kb1, uint32_t lut, uint32_t xs_lane, uint32_t xs_row8, int lane) {
+__device__ __forceinline__ void mma_slice(float (&acc)[kMmaMaxRows / 8][4], Fields<BITS>& cur,
+                                          const uint32_t* __restrict__ wtile, const uint8_t* __restrict__ stile,
+                                          const uint32_t* __restrict__ next_w, const uint8_t* __restrict__ next_s,
+                                          int64_t kb_words, int N, int kb0, int kb1, uint32_t lut, uint32_t xs_lane,
+                                          uint32_t xs_row8, int lane) {
   using WP = typename Path<BITS>::type;
   constexpr int U = kUnroll<BITS>;
   const int g = lane >> 2, t = lane & 3;
   const int o0 = int(WP::offset0(g, t) / 4), o1 = int(WP::offset1(g, t) / 4);
   const typename WP::Lane L = WP::lane_consts(lane);
-  typename WP::Raw cur[U], nxt[U];
-  uint32_t scur[U], snxt[U];
-  auto load = [&](typename WP::Raw (&r)[U], uint32_t (&s)[U], int kb) {
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      if (kb + j < kb1) {
-        load_raw<BITS>(r[j], wtile + (kb + j) * kb_words, o0, o1);
-        const uint8_t* sp = stile + (int64_t)(kb + j) * N;
-        s[j] = ld_stream_u8(sp) | (ld_stream_u8(sp + 8) << 8);
-      }
-    }
-  };
-  load(cur, scur, kb0);
   for (int kb = kb0; kb < kb1; kb += U) {
-    if (kb + U < kb1) load(nxt, snxt, kb + U);
+    Fields<BITS> nxt;
+    if (kb + U < kb1) nxt.load(wtile, stile, kb_words, N, kb + U, kb1, o0, o1);
+    else if (next_w != nullptr) nxt.load(next_w, next_s, kb_words, N, kb0, kb1, o0, o1);
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       if (kb + j < kb1) {
         uint32_t a[2][4];
-        WP::decode(cur[j], lut, L, a);
-        const float s_lo = decode_e4m4_fast((scur[j] & 0xffu) << 19);
-        const float s_hi = decode_e4m4_fast((scur[j] >> 8) << 19);
+        WP::decode(cur.w[j], lut, L, a);
+        const float s_lo = decode_e4m4_fast((cur.s[j] & 0xffu) << 19);
+        const float s_hi = decode_e4m4_fast((cur.s[j] >> 8) << 19);
         const uint32_t xa = xs_lane + uint32_t(kb + j) * 64u;
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
@@ -337,11 +354,7 @@ __device__ __forceinline__ void mma_slice(float (&acc)[kMmaMaxRows / 8][4], cons
         }
       }
     }
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      cur[j] = nxt[j];
-      scur[j] = snxt[j];
-    }
+    cur = nxt;
   }
 }
 
@@ -395,11 +408,23 @@ __global__ void __launch_bounds__(kMmaThreads, 1) ragged_dot_mma_kernel(const Mm
   const uint32_t xs_lane = xs + uint32_t(lane & 7) * xs_stride + uint32_t(lane >> 3) * 16u;
   const uint32_t xs_row8 = 8u * xs_stride;
   const GluLogit logit(p.glu);
+  // This warp's 16 columns of an item's weight and scale rows; the lane's word offsets.
+  auto tile_w = [&](const Item& it) {
+    return p.planes + (int64_t(it.g) * KB * N + it.tile * kItemCols + wc * 16) * BITS;
+  };
+  auto tile_s = [&](const Item& it) {
+    return p.scales + int64_t(it.g) * KB * N + it.tile * kItemCols + wc * 16 + (lane >> 2);
+  };
+  const int o0 = int(WP::offset0(lane >> 2, lane & 3) / 4), o1 = int(WP::offset1(lane >> 2, lane & 3) / 4);
+  Fields<BITS> cur;
   int held_g = -1, held_block = -1, buf = 0;
   float ts = 0.f;
   for (int i = i0; i < i1; ++i) {
     const Item it = item_at(item_start, G, tiles, i);
     prefetch_item(i + 1);
+    const uint32_t* wtile = tile_w(it);
+    const uint8_t* stile = tile_s(it);
+    if (i == i0) cur.load(wtile, stile, kb_words, N, kb0, kb1, o0, o1);  // later items: loaded by the last
     const int r0 = row_start[it.g] + it.block * p.block_rows;
     const int rows = min(p.block_rows, row_start[it.g + 1] - r0);
     if (it.g != held_g || it.block != held_block) {
@@ -426,8 +451,13 @@ __global__ void __launch_bounds__(kMmaThreads, 1) ragged_dot_mma_kernel(const Mm
       held_block = it.block;
     }
     const int col0 = it.tile * kItemCols + wc * 16;
-    const uint32_t* wtile = p.planes + (int64_t(it.g) * KB * N + col0) * BITS;
-    const uint8_t* stile = p.scales + int64_t(it.g) * KB * N + col0 + (lane >> 2);
+    const uint32_t* next_w = nullptr;
+    const uint8_t* next_s = nullptr;
+    if (i + 1 < i1) {
+      const Item nx = item_at(item_start, G, tiles, i + 1);
+      next_w = tile_w(nx);
+      next_s = tile_s(nx);
+    }
     float acc[kMmaMaxRows / 8][4];
 #pragma unroll
     for (int m = 0; m < kMmaMaxRows / 8; ++m)
@@ -435,10 +465,14 @@ __global__ void __launch_bounds__(kMmaThreads, 1) ragged_dot_mma_kernel(const Mm
       for (int j = 0; j < 4; ++j) acc[m][j] = 0.f;
     const int mt = (rows + 7) / 8;
     switch (mt) {
-      case 1: mma_slice<BITS, Act, 1>(acc, wtile, stile, kb_words, N, kb0, kb1, lut, xs_lane, xs_row8, lane); break;
-      case 2: mma_slice<BITS, Act, 2>(acc, wtile, stile, kb_words, N, kb0, kb1, lut, xs_lane, xs_row8, lane); break;
-      case 3: mma_slice<BITS, Act, 3>(acc, wtile, stile, kb_words, N, kb0, kb1, lut, xs_lane, xs_row8, lane); break;
-      default: mma_slice<BITS, Act, 4>(acc, wtile, stile, kb_words, N, kb0, kb1, lut, xs_lane, xs_row8, lane); break;
+      case 1: mma_slice<BITS, Act, 1>(acc, cur, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane,
+                                          xs_row8, lane); break;
+      case 2: mma_slice<BITS, Act, 2>(acc, cur, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane,
+                                          xs_row8, lane); break;
+      case 3: mma_slice<BITS, Act, 3>(acc, cur, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane,
+                                          xs_row8, lane); break;
+      default: mma_slice<BITS, Act, 4>(acc, cur, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane,
+                                          xs_row8, lane); break;
     }
     // Partial sums of slices 1..3 -> shared memory; slice 0 adds them and stores.
     float* rb = red + buf * (p.red_bytes / 8);  // two buffers of red_bytes / 2
