@@ -124,6 +124,8 @@ def main(argv=None):
     p.add_argument("--routing", nargs="+", default=list(ROUTINGS), choices=list(ROUTINGS))
     p.add_argument("--baselines", nargs="*", default=["dense", "lax"], choices=["dense", "lax"],
                    help="the bf16 baselines to time (the floor is always computed)")
+    p.add_argument("--lax-max-tokens", type=int, default=64,
+                   help="time jax.lax.ragged_dot up to this T (it reads every expert at every T)")
     p.add_argument("--time", default=None, choices=["busy", "call"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-passes", type=int, default=8)
@@ -181,7 +183,8 @@ def main(argv=None):
                         same = [r for r in result["rows"] if r["shape"] == name and r["tokens"] == tokens
                                 and r["dense_us"]]
                         row["dense_us"] = same[0]["dense_us"] if same else None
-                    if "lax" in args.baselines and m * g * k * 2 <= LAX_MAX_BYTES and bits == args.bits[0]:
+                    if ("lax" in args.baselines and m * g * k * 2 <= LAX_MAX_BYTES and bits == args.bits[0]
+                            and tokens <= args.lax_max_tokens):
                         def lax_product(x, w):
                             y = jax.lax.ragged_dot(x, w[0], w[1], preferred_element_type=jnp.float32)
                             y = reference.apply_glu(y, glu) if glu else y

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -291,15 +292,21 @@ static int time_mode(int reps) {
       CK(cudaMalloc(&x, size_t(max_t) * s.topk * s.k * 2));
       CK(cudaMalloc(&y, size_t(max_t) * s.topk * s.n * 2));
       fill_bf16<<<1024, 256>>>(x, size_t(max_t) * s.topk * s.k);
-      for (int T : {1, 4, 16, 64, 256, 4096}) {
-        if (T > max_t) continue;
+      for (int run = 0; run < 8; ++run) {
+        const int T = run < 6 ? std::array<int, 6>{1, 4, 16, 64, 256, 4096}[run] : (run == 6 ? 16 : 64);
+        const bool skewed = run >= 6;  // expert of popularity rank r drawn with weight (r + 1)^-1.2
+        if (T > max_t || (skewed && bits != 4)) continue;
         const int64_t M = int64_t(T) * s.topk;
         std::vector<int32_t> hg(s.g, 0);
         std::mt19937 r2(T * 31 + bits);
-        for (int t = 0; t < T; ++t) {  // top-k distinct experts per token, uniform
+        std::vector<double> pop(s.g);
+        for (int e = 0; e < s.g; ++e) pop[e] = skewed ? std::pow(double(e + 1), -1.2) : 1.0;
+        std::shuffle(pop.begin(), pop.end(), r2);
+        std::discrete_distribution<int> draw(pop.begin(), pop.end());
+        for (int t = 0; t < T; ++t) {  // top-k distinct experts per token
           std::vector<int> pick;
           while (int(pick.size()) < s.topk) {
-            const int e = int(r2() % s.g);
+            const int e = draw(r2);
             if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
           }
           for (int e : pick) ++hg[e];
@@ -326,8 +333,8 @@ static int time_mode(int reps) {
         const double wbytes = double(active) * KB * s.n * (bits * 4 + 1);
         const double bytes = wbytes + M * s.k * 2.0 + M * (s.glu ? s.n / 2 : s.n) * 2.0;
         const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
-        std::printf("%-22s %5d %4d %5lld %6d %9.1f %9.2f %6.1f%% %9.1f\n", s.name, T, bits, (long long)M, active, us,
-                    bytes / 1e6, 100.0 * bytes / (us * 1e-6) / bw, floor_us);
+        std::printf("%-22s %5d %4d %5lld %6d %9.1f %9.2f %6.1f%% %9.1f %s\n", s.name, T, bits, (long long)M, active, us,
+                    bytes / 1e6, 100.0 * bytes / (us * 1e-6) / bw, floor_us, skewed ? "skewed" : "uniform");
       }
       cudaFree(planes); cudaFree(scales); cudaFree(cb); cudaFree(ts); cudaFree(gs); cudaFree(x); cudaFree(y);
     }

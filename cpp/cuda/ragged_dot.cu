@@ -229,18 +229,17 @@ constexpr int kMmaMaxRows = 32;                 // rows of x per item (4 mma n8 
 constexpr int kRowPadBytes = 16;                // staged x rows: 2K + 16 bytes apart (ldmatrix
                                                 // rows land on distinct banks)
 
-// Streaming loads as volatile asm: ptxas keeps them in program order with the (volatile) shared-
-// memory loads and mma of the k-blocks before them, so a k-block group's loads are in flight while
-// the previous group computes. As plain loads (__ldcs) ptxas sank them next to their uses (168
-// registers of 255 taken) and every k-block waited a full memory latency: 0.6 TB/s.
+// Streaming (evict-first) loads as volatile asm: ptxas keeps them where they are written, right
+// after the decode that frees their slot, instead of moving them towards their uses.
 __device__ __forceinline__ uint32_t ld_stream_u32(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.global.cs.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
   return v;
 }
+// (A byte straight into a 32-bit register: a 16-bit result's widening would wait for the load.)
 __device__ __forceinline__ uint32_t ld_stream_u8(const uint8_t* p) {
-  uint16_t v;
-  asm volatile("ld.global.cs.u8 %0, [%1];\n" : "=h"(v) : "l"(p));
+  uint32_t v;
+  asm volatile("ld.global.cs.u8 %0, [%1];\n" : "=r"(v) : "l"(p));
   return v;
 }
 
@@ -286,75 +285,73 @@ struct MmaParams {
   int lut_bytes, xs_bytes, red_bytes;  // shared-memory regions after the schedule
 };
 
-// k-blocks per group of a warp's register double buffer: 1.5-2 KB of weights in flight per warp
-// (16 columns x bits x 16 bytes a k-block), within 255 registers without spills.
+// Register slots of a warp's weight stream: slot j holds k-block kb0 + j + U u (u = 0, 1, ...).
+// 2.5-4 KB of weights in flight per warp (16 columns x bits x 16 bytes a k-block), within 255
+// registers without spills.
 template <int BITS>
-constexpr int kUnroll = BITS == 2 ? 12 : BITS == 3 ? 8 : BITS == 4 ? 8 : 6;
+constexpr int kSlots = BITS == 5 ? 12 : BITS == 3 ? 12 : 16;
 
-// A warp's register double buffer of U k-blocks: the weight fields and the two scale bytes (rows
-// g and g + 8) of each.
+// The slots: each k-block's weight fields and its two scale bytes (rows g and g + 8), each byte
+// in a register of its own until the k-block is decoded: merged right after their loads (one
+// IMAD), the bytes made every refill wait for its loads, a full memory latency per k-block.
 template <int BITS>
 struct Fields {
   using WP = typename Path<BITS>::type;
-  static constexpr int U = kUnroll<BITS>;
-  typename WP::Raw w[U];
-  uint32_t s[U];
-  // k-blocks kb .. kb + U - 1 (those below kb1) of the tile at (wtile, stile).
-  __device__ __forceinline__ void load(const uint32_t* __restrict__ wtile, const uint8_t* __restrict__ stile,
-                                       int64_t kb_words, int N, int kb, int kb1, int o0, int o1) {
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      if (kb + j < kb1) {
-        load_raw<BITS>(w[j], wtile + (kb + j) * kb_words, o0, o1);
-        const uint8_t* sp = stile + int64_t(kb + j) * N;
-        s[j] = ld_stream_u8(sp) | (ld_stream_u8(sp + 8) << 8);
-      }
-    }
+  typename WP::Raw w[kSlots<BITS>];
+  uint32_t s_lo[kSlots<BITS>], s_hi[kSlots<BITS>];
+  // Slot j <- k-block kb of the tile at (wtile, stile).
+  __device__ __forceinline__ void load(int j, const uint32_t* __restrict__ wtile, const uint8_t* __restrict__ stile,
+                                       int64_t kb_words, int N, int kb, int o0, int o1) {
+    load_raw<BITS>(w[j], wtile + kb * kb_words, o0, o1);
+    const uint8_t* sp = stile + int64_t(kb) * N;
+    s_lo[j] = ld_stream_u8(sp);
+    s_hi[j] = ld_stream_u8(sp + 8);
   }
 };
 
-// One warp's slice [kb0, kb1) of its 16-column tile for MT n8 tiles of staged rows. `cur` holds
-// the slice's first U k-blocks on entry; on exit it holds the first U k-blocks of the next item's
-// tile (next_w, next_s; none where next_w is null), whose loads went out with the last group of
-// this one, so they are in flight during the item's end (partial sums, barrier, stores).
-template <int BITS, class Act, int MT>
-__device__ __forceinline__ void mma_slice(float (&acc)[kMmaMaxRows / 8][4], Fields<BITS>& cur,
+// One warp's slice [kb0, kb1) of its 16-column tile for mt (1..4) n8 tiles of staged rows. The
+// slots hold the slice's first k-blocks on entry. Each slot is refilled as soon as its k-block is
+// decoded: with the k-block U further on, or, past the slice, with the next item's k-block of
+// that slot (tile next_w, next_s; none where next_w is null), so the stream never drains between
+// k-block groups nor between items, and no register is copied (a copy of a loaded register
+// waits for the load: a double buffer rotated by copies stalled every group on a full memory
+// latency, 15 % of copy bandwidth).
+template <int BITS, class Act>
+__device__ __forceinline__ void mma_slice(float (&acc)[kMmaMaxRows / 8][4], Fields<BITS>& f, int mt,
                                           const uint32_t* __restrict__ wtile, const uint8_t* __restrict__ stile,
                                           const uint32_t* __restrict__ next_w, const uint8_t* __restrict__ next_s,
                                           int64_t kb_words, int N, int kb0, int kb1, uint32_t lut, uint32_t xs_lane,
-                                          uint32_t xs_row8, int lane) {
+                                          uint32_t xs_row8, int lane, int o0, int o1) {
   using WP = typename Path<BITS>::type;
-  constexpr int U = kUnroll<BITS>;
-  const int g = lane >> 2, t = lane & 3;
-  const int o0 = int(WP::offset0(g, t) / 4), o1 = int(WP::offset1(g, t) / 4);
+  constexpr int U = kSlots<BITS>;
   const typename WP::Lane L = WP::lane_consts(lane);
   for (int kb = kb0; kb < kb1; kb += U) {
-    Fields<BITS> nxt;
-    if (kb + U < kb1) nxt.load(wtile, stile, kb_words, N, kb + U, kb1, o0, o1);
-    else if (next_w != nullptr) nxt.load(next_w, next_s, kb_words, N, kb0, kb1, o0, o1);
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       if (kb + j < kb1) {
         uint32_t a[2][4];
-        WP::decode(cur.w[j], lut, L, a);
-        const float s_lo = decode_e4m4_fast((cur.s[j] & 0xffu) << 19);
-        const float s_hi = decode_e4m4_fast((cur.s[j] >> 8) << 19);
+        WP::decode(f.w[j], lut, L, a);
+        const float s_lo = decode_e4m4_fast(f.s_lo[j] << 19);
+        const float s_hi = decode_e4m4_fast(f.s_hi[j] << 19);
+        if (kb + j + U < kb1) f.load(j, wtile, stile, kb_words, N, kb + j + U, o0, o1);
+        else if (next_w != nullptr) f.load(j, next_w, next_s, kb_words, N, kb0 + j, o0, o1);
         const uint32_t xa = xs_lane + uint32_t(kb + j) * 64u;
 #pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          uint32_t b[4];
-          ldmatrix_x4(b, xa + uint32_t(i) * xs_row8);
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_16816<Act>(d, a[0], b[0], b[1], d);
-          mma_16816<Act>(d, a[1], b[2], b[3], d);
-          acc[i][0] = fmaf(s_lo, d[0], acc[i][0]);
-          acc[i][1] = fmaf(s_lo, d[1], acc[i][1]);
-          acc[i][2] = fmaf(s_hi, d[2], acc[i][2]);
-          acc[i][3] = fmaf(s_hi, d[3], acc[i][3]);
+        for (int i = 0; i < kMmaMaxRows / 8; ++i) {
+          if (i < mt) {
+            uint32_t b[4];
+            ldmatrix_x4(b, xa + uint32_t(i) * xs_row8);
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_16816<Act>(d, a[0], b[0], b[1], d);
+            mma_16816<Act>(d, a[1], b[2], b[3], d);
+            acc[i][0] = fmaf(s_lo, d[0], acc[i][0]);
+            acc[i][1] = fmaf(s_lo, d[1], acc[i][1]);
+            acc[i][2] = fmaf(s_hi, d[2], acc[i][2]);
+            acc[i][3] = fmaf(s_hi, d[3], acc[i][3]);
+          }
         }
       }
     }
-    cur = nxt;
   }
 }
 
@@ -424,7 +421,11 @@ __global__ void __launch_bounds__(kMmaThreads, 1) ragged_dot_mma_kernel(const Mm
     prefetch_item(i + 1);
     const uint32_t* wtile = tile_w(it);
     const uint8_t* stile = tile_s(it);
-    if (i == i0) cur.load(wtile, stile, kb_words, N, kb0, kb1, o0, o1);  // later items: loaded by the last
+    if (i == i0) {  // later items' first k-blocks were loaded by the item before
+#pragma unroll
+      for (int j = 0; j < kSlots<BITS>; ++j)
+        if (kb0 + j < kb1) cur.load(j, wtile, stile, kb_words, N, kb0 + j, o0, o1);
+    }
     const int r0 = row_start[it.g] + it.block * p.block_rows;
     const int rows = min(p.block_rows, row_start[it.g + 1] - r0);
     if (it.g != held_g || it.block != held_block) {
@@ -464,16 +465,8 @@ __global__ void __launch_bounds__(kMmaThreads, 1) ragged_dot_mma_kernel(const Mm
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[m][j] = 0.f;
     const int mt = (rows + 7) / 8;
-    switch (mt) {
-      case 1: mma_slice<BITS, Act, 1>(acc, cur, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane,
-                                          xs_row8, lane); break;
-      case 2: mma_slice<BITS, Act, 2>(acc, cur, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane,
-                                          xs_row8, lane); break;
-      case 3: mma_slice<BITS, Act, 3>(acc, cur, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane,
-                                          xs_row8, lane); break;
-      default: mma_slice<BITS, Act, 4>(acc, cur, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane,
-                                          xs_row8, lane); break;
-    }
+    mma_slice<BITS, Act>(acc, cur, mt, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane, xs_row8,
+                         lane, o0, o1);
     // Partial sums of slices 1..3 -> shared memory; slice 0 adds them and stores.
     float* rb = red + buf * (p.red_bytes / 8);  // two buffers of red_bytes / 2
     constexpr int kSliceFloats = kColTiles * (kMmaMaxRows / 8) * 4 * 32;
