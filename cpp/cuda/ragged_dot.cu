@@ -245,17 +245,17 @@ __device__ __forceinline__ uint32_t ld_stream_u8(const uint8_t* p) {
 
 // Weight words of a warp's 16-column tile at one k-block, straight from global memory: the same
 // fields WeightPath<BITS>::load reads from a staged k-block (rows g and g + 8 of the tile are 8
-// cells apart). `tile` points at the tile's first cell; o0, o1 are the lane's word offsets.
+// cells apart). `p` points at the lane's first word in the tile (its first cell + offset0), `d1`
+// is offset1 - offset0 (bits 3 and 5), in words.
 template <int BITS, class Raw>
-__device__ __forceinline__ void load_raw(Raw& r,
-                                         const uint32_t* __restrict__ tile, int o0, int o1) {
+__device__ __forceinline__ void load_raw(Raw& r, const uint32_t* __restrict__ p, int d1) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if constexpr (BITS == 2 || BITS == 4) {
-      r.w[h] = ld_stream_u32(tile + o0 + h * 8 * BITS);
+      r.w[h] = ld_stream_u32(p + h * 8 * BITS);
     } else {
-      r.lo[h] = ld_stream_u32(tile + o0 + h * 8 * BITS);
-      r.hi[h] = ld_stream_u32(tile + o1 + h * 8 * BITS);
+      r.lo[h] = ld_stream_u32(p + h * 8 * BITS);
+      r.hi[h] = ld_stream_u32(p + d1 + h * 8 * BITS);
     }
   }
 }
@@ -299,11 +299,12 @@ struct Fields {
   using WP = typename Path<BITS>::type;
   typename WP::Raw w[kSlots<BITS>];
   uint32_t s_lo[kSlots<BITS>], s_hi[kSlots<BITS>];
-  // Slot j <- k-block kb of the tile at (wtile, stile).
+  // Slot j <- k-block kb of the tile at (wtile, stile), the lane's first word and scale byte.
+  // (32-bit offsets: the launcher bounds K/32 * N * bits below 2^31.)
   __device__ __forceinline__ void load(int j, const uint32_t* __restrict__ wtile, const uint8_t* __restrict__ stile,
-                                       int64_t kb_words, int N, int kb, int o0, int o1) {
-    load_raw<BITS>(w[j], wtile + kb * kb_words, o0, o1);
-    const uint8_t* sp = stile + int64_t(kb) * N;
+                                       int kb_words, int N, int kb, int d1) {
+    load_raw<BITS>(w[j], wtile + kb * kb_words, d1);
+    const uint8_t* sp = stile + kb * N;
     s_lo[j] = ld_stream_u8(sp);
     s_hi[j] = ld_stream_u8(sp + 8);
   }
@@ -320,8 +321,8 @@ template <int BITS, class Act>
 __device__ __forceinline__ void mma_slice(float (&acc)[kMmaMaxRows / 8][4], Fields<BITS>& f, int mt,
                                           const uint32_t* __restrict__ wtile, const uint8_t* __restrict__ stile,
                                           const uint32_t* __restrict__ next_w, const uint8_t* __restrict__ next_s,
-                                          int64_t kb_words, int N, int kb0, int kb1, uint32_t lut, uint32_t xs_lane,
-                                          uint32_t xs_row8, int lane, int o0, int o1) {
+                                          int kb_words, int N, int kb0, int kb1, uint32_t lut, uint32_t xs_lane,
+                                          uint32_t xs_row8, int lane, int d1) {
   using WP = typename Path<BITS>::type;
   constexpr int U = kSlots<BITS>;
   const typename WP::Lane L = WP::lane_consts(lane);
@@ -333,22 +334,25 @@ __device__ __forceinline__ void mma_slice(float (&acc)[kMmaMaxRows / 8][4], Fiel
         WP::decode(f.w[j], lut, L, a);
         const float s_lo = decode_e4m4_fast(f.s_lo[j] << 19);
         const float s_hi = decode_e4m4_fast(f.s_hi[j] << 19);
-        if (kb + j + U < kb1) f.load(j, wtile, stile, kb_words, N, kb + j + U, o0, o1);
-        else if (next_w != nullptr) f.load(j, next_w, next_s, kb_words, N, kb0 + j, o0, o1);
+        if (kb + j + U < kb1) f.load(j, wtile, stile, kb_words, N, kb + j + U, d1);
+        else if (next_w != nullptr) f.load(j, next_w, next_s, kb_words, N, kb0 + j, d1);
         const uint32_t xa = xs_lane + uint32_t(kb + j) * 64u;
+        auto tile = [&](int i) {
+          uint32_t b[4];
+          ldmatrix_x4(b, xa + uint32_t(i) * xs_row8);
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_16816<Act>(d, a[0], b[0], b[1], d);
+          mma_16816<Act>(d, a[1], b[2], b[3], d);
+          acc[i][0] = fmaf(s_lo, d[0], acc[i][0]);
+          acc[i][1] = fmaf(s_lo, d[1], acc[i][1]);
+          acc[i][2] = fmaf(s_hi, d[2], acc[i][2]);
+          acc[i][3] = fmaf(s_hi, d[3], acc[i][3]);
+        };
+        tile(0);
+        if (mt > 1) {  // a branch, not predicates: most items at decode sizes have one row tile
 #pragma unroll
-        for (int i = 0; i < kMmaMaxRows / 8; ++i) {
-          if (i < mt) {
-            uint32_t b[4];
-            ldmatrix_x4(b, xa + uint32_t(i) * xs_row8);
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_16816<Act>(d, a[0], b[0], b[1], d);
-            mma_16816<Act>(d, a[1], b[2], b[3], d);
-            acc[i][0] = fmaf(s_lo, d[0], acc[i][0]);
-            acc[i][1] = fmaf(s_lo, d[1], acc[i][1]);
-            acc[i][2] = fmaf(s_hi, d[2], acc[i][2]);
-            acc[i][3] = fmaf(s_hi, d[3], acc[i][3]);
-          }
+          for (int i = 1; i < kMmaMaxRows / 8; ++i)
+            if (i < mt) tile(i);
         }
       }
     }
@@ -383,7 +387,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) ragged_dot_mma_kernel(const Mm
   zero_rows(y, row_start[G], p.M, n_out);
   if (tid < C) cb_held[tid] = __int_as_float(0x7fffffff);  // NaN: differs from every codebook
   const int i0 = range_begin(blockIdx.x, gridDim.x, items), i1 = range_begin(blockIdx.x + 1, gridDim.x, items);
-  const int64_t kb_words = int64_t(N) * BITS;
+  const int kb_words = N * BITS;
   const uint32_t tile_bytes = uint32_t(kItemCols * BITS * 4);
 
   // L2 prefetch of item i's weight and scale rows (one bulk request per k-block row each).
@@ -406,13 +410,13 @@ __global__ void __launch_bounds__(kMmaThreads, 1) ragged_dot_mma_kernel(const Mm
   const uint32_t xs_row8 = 8u * xs_stride;
   const GluLogit logit(p.glu);
   // This warp's 16 columns of an item's weight and scale rows; the lane's word offsets.
+  const int o0 = int(WP::offset0(lane >> 2, lane & 3) / 4), d1 = int(WP::offset1(lane >> 2, lane & 3) / 4) - o0;
   auto tile_w = [&](const Item& it) {
-    return p.planes + (int64_t(it.g) * KB * N + it.tile * kItemCols + wc * 16) * BITS;
+    return p.planes + (int64_t(it.g) * KB * N + it.tile * kItemCols + wc * 16) * BITS + o0;
   };
   auto tile_s = [&](const Item& it) {
     return p.scales + int64_t(it.g) * KB * N + it.tile * kItemCols + wc * 16 + (lane >> 2);
   };
-  const int o0 = int(WP::offset0(lane >> 2, lane & 3) / 4), o1 = int(WP::offset1(lane >> 2, lane & 3) / 4);
   Fields<BITS> cur;
   int held_g = -1, held_block = -1, buf = 0;
   float ts = 0.f;
@@ -424,7 +428,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) ragged_dot_mma_kernel(const Mm
     if (i == i0) {  // later items' first k-blocks were loaded by the item before
 #pragma unroll
       for (int j = 0; j < kSlots<BITS>; ++j)
-        if (kb0 + j < kb1) cur.load(j, wtile, stile, kb_words, N, kb0 + j, o0, o1);
+        if (kb0 + j < kb1) cur.load(j, wtile, stile, kb_words, N, kb0 + j, d1);
     }
     const int r0 = row_start[it.g] + it.block * p.block_rows;
     const int rows = min(p.block_rows, row_start[it.g + 1] - r0);
@@ -466,7 +470,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) ragged_dot_mma_kernel(const Mm
       for (int j = 0; j < 4; ++j) acc[m][j] = 0.f;
     const int mt = (rows + 7) / 8;
     mma_slice<BITS, Act>(acc, cur, mt, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane, xs_row8,
-                         lane, o0, o1);
+                         lane, d1);
     // Partial sums of slices 1..3 -> shared memory; slice 0 adds them and stores.
     float* rb = red + buf * (p.red_bytes / 8);  // two buffers of red_bytes / 2
     constexpr int kSliceFloats = kColTiles * (kMmaMaxRows / 8) * 4 * 32;
