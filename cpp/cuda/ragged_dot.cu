@@ -20,7 +20,7 @@
 //    operand, 8 rows of x its B operand), the fragment layout is decoded by the replicated
 //    shared-memory lookup tables of weight_path.cuh, and the E4M4 scale multiplies the fp32
 //    result of each k-block (FFMA), tensor_scale and the GLU the item's sums. Weights go straight
-//    from global memory into registers (a register double buffer of U k-blocks per warp), read
+//    from global memory into registers (12-16 k-blocks in flight per warp, see mma_slice), read
 //    once with evict-first loads; at each item's start the CTA asks L2 for the next item's weight
 //    and scale rows (cp.async.bulk.prefetch), so DRAM runs an item ahead of the loads. x's rows of
 //    the item are staged in shared memory once per (group, row block) and read by ldmatrix.
@@ -315,8 +315,10 @@ struct Fields {
 // decoded: with the k-block U further on, or, past the slice, with the next item's k-block of
 // that slot (tile next_w, next_s; none where next_w is null), so the stream never drains between
 // k-block groups nor between items, and no register is copied (a copy of a loaded register
-// waits for the load: a double buffer rotated by copies stalled every group on a full memory
-// latency, 15 % of copy bandwidth).
+// waits for the load: a double buffer rotated by copies stalls every group on a memory latency).
+// Row tiles 2..4 sit behind a branch: predicated off, their mma and loads took ~30 issue slots a
+// k-block of every one-row item. (Two paths instead, one per row-tile count, made ptxas copy the
+// slots where the paths join.)
 template <int BITS, class Act>
 __device__ __forceinline__ void mma_slice(float (&acc)[kMmaMaxRows / 8][4], Fields<BITS>& f, int mt,
                                           const uint32_t* __restrict__ wtile, const uint8_t* __restrict__ stile,
@@ -349,7 +351,7 @@ __device__ __forceinline__ void mma_slice(float (&acc)[kMmaMaxRows / 8][4], Fiel
           acc[i][3] = fmaf(s_hi, d[3], acc[i][3]);
         };
         tile(0);
-        if (mt > 1) {  // a branch, not predicates: most items at decode sizes have one row tile
+        if (mt > 1) {
 #pragma unroll
           for (int i = 1; i < kMmaMaxRows / 8; ++i)
             if (i < mt) tile(i);
@@ -471,7 +473,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) ragged_dot_mma_kernel(const Mm
     const int mt = (rows + 7) / 8;
     mma_slice<BITS, Act>(acc, cur, mt, wtile, stile, next_w, next_s, kb_words, N, kb0, kb1, lut, xs_lane, xs_row8,
                          lane, d1);
-    // Partial sums of slices 1..3 -> shared memory; slice 0 adds them and stores.
+    // Partial sums of the other k-slices -> shared memory; slice 0 adds them and stores.
     float* rb = red + buf * (p.red_bytes / 8);  // two buffers of red_bytes / 2
     constexpr int kSliceFloats = kColTiles * (kMmaMaxRows / 8) * 4 * 32;
     if (ks > 0) {
