@@ -94,6 +94,26 @@ def test_m_zero_and_no_groups_on_gpu(rng):
     assert np.array_equal(np.asarray(y, np.float32), np.zeros((9, 64), np.float32))
 
 
+def test_many_groups(rng):
+    """G = 3000 small experts, most of them empty: the schedule's prefix sums over many groups."""
+    g, k, n = 3000, 64, 64
+    w_q = _gpu_weight(rng, g, k, n, 4)
+    sizes = np.zeros(g, np.int32)
+    sizes[rng.choice(g, 40, replace=False)] = rng.integers(1, 6, 40)
+    m = int(sizes.sum()) + 3
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    check(_run(x, w_q, sizes), x, w_q, sizes)
+
+
+def test_too_many_groups_is_an_error(rng):
+    """Above the kernels' G limit the CUDA target reports the limit (no crash, no wrong result)."""
+    g = 8193
+    w_q = _gpu_weight(rng, g, 32, 16, 2)
+    x = _gpu(jnp.ones((4, 32), jnp.bfloat16))
+    with pytest.raises(Exception, match="at most 8192 groups"):
+        jax.block_until_ready(_run(x, w_q, np.zeros(g, np.int32)))
+
+
 def test_lowers_to_the_cuda_target(rng):
     w_q = _gpu_weight(rng, 4, 64, 64, 4)
     x = _gpu(jnp.ones((8, 64), jnp.bfloat16))
