@@ -374,6 +374,26 @@ def test_sharded_jit_never_gathers_weights(rng, layout, reduces, glu, axis_type)
 
 
 @needs8
+@pytest.mark.parametrize("glu", [None, "silu"])
+def test_sharded_jit_one_block_of_k(rng, glu):
+    """K = 32: x's K is one block (a size-1 block factor, which Shardy's rules cannot hold in a
+    compound dimension)."""
+    g, k, n, m = 8, 32, 64, 30
+    w_q = stacked_weight(rng, g, k, n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    sizes = jnp.asarray(random_sizes(rng, g, m))
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    for spec in (P("d", None, None), P(None, None, "d")):
+        with jax.set_mesh(mesh):
+            w_s = ks.shard_weight(w_q, mesh, spec)
+            f = lambda x, w, s: kj.ragged_dot(x, w, s, glu=glu)  # noqa: E731
+            y = jax.jit(f)(x, w_s, sizes)
+            _, gathered = compiled_collectives(f, x, w_s, sizes)
+        check(y, x, w_q, np.asarray(sizes), glu)
+        assert gathered == [], gathered
+
+
+@needs8
 def test_sharded_jit_token_sharded_x_gathers_only_activations(rng):
     """Rows sharded over devices (data parallel) with experts sharded: only activations (x, or
     the rows of y) are gathered, never a weight leaf (uint32 planes, uint8 scales)."""
