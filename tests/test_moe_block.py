@@ -146,3 +146,35 @@ def test_expert_parallel_jit_never_gathers_experts(rng):
     assert_close(y, want, 1e-5)
     gathered = ks.all_gather_shapes(text)
     assert not any(s.startswith(("u32", "u8")) for s in gathered), gathered
+
+
+class _Model(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(64, 64, use_bias=False, rngs=rngs)
+        self.blocks = nnx.List([MoE(64, 32, 4, 2, shared_intermediate=32, rngs=rngs),
+                                MoE(64, 40, 4, 2, rngs=rngs)])
+
+    def __call__(self, x):
+        x = self.proj(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_quantize_model_picks_up_moe_blocks(rng):
+    from kbit_jax.flax import quantize_model
+
+    model = _Model(nnx.Rngs(seed(rng)))
+    first = model.blocks[0]
+    x = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+    report = quantize_model(model, bits=4, progress=False)
+    assert isinstance(model.blocks[0], KbitMoE) and isinstance(model.blocks[1], MoE)
+    assert isinstance(model.blocks[0].router, nnx.Linear)           # the router stays dense
+    assert isinstance(model.proj, KbitLinear)
+    assert sorted(report.replaced) == ["blocks/0", "proj"], report.replaced
+    assert [p for p, _ in report.skipped] == ["blocks/1"], report.skipped   # H = 40: not whole blocks
+    assert report.bytes_after < report.bytes_before
+    # The converted block computes what KbitMoE.from_dense of the original computes.
+    np.testing.assert_array_equal(np.asarray(model.blocks[0](x)),
+                                  np.asarray(KbitMoE.from_dense(first, bits=4)(x)))
+    assert np.isfinite(np.asarray(model(x))).all()
