@@ -269,6 +269,31 @@ def test_grad_wrt_x(rng, glu):
                                atol=2e-5 * float(jnp.abs(want_t).max()), rtol=0)
 
 
+def test_grad_under_vmap(rng):
+    """Per-set gradients (vmap of grad, grad of vmap, experts per set): one grouped product."""
+    g, k, n, m, v = 4, 64, 32, 12, 3
+    w_q = kj.quantize(random_weight(rng, (v, g, k, n)), 4)
+    w = kj.dequantize(w_q)
+    x = jnp.asarray(rng.standard_normal((v, m, k)), jnp.float32)
+    sizes = jnp.asarray(np.stack([random_sizes(rng, g, m - i) for i in range(v)]))
+
+    def loss(x, w_q, s):
+        return jnp.sum(kj.ragged_dot(x, w_q, s) ** 2)
+
+    want = jnp.stack([jax.grad(lambda x: jnp.sum(jax.lax.ragged_dot(
+        x, w[i], sizes[i], precision=jax.lax.Precision.HIGHEST) ** 2))(x[i]) for i in range(v)])
+    atol = 2e-5 * float(jnp.abs(want).max())
+    got = jax.vmap(jax.grad(loss))(x, w_q, sizes)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=atol, rtol=0)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(jax.vmap(loss)(x, w_q, sizes))))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=atol, rtol=0)
+    # Shared experts, per-set sizes.
+    want0 = jnp.stack([jax.grad(lambda x: jnp.sum(jax.lax.ragged_dot(
+        x, w[0], sizes[i], precision=jax.lax.Precision.HIGHEST) ** 2))(x[i]) for i in range(v)])
+    got = jax.vmap(jax.grad(loss), in_axes=(0, None, 0))(x, w_q[0], sizes)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want0), atol=atol, rtol=0)
+
+
 # -- bad inputs ----------------------------------------------------------------------------------
 def bad_inputs(rng):
     w_q = stacked_weight(rng, 4, 64, 16)
