@@ -269,6 +269,31 @@ def test_grad_wrt_x(rng, glu):
                                atol=2e-5 * float(jnp.abs(want_t).max()), rtol=0)
 
 
+def test_grad_under_vmap(rng):
+    """Per-set gradients (vmap of grad, grad of vmap, experts per set): one grouped product."""
+    g, k, n, m, v = 4, 64, 32, 12, 3
+    w_q = kj.quantize(random_weight(rng, (v, g, k, n)), 4)
+    w = kj.dequantize(w_q)
+    x = jnp.asarray(rng.standard_normal((v, m, k)), jnp.float32)
+    sizes = jnp.asarray(np.stack([random_sizes(rng, g, m - i) for i in range(v)]))
+
+    def loss(x, w_q, s):
+        return jnp.sum(kj.ragged_dot(x, w_q, s) ** 2)
+
+    want = jnp.stack([jax.grad(lambda x: jnp.sum(jax.lax.ragged_dot(
+        x, w[i], sizes[i], precision=jax.lax.Precision.HIGHEST) ** 2))(x[i]) for i in range(v)])
+    atol = 2e-5 * float(jnp.abs(want).max())
+    got = jax.vmap(jax.grad(loss))(x, w_q, sizes)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=atol, rtol=0)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(jax.vmap(loss)(x, w_q, sizes))))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=atol, rtol=0)
+    # Shared experts, per-set sizes.
+    want0 = jnp.stack([jax.grad(lambda x: jnp.sum(jax.lax.ragged_dot(
+        x, w[0], sizes[i], precision=jax.lax.Precision.HIGHEST) ** 2))(x[i]) for i in range(v)])
+    got = jax.vmap(jax.grad(loss), in_axes=(0, None, 0))(x, w_q[0], sizes)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want0), atol=atol, rtol=0)
+
+
 # -- bad inputs ----------------------------------------------------------------------------------
 def bad_inputs(rng):
     w_q = stacked_weight(rng, 4, 64, 16)
@@ -371,6 +396,26 @@ def test_sharded_jit_never_gathers_weights(rng, layout, reduces, glu, axis_type)
         assert y.sharding.spec == P(None, "d")
     assert gathered == [], gathered
     assert counts == {**dict.fromkeys(ks.COLLECTIVES, 0), "all-reduce": reduces}, counts
+
+
+@needs8
+@pytest.mark.parametrize("glu", [None, "silu"])
+def test_sharded_jit_one_block_of_k(rng, glu):
+    """K = 32: x's K is one block (a size-1 block factor, which Shardy's rules cannot hold in a
+    compound dimension)."""
+    g, k, n, m = 8, 32, 64, 30
+    w_q = stacked_weight(rng, g, k, n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    sizes = jnp.asarray(random_sizes(rng, g, m))
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    for spec in (P("d", None, None), P(None, None, "d")):
+        with jax.set_mesh(mesh):
+            w_s = ks.shard_weight(w_q, mesh, spec)
+            f = lambda x, w, s: kj.ragged_dot(x, w, s, glu=glu)  # noqa: E731
+            y = jax.jit(f)(x, w_s, sizes)
+            _, gathered = compiled_collectives(f, x, w_s, sizes)
+        check(y, x, w_q, np.asarray(sizes), glu)
+        assert gathered == [], gathered
 
 
 @needs8

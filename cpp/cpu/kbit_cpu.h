@@ -53,6 +53,13 @@ void dequantize(const PackedWeight& w, FloatType out_type, void* out);
 void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, int32_t glu,
             void* y);
 
+// The fused product of `m` float32 rows x[m, K] with weight `batch` of w, at columns
+// [n_begin, n_end) (even, with glu), stored (rounded to y_type) into rows [y_row, y_row + m)
+// of y [*, N] (N / 2 with glu): matmul's work for one range of columns, which matmul and
+// ragged_dot split over threads.
+void matmul_rows(const float* x, int64_t m, const PackedWeight& w, int64_t batch, int32_t glu,
+                 FloatType y_type, void* y, int64_t y_row, int64_t n_begin, int64_t n_end);
+
 // The grouped (mixture-of-experts) product. x: [M, K], y: [M, N] (N / 2 with `glu`), no batch
 // axis; w's batch axis B is the G groups (experts) and group_sizes int32[G] the rows of each:
 // group g owns rows [start_g, start_{g+1}) of x, start_0 = 0 and start_{g+1} = min(M, start_g +

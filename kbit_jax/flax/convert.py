@@ -14,6 +14,7 @@ from flax import nnx
 from ..format import BLOCK, KbitWeight
 from ..ops import quantize
 from .layers import KbitLinear, _check_quant_config
+from .moe import KbitMoE, MoE
 
 __all__ = ["DEFAULT_EXCLUDE", "QuantizeReport", "default_filter", "quantize_model", "quantize_params"]
 
@@ -88,7 +89,8 @@ def _progress(iterable, total: int, enabled: bool, desc: str):
 
 
 def _linear_edges(root) -> list[tuple[tuple, Any, Any, Any]]:
-    """Every (path, parent, key, linear) edge to an nnx.Linear in graph order, shared layers at each path."""
+    """Every (path, parent, key, layer) edge to an nnx.Linear or a dense MoE block in graph order,
+    shared layers at each path."""
     from flax.nnx import graphlib
 
     edges, visited = [], set()
@@ -101,9 +103,9 @@ def _linear_edges(root) -> list[tuple[tuple, Any, Any, Any]]:
         if impl is None:
             return
         for key, child in impl.node_dict(node).items():
-            if isinstance(child, nnx.Linear):
+            if isinstance(child, (nnx.Linear, MoE)):
                 edges.append(((*path, key), node, key, child))
-            elif not isinstance(child, (nnx.Variable, KbitLinear)) and graphlib.is_node(child):
+            elif not isinstance(child, (nnx.Variable, KbitLinear, KbitMoE)) and graphlib.is_node(child):
                 visit((*path, key), child)
 
     visit((), root)
@@ -131,7 +133,9 @@ def _set_child(parent, key, value, path) -> None:
 
 def quantize_model(model, bits: int = 4, codebook: Any = "nf", filter: Callable | None = None,
                    progress: bool = True) -> QuantizeReport:
-    """Replace selected ``nnx.Linear`` layers of an NNX model by ``KbitLinear`` (in place).
+    """Replace selected ``nnx.Linear`` layers of an NNX model by ``KbitLinear`` and dense
+    mixture-of-experts blocks (`kbit_jax.flax.moe.MoE`) by ``KbitMoE`` (in place; a MoE's router
+    stays dense).
 
     Args:
       model: any NNX graph (a Module, or nnx.List/nnx.Dict of them).
@@ -156,7 +160,10 @@ def quantize_model(model, bits: int = 4, codebook: Any = "nf", filter: Callable 
     selected = []
     for edges in groups.values():
         path, _, _, linear = edges[0]
-        k = linear.kernel.shape[-2] if linear.kernel.ndim >= 2 else None
+        if isinstance(linear, MoE):   # its experts' K: the hidden size, and H for down
+            k = linear.hidden if linear.intermediate % BLOCK == 0 else linear.intermediate
+        else:
+            k = linear.kernel.shape[-2] if linear.kernel.ndim >= 2 else None
         if filter is None:
             if not default_filter(path, linear):
                 report.skipped.append((_path_str(path), "excluded by the default filter"))
@@ -173,9 +180,14 @@ def quantize_model(model, bits: int = 4, codebook: Any = "nf", filter: Callable 
     for edges in _progress(selected, len(selected), progress, "kbit quantize"):
         path, parent, key = edges[0]
         linear = _get_child(parent, key)
-        report.replaced_bytes_before += _nbytes(linear.kernel.get_value())
-        new = KbitLinear.from_linear(linear, bits=bits, codebook=codebook)
-        report.replaced_bytes_after += _nbytes(new.weight)
+        if isinstance(linear, MoE):
+            report.replaced_bytes_before += _nbytes(nnx.state(linear))
+            new = KbitMoE.from_dense(linear, bits=bits, codebook=codebook)
+            report.replaced_bytes_after += _nbytes(nnx.state(new))
+        else:
+            report.replaced_bytes_before += _nbytes(linear.kernel.get_value())
+            new = KbitLinear.from_linear(linear, bits=bits, codebook=codebook)
+            report.replaced_bytes_after += _nbytes(new.weight)
         for p, par, k in edges:
             _set_child(par, k, new, p)
         report.replaced.append(_path_str(path))

@@ -91,38 +91,67 @@ def _cuda_lowering(ctx, *args, layout, method, glu):
 
 
 # -- batching: every vmapped token set becomes groups of one flat grouped product ---------------
-def _batcher(args, dims, *, layout, method, glu):
-    """vmap over token sets (x and group_sizes) and/or stacked weights, as one kernel call.
+def _fold_token_sets(x, group_sizes, weights):
+    """Token sets ``x[V, M, K]`` with ``group_sizes[V, G]`` as one grouped product's operands.
 
-    Each set's rows get a key (set v, group g) -> ``v * G + g`` when the weights are mapped (one
-    stack of G experts per set) or ``g`` when they are shared; rows past their set's groups get
-    the largest key. Rows are stably sorted by key, multiplied as one grouped product whose
-    group sizes are the keys' counts, and put back in place."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-
-    def lead(a, d):
-        return jnp.broadcast_to(a[None], (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-
-    x, group_sizes = lead(args[0], dims[0]), lead(args[5], dims[5])        # [V, M, K], [V, G]
-    weight, weight_dims = args[1:5], dims[1:5]
+    Each set's rows get a key (set v, group g) -> ``v * G + g`` when ``weights`` (leaves with a
+    leading ``[V, G]``) give every set its own experts, or ``g`` when ``weights`` is None (shared
+    experts); rows past their set's groups get the largest key. Rows are stably sorted by key;
+    the group sizes are the keys' counts. Returns (rows [V * M, K], weight leaves folded to
+    ``[V * G, ...]`` or None, sizes, unfold) with ``unfold(y)`` putting the product's rows back
+    as ``[V, M, ...]``."""
     v, m, k = x.shape
     groups = group_sizes.shape[1]
-    mapped_weight = any(d is not None for d in weight_dims)
-    if mapped_weight:
-        weight = [lead(a, d) for a, d in zip(weight, weight_dims)]
-        weight = [a.reshape(size * groups, *a.shape[2:]) for a in weight]
+    if weights is not None:
+        weights = [a.reshape(v * groups, *a.shape[2:]) for a in weights]
     starts = jax.vmap(lambda s: reference.group_bounds(s, m))(group_sizes)  # [V, G + 1]
     rows = jnp.arange(m)
     group = jax.vmap(lambda s: jnp.searchsorted(s[1:], rows, side="right"))(starts)   # [V, M]
-    flat_groups = size * groups if mapped_weight else groups
-    offset = (jnp.arange(v) * groups)[:, None] if mapped_weight else 0
+    flat_groups = v * groups if weights is not None else groups
+    offset = (jnp.arange(v) * groups)[:, None] if weights is not None else 0
     key = jnp.where(group < groups, group + offset, flat_groups).reshape(-1)
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros((flat_groups,), jnp.int32).at[key].add(1, mode="drop")
-    y = ragged_dot_p.bind(x.reshape(v * m, k)[order], *weight, sizes, layout=layout, method=method,
-                          glu=glu)
-    y = jnp.zeros_like(y).at[order].set(y)
-    return y.reshape(v, m, y.shape[-1]), 0
+
+    def unfold(y):
+        return jnp.zeros_like(y).at[order].set(y).reshape(v, m, *y.shape[1:])
+
+    return x.reshape(v * m, k)[order], weights, sizes, unfold
+
+
+def _leading(a, d, size):
+    return jnp.broadcast_to(a[None], (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+
+
+def _batcher(args, dims, *, layout, method, glu):
+    """vmap over token sets (x and group_sizes) and/or stacked weights, as one kernel call
+    (`_fold_token_sets`)."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    weight = None
+    if any(d is not None for d in dims[1:5]):
+        weight = [_leading(a, d, size) for a, d in zip(args[1:5], dims[1:5])]
+    rows, folded, sizes, unfold = _fold_token_sets(_leading(args[0], dims[0], size),
+                                                   _leading(args[5], dims[5], size), weight)
+    y = ragged_dot_p.bind(rows, *(folded if folded is not None else args[1:5]), sizes,
+                          layout=layout, method=method, glu=glu)
+    return unfold(y), 0
+
+
+@jax.custom_batching.custom_vmap
+def _float_ragged_dot(lhs, rhs, group_sizes):
+    """XLA's ragged_dot in float32 at full precision (the x-gradient's product), with sizes
+    made valid (`_sanitized_sizes`); vmapped like ragged_dot_p (XLA's batches only some axes)."""
+    return jax.lax.ragged_dot(lhs, rhs, _sanitized_sizes(group_sizes, lhs.shape[0]),
+                              precision=jax.lax.Precision.HIGHEST)
+
+
+@_float_ragged_dot.def_vmap
+def _float_ragged_dot_vmap(axis_size, in_batched, lhs, rhs, group_sizes):
+    lhs_b, rhs_b, sizes_b = in_batched
+    lead = lambda a, b: a if b else jnp.broadcast_to(a[None], (axis_size, *a.shape))  # noqa: E731
+    rows, folded, sizes, unfold = _fold_token_sets(lead(lhs, lhs_b), lead(group_sizes, sizes_b),
+                                                   [rhs] if rhs_b else None)
+    return unfold(_float_ragged_dot(rows, folded[0] if rhs_b else rhs, sizes)), True
 
 
 # -- partitioning ----------------------------------------------------------------------------
@@ -133,13 +162,19 @@ SHARDING_RULE = FactorRule("m (k i), g k n j, g k n, g c, g, h -> m n", reductio
 GLU_SHARDING_RULE = FactorRule("m (k i), g k (n p) j, g k (n p), g c, g, h -> m n",
                                reduction=("k", "g"), replicated=("m", "i", "j", "c", "h"),
                                order=(1, 2, 0, 3, 4, 5), i=BLOCK, p=2)
-#: What the partitioner sees: the six operands and the experts' global ids (int32[G], sharded
-#: like the weights), so that each device finds the rows of its own experts.
-_PARTITION_RULE = FactorRule("m (k i), g k n j, g k n, g c, g, h, g -> m n", reduction=("k", "g"),
-                             replicated=("m", "i", "j", "c", "h"), order=(1, 2, 6, 0, 3, 4, 5), i=BLOCK)
-_GLU_PARTITION_RULE = FactorRule("m (k i), g k (n p) j, g k (n p), g c, g, h, g -> m n",
-                                 reduction=("k", "g"), replicated=("m", "i", "j", "c", "h"),
-                                 order=(1, 2, 6, 0, 3, 4, 5), i=BLOCK, p=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _partition_rule(glu: bool, one_block: bool) -> FactorRule:
+    """What the partitioner sees: the six operands and the experts' global ids (int32[G],
+    sharded like the weights), so that each device finds the rows of its own experts. With
+    K = 32 (one block) x's K is the plain factor ``i``: Shardy rejects a compound dimension
+    with a factor of size 1."""
+    n = "(n p)" if glu else "n"
+    x = "m i" if one_block else "m (k i)"
+    sizes = ({} if one_block else {"i": BLOCK}) | ({"p": 2} if glu else {})
+    return FactorRule(f"{x}, g k {n} j, g k {n}, g c, g, h, g -> m n", reduction=("k", "g"),
+                      replicated=("m", "i", "j", "c", "h"), order=(1, 2, 6, 0, 3, 4, 5), **sizes)
 
 
 def _sharding_rule(*, layout, method, glu):
@@ -164,7 +199,7 @@ def local_experts_product(kernel, x, planes, scales, codebook, tensor_scale, gro
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned_fn(params):
+def _partitioned_fn(params, one_block):
     kw = dict(params)
 
     def local(glu):
@@ -180,15 +215,15 @@ def _partitioned_fn(params):
         # A GLU does not commute with the sum over K's shards: the shards' products are summed
         # first and gated after.
         split = (local(None), lambda y: reference.apply_glu(y, glu))
-    rule = _PARTITION_RULE if glu is None else _GLU_PARTITION_RULE
-    return partitioned(local(glu), rule, multiple_results=False, split_at_reduction=split)
+    return partitioned(local(glu), _partition_rule(glu is not None, one_block), multiple_results=False,
+                       split_at_reduction=split)
 
 
 def _lowering(ctx, x, planes, scales, codebook, tensor_scale, group_sizes, **params):
     ctx = ctx.replace(avals_in=[strip_aval(a) for a in ctx.avals_in],
                       avals_out=[strip_aval(a) for a in ctx.avals_out])
     if needs_partitioning(ctx):
-        cp = _partitioned_fn(tuple(sorted(params.items())))
+        cp = _partitioned_fn(tuple(sorted(params.items())), ctx.avals_in[0].shape[1] == BLOCK)
         groups = ctx.avals_in[5].shape[0]
         fn = lambda *a: cp(*a, jnp.arange(groups, dtype=jnp.int32))  # noqa: E731
     else:
@@ -228,9 +263,7 @@ def _transpose(ct, x, planes, scales, codebook, tensor_scale, group_sizes, *, la
     if type(ct) is ad.Zero:
         return [ad.Zero(x_aval)] + [None] * 5
     w = dequantize_p.bind(planes, scales, codebook, tensor_scale, layout=layout, dtype=jnp.float32)
-    ct_x = jax.lax.ragged_dot(ct.astype(jnp.float32), jnp.swapaxes(w, 1, 2),
-                              _sanitized_sizes(group_sizes, x_aval.shape[0]),
-                              precision=jax.lax.Precision.HIGHEST)
+    ct_x = _float_ragged_dot(ct.astype(jnp.float32), jnp.swapaxes(w, 1, 2), group_sizes)
     # Inside shard_map an x that is invariant over a mesh axis the weight varies over was
     # implicitly broadcast (pvary) into the op; its cotangent is the sum over that axis.
     extra = _varying_axes(jax.typeof(ct_x)) - _varying_axes(x_aval)
