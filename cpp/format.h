@@ -81,6 +81,18 @@ KBIT_HD uint32_t nearest_code(float r, const float* codebook, int entries) {
 // Reciprocal-then-multiply rather than w / absmax because XLA rewrites a division by a
 // broadcast divisor into exactly this form, and the reference must agree bit for bit (true
 // division differs by an ulp in ~25% of elements and flips about one code in a million).
-KBIT_HD float normalized(float w, float absmax) { return absmax > 0.f ? w * (1.0f / absmax) : 0.f; }
+// From absmax = 2^126 on, 1 / absmax is subnormal, which flush-to-zero float modes (XLA's CPU
+// threads) turn into 0: such blocks are first scaled by 2^-64 (exact), keeping the reciprocal
+// normal. Every other block takes the unscaled path, so its codes do not depend on this.
+constexpr float kLargeAbsmax = 0x1p126f;
+constexpr float kLargeAbsmaxPrescale = 0x1p-64f;
+KBIT_HD float normalized(float w, float absmax) {
+  if (!(absmax > 0.f)) return 0.f;
+  if (absmax >= kLargeAbsmax) {
+    w *= kLargeAbsmaxPrescale;
+    absmax *= kLargeAbsmaxPrescale;
+  }
+  return w * (1.0f / absmax);
+}
 
 }  // namespace kbit

@@ -81,7 +81,7 @@ void quantize(const void* w, FloatType w_type, const float* codebook, const floa
               const WeightShape& shape, uint32_t* planes, uint8_t* scales) {
   const int entries = 1 << shape.bits;
   // nearest_code scans the codebook: about `entries` operations per element.
-  const int64_t work = shape.batch * shape.k * shape.n * entries;
+  const int64_t work = saturating_product({shape.batch, shape.k, shape.n, entries});
   const int threads = thread_count(work, (shape.n + kTileN - 1) / kTileN);
   parallel_ranges(shape.n, kTileN, threads, [&](int64_t n_begin, int64_t n_end) {
     dispatch_bits(shape.bits, [&](auto bits) {

@@ -6,12 +6,12 @@
 - ``checkpoint``: Orbax ``save_checkpoint`` / ``restore_checkpoint``.
 """
 
-from .checkpoint import restore_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from .convert import DEFAULT_EXCLUDE, QuantizeReport, default_filter, quantize_model, quantize_params
 from .layers import KbitDense, KbitLinear, QuantizedWeight, leaf_sharding
 
 __all__ = [
-    "DEFAULT_EXCLUDE", "KbitDense", "KbitLinear", "QuantizeReport", "QuantizedWeight",
+    "CheckpointError", "DEFAULT_EXCLUDE", "KbitDense", "KbitLinear", "QuantizeReport", "QuantizedWeight",
     "default_filter", "leaf_sharding", "quantize_model", "quantize_params", "restore_checkpoint",
     "save_checkpoint",
 ]
