@@ -66,6 +66,16 @@ KBIT_HD uint32_t encode_e4m4(float v) {
   return code;
 }
 
+// A block's scale byte: encode_e4m4(absmax / tensor_scale), one code lower where rounding up
+// would make the block's scale, decode_e4m4(byte) * tensor_scale, overflow float32 (absmax within
+// 2^-5 of float32's largest value; the lower code is then within 2^-5 of absmax too).
+constexpr float kFloatMax = 3.40282346638528859812e+38f;
+KBIT_HD uint32_t block_scale_byte(float absmax, float tensor_scale) {
+  uint32_t byte = encode_e4m4(absmax / tensor_scale);
+  if (byte > 0u && decode_e4m4(byte) * tensor_scale > kFloatMax) --byte;
+  return byte;
+}
+
 // Index of the codebook entry nearest to r; ties go to the lower index.
 KBIT_HD uint32_t nearest_code(float r, const float* codebook, int entries) {
   uint32_t best = 0;

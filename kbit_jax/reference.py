@@ -38,6 +38,14 @@ def tensor_scale(w: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(amax), scale, jnp.nan).astype(jnp.float32)
 
 
+def block_scale_byte(absmax, tensor_scale):
+    """encode_e4m4(absmax / tensor_scale), one code lower where rounding up would overflow the
+    block's scale decode * tensor_scale in float32 (cpp/format.h `block_scale_byte`)."""
+    scales = encode_e4m4(absmax / tensor_scale)
+    overflows = (scales > 0) & jnp.isinf(decode_e4m4(scales) * tensor_scale)
+    return jnp.where(overflows, scales - 1, scales).astype(jnp.uint8)
+
+
 def _cells(w: jax.Array) -> jax.Array:
     """[..., K, N] -> [..., K/32, N, 32]: the 32 elements of each cell on the last axis."""
     *batch, k, n = w.shape
@@ -53,7 +61,7 @@ def quantize_codes(w, codebook, tensor_scale):
     """-> (codes int32[..., K/32, N, 32], scales uint8[..., K/32, N])."""
     cells = _cells(w.astype(jnp.float32))
     absmax = jnp.max(jnp.abs(cells), axis=-1)
-    scales = encode_e4m4(absmax / tensor_scale[..., None, None])
+    scales = block_scale_byte(absmax, tensor_scale[..., None, None])
     # w * (1 / absmax), written out: XLA would turn a division by the broadcast absmax into
     # this anyway, and cpp/format.h `normalized` does the same, so the codes agree exactly.
     # Blocks with absmax >= 2^126 are scaled by 2^-64 first so that 1 / absmax stays normal.

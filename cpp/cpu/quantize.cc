@@ -68,7 +68,7 @@ void quantize_columns(const void* w, FloatType w_type, const float* codebook, fl
       for (int64_t c = 0; c < width; ++c) {
         for (int j = 0; j < kBlockSize; ++j) codes[j] = codes_by_row[j][c];
         const int64_t cell = (batch * blocks + kb) * s.n + n0 + c;
-        scales[cell] = uint8_t(encode_e4m4(absmax[c] / tensor_scale));
+        scales[cell] = uint8_t(block_scale_byte(absmax[c], tensor_scale));
         pack_cell<kBits>(codes, s.layout, planes + cell * kBits);
       }
     }
