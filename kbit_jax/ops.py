@@ -7,6 +7,7 @@ expected and what was given. Weights are `KbitWeight` pytrees (see `kbit_jax.for
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,15 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+class ScaleUnderflowWarning(UserWarning):
+    """``quantize`` stored some nonzero blocks as zeros: their absmax is more than E4M4's range
+    (about 2^20) below the matrix's largest (docs/errors.md, "Range"). ``count`` says how many."""
+
+    def __init__(self, message: str, count: int):
+        super().__init__(message)
+        self.count = count
+
+
 def _check_float(name: str, x, *, allow_float64: bool = False):
     dtype = jnp.dtype(x.dtype)
     if dtype in FLOAT_DTYPES or (allow_float64 and dtype == jnp.float64):
@@ -35,9 +45,32 @@ def _check_float(name: str, x, *, allow_float64: bool = False):
     raise TypeError(f"{name} must have dtype {allowed}; got {dtype}")
 
 
+#: The most elements any array of a call may have: XLA indexes buffers by int64 bytes and aborts
+#: the process on a larger static shape, and the reference lowering's widest intermediate holds
+#: 2^5 float32 per weight element, so 2^56 leaves that room.
+MAX_ELEMENTS = 1 << 56
+
+
+def _check_size(name: str, shape) -> None:
+    """Raise ValueError if an array of ``shape`` is larger than kbit_jax (and XLA) can index."""
+    count = math.prod(int(d) for d in shape)
+    if count > MAX_ELEMENTS:
+        raise ValueError(f"{name} of shape {tuple(shape)} has {count} elements, more than the "
+                         f"2^56 = {MAX_ELEMENTS} an array may have")
+
+
+def _check_leaf(name: str, leaf) -> None:
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.core.Tracer)):
+        return
+    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray), got "
+                    f"{type(leaf).__name__} {leaf!r:.60}")
+
+
 def _check_weight(w_q) -> KbitWeight:
     if not isinstance(w_q, KbitWeight):
         raise TypeError(f"w_q must be a KbitWeight (from kbit_jax.quantize), got {type(w_q).__name__}")
+    for name in ("planes", "scales", "codebook", "tensor_scale"):
+        _check_leaf(f"w_q.{name}", getattr(w_q, name))
     planes, scales, codebook, tensor_scale = w_q.planes, w_q.scales, w_q.codebook, w_q.tensor_scale
     if planes.ndim < 3:
         raise ValueError(f"w_q.planes must have shape [..., K/32, N, bits], got {planes.shape}")
@@ -54,7 +87,24 @@ def _check_weight(w_q) -> KbitWeight:
             raise ValueError(f"w_q.{name} must be {jnp.dtype(dtype).name}{list(shape)}, "
                              f"got {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}")
     check_layout(w_q.layout)
+    _check_size("the dense weight w_q", w_q.shape)
     return w_q
+
+
+def _check_codebook_dtype(codebook) -> None:
+    """Complex and boolean codebooks would be silently cast (imaginary part dropped, bool to
+    0/1): reject them, and anything else that is not real numbers."""
+    if isinstance(codebook, str):
+        return
+    dtype = getattr(codebook, "dtype", None)
+    if dtype is None:
+        try:
+            dtype = np.asarray(codebook).dtype
+        except Exception:  # ragged or otherwise not an array: get_codebook says so
+            return
+    if np.dtype(dtype).kind not in "fiu":
+        raise TypeError(f"codebook must be a name or an array of real numbers (float or int), got "
+                        f"dtype {np.dtype(dtype).name}")
 
 
 def _flat_weight(w_q: KbitWeight):
@@ -77,12 +127,15 @@ def quantize(w, bits: int = 4, codebook="nf", *, layout: str = "fragment") -> Kb
         an array of 2**bits finite floats (any order; duplicates allowed).
       layout: "fragment" (default; what the CUDA GEMM reads) or "planes" (canonical).
 
-    Non-finite values raise ValueError when ``w`` is concrete. Under ``jit`` they cannot be
+    When ``w`` is concrete, a ``ScaleUnderflowWarning`` says how many nonzero blocks were
+    stored as zeros because they lie more than E4M4's range below the matrix's largest block
+    (docs/errors.md, "Range"). Non-finite values raise ValueError when ``w`` is concrete. Under ``jit`` they cannot be
     checked: the matrix's tensor_scale becomes NaN, so everything dequantized or multiplied
     from it is NaN (never silently finite); its codes and scales are unspecified.
     """
     bits = _codebooks.check_bits(bits)
     check_layout(layout)
+    _check_codebook_dtype(codebook)
     if isinstance(codebook, jax.core.Tracer):
         if codebook.shape != (1 << bits,):
             raise ValueError(f"codebook for bits={bits} must have shape ({1 << bits},), got {codebook.shape}")
@@ -90,7 +143,10 @@ def quantize(w, bits: int = 4, codebook="nf", *, layout: str = "fragment") -> Kb
     else:
         cb = jnp.asarray(_codebooks.get_codebook(codebook, bits))
     if not hasattr(w, "dtype"):
-        w = np.asarray(w)
+        try:
+            w = np.asarray(w)
+        except Exception as e:
+            raise TypeError(f"w must be an array of floats, got {type(w).__name__}") from e
     _check_float("w", w, allow_float64=True)
     if jnp.dtype(w.dtype) == jnp.float64:
         w = jnp.asarray(w, jnp.float32)
@@ -102,22 +158,36 @@ def quantize(w, bits: int = 4, codebook="nf", *, layout: str = "fragment") -> Kb
         raise ValueError(f"w.shape[-2] (K) must be a positive multiple of {BLOCK}, got {k} (w.shape={w.shape})")
     if n == 0:
         raise ValueError(f"w.shape[-1] (N) must be positive, got w.shape={w.shape}")
+    _check_size("w", w.shape)
     if _is_concrete(w) and not bool(jnp.all(jnp.isfinite(w))):
         raise ValueError("w contains NaN or infinite values; they cannot be quantized")
     ts = reference.tensor_scale(w)
     b = math.prod(batch)
     planes, scales = quantize_p.bind(
         _reshape(w, (b, k, n)), jnp.broadcast_to(cb, (b, cb.shape[-1])), _reshape(ts, (b,)), layout=layout)
-    return KbitWeight(_reshape(planes, (*batch, k // BLOCK, n, bits)), _reshape(scales, (*batch, k // BLOCK, n)),
-                      jnp.broadcast_to(cb, (*batch, cb.shape[-1])), ts, layout=layout)
+    w_q = KbitWeight(_reshape(planes, (*batch, k // BLOCK, n, bits)), _reshape(scales, (*batch, k // BLOCK, n)),
+                     jnp.broadcast_to(cb, (*batch, cb.shape[-1])), ts, layout=layout)
+    if _is_concrete(w):
+        count = int(reference.underflowed_blocks(w, w_q.scales))
+        if count:
+            warnings.warn(ScaleUnderflowWarning(
+                f"quantize: {count} of {w_q.scales.size} blocks of w (shape {w.shape}) are nonzero but "
+                f"more than E4M4's range (about 2^20) below the largest block of their matrix, and "
+                f"are stored as zeros", count), stacklevel=2)
+    return w_q
 
 
 def dequantize(w_q: KbitWeight, dtype=jnp.float32) -> jax.Array:
     """The dense weight ``[..., K, N]`` in ``dtype`` (float32 is exact)."""
     _check_weight(w_q)
-    dtype = jnp.dtype(dtype)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be one of {[d.name for d in FLOAT_DTYPES]}, got {dtype}")
+    try:
+        resolved = None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in FLOAT_DTYPES:
+        got = resolved.name if resolved is not None else repr(dtype)
+        raise TypeError(f"dtype must be one of {[d.name for d in FLOAT_DTYPES]}, got {got}")
+    dtype = resolved
     w = dequantize_p.bind(*_flat_weight(w_q), layout=w_q.layout, dtype=dtype)
     return _reshape(w, w_q.shape)
 
@@ -170,6 +240,8 @@ def matmul(x, w_q: KbitWeight, *, method: str = "auto", glu: str | None = None) 
         raise ValueError(f"x's leading axes {x.shape[:len(batch)]} must match the weight's batch "
                          f"shape {batch} (x.shape={x.shape})")
     rows = x.shape[len(batch):-1]
+    _check_size("x", x.shape)
+    _check_size("the result x @ w_q", (*batch, *rows, n))
     b, m = math.prod(batch), math.prod(rows)
     y = matmul_p.bind(_reshape(x, (b, m, k)), *_flat_weight(w_q), layout=w_q.layout, method=method, glu=glu)
     return _reshape(y, (*batch, *rows, n // 2 if glu else n))

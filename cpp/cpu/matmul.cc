@@ -187,7 +187,7 @@ void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, i
     x_f32 = x_converted.data();
   }
   // Per weight element: one decode plus one multiply-add per x row.
-  const int64_t work = s.batch * s.k * s.n * (m + 4);
+  const int64_t work = saturating_product({s.batch, s.k, s.n, m + 4});
   const int threads = thread_count(work, (s.n + kTileN - 1) / kTileN);
   parallel_ranges(s.n, kTileN, threads, [&](int64_t n_begin, int64_t n_end) {
     for (int64_t b = 0; b < s.batch; ++b)

@@ -45,17 +45,39 @@ inline std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
   return out.str();
 }
 
+// NumPy's name for a dtype (what a JAX user writes), not XLA's ("S32", "F64").
 inline std::string dtype_string(ffi::DataType dtype) {
   switch (dtype) {
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::U32: return "uint32";
-    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S2: return "int2";
+    case ffi::DataType::S4: return "int4";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
     case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U2: return "uint2";
+    case ffi::DataType::U4: return "uint4";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::C64: return "complex64";
+    case ffi::DataType::C128: return "complex128";
+    case ffi::DataType::TOKEN: return "token";
+    case ffi::DataType::F8E5M2: return "float8_e5m2";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::F8E4M3: return "float8_e4m3";
+    case ffi::DataType::F8E3M4: return "float8_e3m4";
+    case ffi::DataType::F8E4M3B11FNUZ: return "float8_e4m3b11fnuz";
+    case ffi::DataType::F8E5M2FNUZ: return "float8_e5m2fnuz";
+    case ffi::DataType::F8E4M3FNUZ: return "float8_e4m3fnuz";
     default: {
       std::ostringstream out;
-      out << dtype;
+      out << "XLA type " << dtype;
       return out.str();
     }
   }

@@ -7,13 +7,14 @@
 - ``moe``: ``MoE`` (dense NNX mixture-of-experts block) and ``KbitMoE`` (k-bit experts).
 """
 
-from .checkpoint import restore_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from .convert import DEFAULT_EXCLUDE, QuantizeReport, default_filter, quantize_model, quantize_params
 from .layers import KbitDense, KbitLinear, QuantizedWeight, leaf_sharding
 from .moe import KbitMoE, MoE
 
 __all__ = [
-    "DEFAULT_EXCLUDE", "KbitDense", "KbitLinear", "KbitMoE", "MoE", "QuantizeReport", "QuantizedWeight",
+    "CheckpointError", "DEFAULT_EXCLUDE", "KbitDense", "KbitLinear", "KbitMoE", "MoE", "QuantizeReport",
+    "QuantizedWeight",
     "default_filter", "leaf_sharding", "quantize_model", "quantize_params", "restore_checkpoint",
     "save_checkpoint",
 ]

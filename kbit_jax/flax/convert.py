@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -12,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from ..format import BLOCK, KbitWeight
-from ..ops import quantize
+from ..ops import ScaleUnderflowWarning, quantize
 from .layers import KbitLinear, _check_quant_config
 from .moe import KbitMoE, MoE
 
@@ -54,7 +56,10 @@ class QuantizeReport:
 
     ``replaced``: paths ("layers/0/attn/qkv_proj") converted; ``skipped``: (path, reason) for
     linear layers left dense; ``bytes_before``/``bytes_after``: the whole model's state;
-    ``replaced_bytes_before``/``replaced_bytes_after``: the converted kernels only.
+    ``replaced_bytes_before``/``replaced_bytes_after``: the converted kernels only;
+    ``underflowed_blocks``: nonzero 32-element blocks stored as zeros because they lie more
+    than E4M4's range below their matrix's largest block (docs/errors.md, "Range"), with
+    ``underflowed``: (path, count) per layer that has any.
     """
 
     bits: int
@@ -65,6 +70,8 @@ class QuantizeReport:
     bytes_after: int = 0
     replaced_bytes_before: int = 0
     replaced_bytes_after: int = 0
+    underflowed_blocks: int = 0
+    underflowed: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
     @property
     def compression(self) -> float:
@@ -75,7 +82,36 @@ class QuantizeReport:
         return (f"kbit {self.bits}-bit ({codebook}): replaced {len(self.replaced)} layers, "
                 f"left {len(self.skipped)} dense; model {_fmt_bytes(self.bytes_before)} -> "
                 f"{_fmt_bytes(self.bytes_after)} ({self.compression:.2f}x); converted kernels "
-                f"{_fmt_bytes(self.replaced_bytes_before)} -> {_fmt_bytes(self.replaced_bytes_after)}")
+                f"{_fmt_bytes(self.replaced_bytes_before)} -> {_fmt_bytes(self.replaced_bytes_after)}"
+                + (f"; {self.underflowed_blocks} nonzero blocks in {len(self.underflowed)} layers "
+                   f"underflowed to zero" if self.underflowed_blocks else ""))
+
+    def _count_underflow(self, path: str, counts: list[int]) -> None:
+        if sum(counts):
+            self.underflowed.append((path, sum(counts)))
+            self.underflowed_blocks += sum(counts)
+
+    def _warn_underflow(self) -> None:
+        if self.underflowed_blocks:
+            worst = ", ".join(f"{p} ({c})" for p, c in sorted(self.underflowed, key=lambda pc: -pc[1])[:3])
+            warnings.warn(ScaleUnderflowWarning(
+                f"{self.underflowed_blocks} nonzero blocks in {len(self.underflowed)} layers are stored "
+                f"as zeros (more than E4M4's range below their matrix's largest block); most in "
+                f"{worst}. See QuantizeReport.underflowed", self.underflowed_blocks), stacklevel=3)
+
+
+@contextlib.contextmanager
+def _underflow_counts():
+    """Collects the counts of the ScaleUnderflowWarnings raised inside (instead of showing them)."""
+    counts: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ScaleUnderflowWarning)
+        yield counts
+    for w in caught:
+        if issubclass(w.category, ScaleUnderflowWarning):
+            counts.append(w.message.count)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _progress(iterable, total: int, enabled: bool, desc: str):
@@ -180,19 +216,22 @@ def quantize_model(model, bits: int = 4, codebook: Any = "nf", filter: Callable 
     for edges in _progress(selected, len(selected), progress, "kbit quantize"):
         path, parent, key = edges[0]
         linear = _get_child(parent, key)
-        if isinstance(linear, MoE):
-            report.replaced_bytes_before += _nbytes(nnx.state(linear))
-            new = KbitMoE.from_dense(linear, bits=bits, codebook=codebook)
-            report.replaced_bytes_after += _nbytes(nnx.state(new))
-        else:
-            report.replaced_bytes_before += _nbytes(linear.kernel.get_value())
-            new = KbitLinear.from_linear(linear, bits=bits, codebook=codebook)
-            report.replaced_bytes_after += _nbytes(new.weight)
+        with _underflow_counts() as counts:
+            if isinstance(linear, MoE):
+                report.replaced_bytes_before += _nbytes(nnx.state(linear))
+                new = KbitMoE.from_dense(linear, bits=bits, codebook=codebook)
+                report.replaced_bytes_after += _nbytes(nnx.state(new))
+            else:
+                report.replaced_bytes_before += _nbytes(linear.kernel.get_value())
+                new = KbitLinear.from_linear(linear, bits=bits, codebook=codebook)
+                report.replaced_bytes_after += _nbytes(new.weight)
+        report._count_underflow(_path_str(path), counts)
         for p, par, k in edges:
             _set_child(par, k, new, p)
         report.replaced.append(_path_str(path))
         del linear, new
     report.bytes_after = _nbytes(nnx.state(model))
+    report._warn_underflow()
     return report
 
 
@@ -231,11 +270,14 @@ def quantize_params(params, bits: int = 4, codebook: Any = "nf", filter: Callabl
             if leaf.ndim < 2 or leaf.shape[-2] % BLOCK:
                 raise ValueError(f"cannot quantize params {'/'.join(path_s)} of shape {leaf.shape}: "
                                  f"need [..., K, N] with K a multiple of {BLOCK}")
-            flat[path] = quantize(leaf, bits, codebook)
+            with _underflow_counts() as counts:
+                flat[path] = quantize(leaf, bits, codebook)
+            report._count_underflow("/".join(path_s), counts)
             report.replaced.append("/".join(path_s))
             report.replaced_bytes_before += _nbytes(leaf)
             report.replaced_bytes_after += _nbytes(flat[path])
     report.bytes_after = _nbytes(flat)
+    report._warn_underflow()
     out = traverse_util.unflatten_dict(flat)
     out = FrozenDict(out) if frozen else out
     return (out, report) if with_report else out

@@ -43,6 +43,9 @@ from ..reference import apply_glu
 __all__ = ["KbitDense", "KbitLinear", "QuantizedWeight", "leaf_sharding"]
 
 _LEAVES = ("planes", "scales", "codebook", "tensor_scale")
+#: Metadata key on a ``planes`` QuantizedWeight naming its weight's layout, so that the layout
+#: travels with ``nnx.state`` (checkpoints compare it with the target's on restore).
+LAYOUT_METADATA_KEY = "kbit_layout"
 _SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -96,7 +99,7 @@ def _split_kernel_metadata(metadata: Mapping[str, Any]) -> tuple[tuple | None, d
         if key in metadata:
             value = metadata.pop(key)
             names = tuple(value) if value is not None else names
-    for key in ("hijax", "ref"):  # per-Variable settings flax fills in; let it choose again
+    for key in ("hijax", "ref", LAYOUT_METADATA_KEY):  # per-Variable settings set again per leaf
         metadata.pop(key, None)
     return names, metadata
 
@@ -175,6 +178,8 @@ class KbitLinear(nnx.Module):
             leaf_meta = dict(meta)
             if shardings[name] is not None:
                 leaf_meta["out_sharding"] = shardings[name]
+            if name == "planes":
+                leaf_meta[LAYOUT_METADATA_KEY] = _weight.layout
             leaves[name] = QuantizedWeight(getattr(_weight, name), **leaf_meta)
         self.kernel = nnx.data(KbitWeight(**leaves, layout=_weight.layout))
         if use_bias:

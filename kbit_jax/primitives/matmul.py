@@ -19,7 +19,8 @@ from jax.interpreters import ad, batching, mlir
 from .. import _ext, reference
 from ..format import BLOCK
 from ..sharding import FactorRule
-from ._common import _varying_axes, define, fold_batch_into_leading_axis, layout_attr, out_aval
+from ._common import (_varying_axes, define, fold_batch_into_leading_axis, layout_attr, out_aval,
+                      weight_tangent, zero_tangent)
 from .dequantize import dequantize_kernel_p, dequantize_p
 
 matmul_p = Primitive("kbit_matmul")
@@ -183,19 +184,31 @@ matmul_kernel_p = define(matmul_p, abstract_eval=_abstract_eval, reference=_refe
                          rule=_sharding_rule, split_at_reduction=_split_at_reduction)
 
 
-# -- differentiation: y is linear in x; the quantized weight is a constant -------------------
+# -- differentiation ---------------------------------------------------------------------------
+# y is linear in x and, for fixed codes and scales, in the codebook and tensor_scale
+# (`_common.weight_tangent`); codes and scales are integers, with float0 zero tangents.
 def _jvp(primals, tangents, *, layout, method, glu):
-    x, *weight = primals
-    tx = tangents[0]
-    if type(tx) is ad.Zero:
+    x, planes, scales, codebook, tensor_scale = primals
+    tx, _, _, t_codebook, t_tensor_scale = tangents
+    weight = (planes, scales, codebook, tensor_scale)
+    dw = weight_tangent(*weight, t_codebook, t_tensor_scale, layout=layout)
+    if type(tx) is ad.Zero and dw is None:
         y = matmul_p.bind(x, *weight, layout=layout, method=method, glu=glu)
-        return y, ad.Zero.from_primal_value(y)
+        return y, zero_tangent(y)
     plain = lambda a: matmul_p.bind(a, *weight, layout=layout, method=method, glu=None)  # noqa: E731
+    y_plain = plain(x)
+    t_plain = None
+    if type(tx) is not ad.Zero:
+        t_plain = plain(tx)
+    if dw is not None:
+        t_w = jnp.einsum("bmk,bkn->bmn", x.astype(jnp.float32), dw,
+                         precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        t_plain = t_w if t_plain is None else t_plain + t_w
     if glu is None:
-        return plain(x), plain(tx)
+        return y_plain, t_plain
     # A GLU gates the two halves of the linear product: JAX differentiates the gate; the
-    # product and its tangent (linear in tx) run without it.
-    return jax.jvp(lambda y: reference.apply_glu(y, glu), (plain(x),), (plain(tx),))
+    # product and its tangent run without it.
+    return jax.jvp(lambda y: reference.apply_glu(y, glu), (y_plain,), (t_plain,))
 
 
 def _transpose(ct, x, planes, scales, codebook, tensor_scale, *, layout, method, glu):
