@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import codebooks as _codebooks
-from .format import BLOCK, E4M4_VALUES, KbitWeight, encode_e4m4
+from .format import BLOCK, E4M4_VALUES, KbitWeight
 from .ops import _check_weight, convert_layout
+from .reference import block_scale_byte as _block_scale_byte
 from .reference import tensor_scale as _tensor_scale
 
 
@@ -52,7 +53,7 @@ def from_bitsandbytes(packed, absmax, codebook, shape, *, layout: str = "fragmen
     elif np.issubdtype(absmax.dtype, np.floating):
         # tensor_scale over the absmax values equals tensor_scale over the weight itself.
         ts = np.asarray(_tensor_scale(jnp.asarray(absmax, jnp.float32)))
-        scales = np.asarray(encode_e4m4(jnp.asarray(absmax, jnp.float32) / ts))
+        scales = np.asarray(_block_scale_byte(jnp.asarray(absmax, jnp.float32), ts))
     else:
         raise TypeError(f"absmax must be uint8 (E4M4) or float32, got {absmax.dtype}")
     w_q = KbitWeight(jnp.asarray(np.ascontiguousarray(planes)), jnp.asarray(np.ascontiguousarray(scales)),
