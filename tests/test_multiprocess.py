@@ -101,6 +101,7 @@ def worker(process_id: int, port: int, seed: int) -> dict:
     result = {
         "process_index": jax.process_index(), "process_count": jax.process_count(),
         "devices": jax.device_count(), "local_devices": jax.local_device_count(),
+        "mesh_device_processes": [d.process_index for d in mesh.devices.flat],
         "h": np.asarray(h_all).tolist(), "y": np.asarray(y).tolist(),
         "y_replicated": y.is_fully_replicated, "mlp_collectives": collectives,
         "w_down_blocks_read": sorted(blocks_read),
@@ -181,6 +182,9 @@ def test_two_processes_equal_single_device(rng):
     for i, r in enumerate(results):
         assert (r["process_index"], r["process_count"]) == (i, NUM_PROCESSES)
         assert (r["devices"], r["local_devices"]) == (NUM_PROCESSES * LOCAL_DEVICES, LOCAL_DEVICES)
+        # jax.make_mesh lays the devices out process by process: a mesh (processes, local)
+        # keeps its last axis inside one process (docs/distributed.md relies on it).
+        assert r["mesh_device_processes"] == sorted(list(range(NUM_PROCESSES)) * LOCAL_DEVICES)
         # Weights stay where they were placed: one all-reduce, nothing gathered.
         assert r["mlp_collectives"]["all-reduce"] == 1 and r["mlp_collectives"]["all-gather"] == 0
         # This process read only the K blocks of its own 4 shards (of 8, K/32 = 16 blocks).
