@@ -384,7 +384,7 @@ def start_worker(args, config: str, weights: str, tp: int, modes: dict, xla_flag
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=ROOT)
-    return {"proc": proc, "out": out, "err": err, "gpus": gpus,
+    return {"proc": proc, "out": out, "err": err, "gpus": gpus, "start": time.perf_counter(),
             "row": {"config": config, "weights": weights, "tp": tp, **modes, "xla_flags": xla_flags}}
 
 
@@ -397,13 +397,18 @@ def finish_worker(worker: dict) -> list[dict]:
     stdout, stderr = out.read(), err.read()
     out.close(), err.close()
     sys.stderr.write(stderr)      # the worker's progress and any crash report
+    wall = time.perf_counter() - worker["start"]
+    row = worker["row"]
+    print(f"worker {row['config']} {row['weights']} tp {row['tp']}"
+          + (f" on GPUs {','.join(worker['gpus'])}" if worker["gpus"] else "")
+          + f": exit {proc.returncode} after {wall:.0f} s", file=sys.stderr, flush=True)
     lines = [l[len(RESULT):] for l in stdout.splitlines() if l.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         # Keep the end of the worker's stderr in the results: a crash (an XLA check failure
         # aborts the process) must be diagnosable from the JSON alone.
         return [{**worker["row"], "status": f"failed (exit {proc.returncode}); stderr_tail in the JSON",
-                 "stderr_tail": stderr[-4000:]}]
-    return json.loads(lines[-1])
+                 "stderr_tail": stderr[-4000:], "worker_s": wall}]
+    return [{**r, "worker_s": wall} for r in json.loads(lines[-1])]
 
 
 def run_subprocess(args, config: str, weights: str, tp: int, modes: dict, xla_flags: str = "") -> list[dict]:
@@ -580,6 +585,7 @@ def main(argv=None):
     if args.worker:
         print(RESULT + json.dumps(run_worker(args)), flush=True)
         return
+    start = time.perf_counter()
     env = environment()
     print(json.dumps(env), file=sys.stderr)
     rows, jobs = [], []
@@ -601,6 +607,8 @@ def main(argv=None):
     else:
         for job in jobs:
             rows += run_subprocess(args, *job)
+    env["wall_s"] = time.perf_counter() - start
+    print(f"{len(jobs)} workers, {env['wall_s']:.0f} s in all", file=sys.stderr, flush=True)
     md = to_markdown(env, args, rows)
     print(md)
     if args.out:
