@@ -119,6 +119,10 @@ def run_worker(args) -> list[dict]:
 
     if args.compile_cache:     # XLA's persistent cache: a program compiled before loads from disk
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        # The kbit primitives' partitioning callbacks (custom_partitioning) are looked up by a
+        # per-process pointer in the program; it only matters while partitioning, so it must
+        # not make every process's key different.
+        jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
     cfg = llama.CONFIGS[args.config]
     bits = None if args.weights == "bf16" else int(args.weights)
     tp = args.tp
