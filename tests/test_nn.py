@@ -14,7 +14,7 @@ import kbit_jax as kj
 from kbit_jax import nn as knn
 from kbit_jax.examples import llama
 
-#: SQNR (dB) of the NF codebook with E4M4 scales on Gaussian weights (DESIGN.md §1).
+#: SQNR (dB) of the NF codebook with E4M4 scales on Gaussian weights (docs/format.md).
 SQNR_DB = {2: 7.42, 3: 14.99, 4: 21.09, 5: 25.95}
 
 

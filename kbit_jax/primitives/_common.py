@@ -25,7 +25,7 @@ def out_aval(shape, dtype, avals_in: Sequence) -> jax.core.ShapedArray:
 
     Inside ``shard_map`` a plain ``ShapedArray`` would drop that information: gradients
     would then come out wrong by the mesh size and some out_specs would silently return one
-    device's data (DESIGN.md §4). So the result is derived from the most-varying input.
+    device's data (docs/design/jax_integration.md). So the result is derived from the most-varying input.
     """
     vma = frozenset().union(*map(_varying_axes, avals_in))
     if not vma:

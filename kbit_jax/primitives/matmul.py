@@ -26,7 +26,7 @@ matmul_p = Primitive("kbit_matmul")
 METHODS = ("auto", "fused", "dequantize")
 
 #: On CUDA, "auto" uses the fused kernel up to this many rows (M) and dequantize + dense dot
-#: above it. Measured on an H200 (bits 4, ten shapes; benchmarks/results/kernel_rows_h200.md):
+#: above it. Measured on an H200 (bits 4, ten shapes):
 #: above 16 rows the warp-specialized kernel runs (it needs N % 16 == 0), in blocks of 16 rows
 #: or, where its launcher expects that to be faster, in N-split blocks of 32 or 64 rows that
 #: decode each weight once per block. At M = 128 those take 0.65-0.75x the time of dequantize +
@@ -66,8 +66,8 @@ def wgmma_rows(n: int = 0, bits: int = 0, k: int = 0) -> tuple[int, int]:
 #: above, its plain product is gated by XLA (one elementwise fusion; "fused" keeps the gate in the
 #: kernel at any M), except in the wgmma kernel (`wgmma_rows`), whose epilogue gates. In the other
 #: kernels the gate runs on the warp that ends each work item while it holds its ring stages, and
-#: its work grows with the item's rows. Measured on an H200 (bits 4, `bench_matmul.py --glu silu`;
-#: benchmarks/results/matmul_glu_h200_s21.md), fused gate against kernel + XLA gate: at M = 1
+#: its work grows with the item's rows. Measured on an H200 (bits 4, `bench_matmul.py --glu silu`),
+#: fused gate against kernel + XLA gate: at M = 1
 #: 0.6-5.3 us less on the Qwen3, GLM-4.7 and Llama-3 gate/up shapes; at M = 4 and 8 less on the
 #: small shapes but 3.5-4.2 us more on Llama-3-70B's (8192 x 28672: 49.5 against 46.0 us at M = 4);
 #: at M = 16 mixed.
