@@ -15,8 +15,9 @@ import numpy as np
 from . import codebooks as _codebooks
 from . import reference
 from .format import BLOCK, KbitWeight, check_layout, pack_codes, unpack_codes
-from .primitives import dequantize_p, matmul_p, quantize_p
+from .primitives import dequantize_p, matmul_p, quantize_p, ragged_dot_p
 from .primitives.matmul import METHODS
+from .primitives.ragged_dot import METHODS as RAGGED_DOT_METHODS
 from .sharding import reshape as _reshape  # jnp.reshape that keeps Explicit shardings
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -172,6 +173,106 @@ def matmul(x, w_q: KbitWeight, *, method: str = "auto", glu: str | None = None) 
     b, m = math.prod(batch), math.prod(rows)
     y = matmul_p.bind(_reshape(x, (b, m, k)), *_flat_weight(w_q), layout=w_q.layout, method=method, glu=glu)
     return _reshape(y, (*batch, *rows, n // 2 if glu else n))
+
+
+def ragged_dot(x, w_q: KbitWeight, group_sizes, *, glu: str | None = None,
+               method: str = "auto") -> jax.Array:
+    """The grouped expert product of a mixture-of-experts layer, ``jax.lax.ragged_dot`` with a
+    quantized stack of experts: ``x[M, K]`` with rows sorted by expert, ``w_q`` a `KbitWeight`
+    stacked over G experts (``[G, K, N]``), ``group_sizes`` int32[G] rows per expert. Expert g
+    owns rows ``[sum(group_sizes[:g]), sum(group_sizes[:g + 1]))``; rows at or past
+    ``sum(group_sizes)`` give zeros. Result ``[M, N]`` in x's dtype, accumulated in float32.
+
+    One kernel call covers every expert, and an expert without rows reads none of its weight.
+    ``glu``: "silu" or "gelu_tanh" for interleaved gate/up experts (`interleave_glu`), as in
+    `matmul`: the result is ``act(y[:, 0::2]) * y[:, 1::2]``, ``[M, N / 2]``. ``method``: "auto"
+    and "fused" run the grouped kernel; "dequantize" dequantizes every expert to x's dtype and
+    uses ``jax.lax.ragged_dot``.
+
+    Concrete ``group_sizes`` are checked (no negative size, a sum of at most M); under ``jit``
+    they cannot be: a negative size then counts as 0 and groups are cut at row M. Gradients
+    flow to x (the weights are constants). Under sharded ``jit``: experts' N sharded needs no
+    collective, K sharded one all-reduce, experts (G) sharded one all-reduce of the result;
+    expert weights are never gathered (docs/moe.md).
+    """
+    _check_weight(w_q)
+    if len(w_q.batch_shape) != 1:
+        raise ValueError(f"w_q must be stacked over the experts, shape [G, K, N], got a weight of "
+                         f"shape {w_q.shape} (quantize a [G, K, N] array)")
+    if method not in RAGGED_DOT_METHODS:
+        raise ValueError(f"method must be one of {RAGGED_DOT_METHODS}, got {method!r}")
+    (g,), k, n = w_q.batch_shape, w_q.in_features, w_q.out_features
+    check_glu(glu, n)
+    if not hasattr(x, "dtype"):
+        raise TypeError(f"x must be an array, got {type(x).__name__}")
+    _check_float("x", x)
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x must have shape [M, K] with the weight's K={k}, got {x.shape}")
+    if isinstance(group_sizes, (list, tuple)):
+        group_sizes = np.asarray(group_sizes, np.int32) if group_sizes else np.zeros((0,), np.int32)
+    if not hasattr(group_sizes, "dtype"):
+        raise TypeError(f"group_sizes must be an int32 array [G], got {type(group_sizes).__name__}")
+    if jnp.dtype(group_sizes.dtype) != jnp.int32:
+        raise TypeError(f"group_sizes must have dtype int32, got {jnp.dtype(group_sizes.dtype)}")
+    if group_sizes.ndim != 1:
+        raise ValueError(f"group_sizes must have shape [G] (one size per expert), got {group_sizes.shape}")
+    if group_sizes.shape[0] != g:
+        raise ValueError(f"group_sizes must have one entry per expert of w_q (G={g}), got "
+                         f"{group_sizes.shape[0]} entries")
+    m = x.shape[0]
+    if _is_concrete(group_sizes):
+        sizes = np.asarray(group_sizes)
+        if (sizes < 0).any():
+            raise ValueError(f"group_sizes must be >= 0, got {sizes.tolist()}")
+        if int(sizes.sum()) > m:
+            raise ValueError(f"group_sizes must sum to at most x.shape[0]={m} (the rows), got a sum "
+                             f"of {int(sizes.sum())}")
+    out = n // 2 if glu else n
+    if m == 0:
+        return jnp.zeros((0, out), x.dtype)
+    return ragged_dot_p.bind(x, *_flat_weight(w_q), jnp.asarray(group_sizes), layout=w_q.layout,
+                             method=method, glu=glu)
+
+
+def gathered_dot(x, w_q: KbitWeight, expert_ids, *, glu: str | None = None,
+                 method: str = "auto") -> jax.Array:
+    """Each token times each of its experts: ``y[t, j] = x[t] @ W[expert_ids[t, j]]``.
+
+    ``x[T, K]``, ``w_q`` stacked ``[G, K, N]``, ``expert_ids`` integer ``[T, k]`` (a router's
+    top-k choices; ``[T]`` for one expert per token) -> ``[T, k, N]`` (``N / 2`` with ``glu``)
+    in x's dtype. The ``T * k`` (token, expert) rows are sorted by expert, multiplied with one
+    `ragged_dot` call and put back in token order, so only the experts some token chose are
+    read. Use it when tokens come straight from a router; use `ragged_dot` when rows are
+    already grouped by expert (after an expert-parallel dispatch), or to run several products
+    on one sorted order (a MoE block sorts once for gate/up and down: `kbit_jax.flax.moe`).
+    Concrete ids must lie in ``[0, G)``; under ``jit`` an id outside gives a zero row.
+    """
+    _check_weight(w_q)
+    if len(w_q.batch_shape) != 1:
+        raise ValueError(f"w_q must be stacked over the experts, shape [G, K, N], got a weight of "
+                         f"shape {w_q.shape}")
+    if not hasattr(expert_ids, "dtype") or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise TypeError(f"expert_ids must be an integer array [T, k], got "
+                        f"{getattr(expert_ids, 'dtype', type(expert_ids).__name__)}")
+    if not hasattr(x, "dtype") or x.ndim != 2:
+        raise ValueError(f"x must be an array [T, K], got {getattr(x, 'shape', type(x).__name__)}")
+    one = expert_ids.ndim == 1
+    ids = expert_ids[:, None] if one else expert_ids
+    if ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids must have shape [T, k] with T = x.shape[0] = {x.shape[0]}, "
+                         f"got {expert_ids.shape}")
+    g = w_q.batch_shape[0]
+    if _is_concrete(ids) and ids.size and (int(np.min(ids)) < 0 or int(np.max(ids)) >= g):
+        raise ValueError(f"expert_ids must lie in [0, {g}) (the experts of w_q), got values in "
+                         f"[{int(np.min(ids))}, {int(np.max(ids))}]")
+    t, k = ids.shape
+    flat = ids.reshape(-1).astype(jnp.int32)
+    key = jnp.where((flat >= 0) & (flat < g), flat, g)       # invalid ids sort last: zero rows
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.zeros((g,), jnp.int32).at[key].add(1, mode="drop")
+    y = ragged_dot(x[order // k], w_q, sizes, glu=glu, method=method)
+    y = jnp.zeros_like(y).at[order].set(y)
+    return y.reshape(t, y.shape[-1]) if one else y.reshape(t, k, y.shape[-1])
 
 
 def interleave_glu(gate, up):

@@ -99,3 +99,30 @@ def matmul(x, planes, scales, codebook, tensor_scale, *, layout="fragment", glu=
     if glu is not None:
         y = apply_glu(y, glu)
     return y.astype(x.dtype)
+
+
+def group_bounds(group_sizes, m: int):
+    """starts[G + 1] of the groups of ``group_sizes`` over ``m`` rows: group g owns rows
+    ``[starts[g], starts[g + 1])``. A negative size counts as 0 and groups end at row ``m`` at
+    the latest (what every kernel does with sizes it cannot check under ``jit``)."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends.astype(jnp.int32)])
+
+
+def ragged_dot(x, planes, scales, codebook, tensor_scale, group_sizes, *, layout="fragment", glu=None):
+    """y[M, N] for x[M, K] with rows sorted by group and a weight stacked over G groups
+    (``planes[G, K/32, N, bits]``...): row m of group g is ``x[m] @ W[g]``, rows past the last
+    group are 0 (`group_bounds`); float32 accumulation, an optional GLU on the float32 sums,
+    rounded once to x.dtype. One masked product per group: simple, not fast."""
+    w = dequantize(planes, scales, codebook, tensor_scale, layout=layout)   # [G, K, N]
+    m = x.shape[0]
+    starts = group_bounds(group_sizes, m)
+    rows = jnp.arange(m)
+    y = jnp.zeros((m, w.shape[-1]), jnp.float32)
+    for g in range(w.shape[0]):
+        mine = (rows >= starts[g]) & (rows < starts[g + 1])
+        product = jnp.matmul(x.astype(jnp.float32), w[g], precision=jax.lax.Precision.HIGHEST)
+        y = y + jnp.where(mine[:, None], product, 0.0)
+    if glu is not None:
+        y = apply_glu(y, glu)
+    return y.astype(x.dtype)
