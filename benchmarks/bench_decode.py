@@ -32,6 +32,22 @@ CPU smoke test of the tensor-parallel path ("tiny-tp" splits over up to 4 device
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/bench_decode.py \\
         --configs tiny-tp --tp 1,2,4 --batches 1,2 --weights bf16,4 --prompt 16 --new-tokens 8 \\
         --reps 1 --out /tmp/decode_tp
+
+The whole Llama-3-70B sweep on a 4-GPU machine in one command (tp 4, 2, 1; batch 1 and 8;
+bf16, K = 4, K = 2): ``--concurrent`` runs workers whose GPUs do not overlap at the same time
+(the tp-4 rows alone, then two tp-2 rows side by side, then tp 2 next to the tp-1 rows), each
+worker compiles all its programs at once in parallel threads, and ``--compile-cache`` keeps
+them for a later run with the same XLA options (about 4-5 minutes in all):
+    python benchmarks/bench_decode.py --configs llama3-70b --weights bf16,4,2 --tp 4,2,1 \\
+        --batches 1,8 --new-tokens 64 --reps 2 --concurrent --compile-cache /tmp/jax_cache \\
+        --xla-flags=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false --out /tmp/tp_sweep
+Where a tp-4 step's time goes (``--profile``: products / all-reduces / glue / idle per step,
+a table after the throughput table), once per set of XLA options (``--xla-flags``, repeated):
+    python benchmarks/bench_decode.py --configs llama3-70b --weights 4 --tp 4 --batches 1 \\
+        --new-tokens 64 --reps 2 --compile-cache /tmp/jax_cache --profile /tmp/prof \\
+        --xla-flags=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false --xla-flags= \\
+        --xla-flags="--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false \\
+            --xla_gpu_enable_latency_hiding_scheduler=true" --out /tmp/tp4_profile
 """
 
 from __future__ import annotations
@@ -44,10 +60,12 @@ import itertools
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,12 +120,20 @@ def run_worker(args) -> list[dict]:
 
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+    if args.compile_cache:     # XLA's persistent cache: a program compiled before loads from disk
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        # The kbit primitives' partitioning callbacks (custom_partitioning) are looked up by a
+        # per-process pointer in the program; it only matters while partitioning, so it must
+        # not make every process's key different.
+        jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
     cfg = llama.CONFIGS[args.config]
     bits = None if args.weights == "bf16" else int(args.weights)
     tp = args.tp
     base = {"config": args.config, "weights": args.weights, "bits": bits, "tp": tp,
             **{m: getattr(args, m) for m in MODES}, "quantize_head": args.quantize_head,
-            "prompt": args.prompt, "new_tokens": args.new_tokens}
+            "prompt": args.prompt, "new_tokens": args.new_tokens,
+            "xla_flags": args.xla_flags[0] if args.xla_flags else "",
+            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     max_len = args.prompt + args.new_tokens
     if tp > len(jax.devices()):
         return [{**base, "status": f"needs {tp} devices, found {len(jax.devices())}"}]
@@ -165,10 +191,15 @@ def run_worker(args) -> list[dict]:
 
     rows = []
     rng = np.random.default_rng(0)
+    steps = args.new_tokens - 1
+    prompts = {batch: jax.device_put(rng.integers(0, cfg.vocab_size, (batch, args.prompt)).astype(np.int32),
+                                     prompt_sharding) for batch in args.batches}
+    t0 = time.perf_counter()
+    compiled = in_mesh(_compile_all)(llama, graphdef, state, cfg, prompts, max_len, steps,
+                                     args.prompt, cache_sharding, prompt_sharding)
+    compile_all_s = time.perf_counter() - t0
     for batch in args.batches:
-        prompt = jax.device_put(rng.integers(0, cfg.vocab_size, (batch, args.prompt)).astype(np.int32),
-                                prompt_sharding)
-        steps = args.new_tokens - 1
+        prompt = prompts[batch]
 
         @in_mesh
         def once(trace_dir=None):
@@ -176,7 +207,8 @@ def run_worker(args) -> list[dict]:
             jax.block_until_ready(cache)
             t0 = time.perf_counter()
             logits, cache = llama.prefill(graphdef, state, prompt, cache)
-            first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            # (placed like the prompt: the decode loop then runs the program compiled ahead)
+            first = jax.device_put(jnp.argmax(logits, axis=-1).astype(jnp.int32), prompt_sharding)
             first.block_until_ready()
             t1 = time.perf_counter()
             # Only the decode loop is traced (the perfetto JSON is what profile_summary reads).
@@ -193,17 +225,14 @@ def run_worker(args) -> list[dict]:
         times = [once() for _ in range(args.reps)]
         prefill_s = statistics.median(t[0] for t in times)
         decode_s = statistics.median(t[1] for t in times)
-        profile = None
+        profile = profile_split = None
         if args.profile:
             path = os.path.join(args.profile, f"{args.config}-{args.weights}-tp{tp}-b{batch}")
             once(trace_dir=path)
-            profile = _profile_summary(path, steps)
+            profile, profile_split = _profile_summary(path, steps)
         collectives = None
         if mesh is not None and batch == args.batches[0]:
-            collectives = in_mesh(lambda: hlo_collectives(llama.decode.lower(
-                graphdef, state, jax.device_put(np.zeros(batch, np.int32), prompt_sharding),
-                llama.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding),
-                args.prompt, steps).compile().as_text()))()
+            collectives = hlo_collectives(compiled[batch].as_text())
         _, peak = _device_memory(devices)
         rows.append({
             **base, "status": "ok", "batch": batch,
@@ -215,6 +244,8 @@ def run_worker(args) -> list[dict]:
             "peak_gib": None if peak is None else peak / GIB,
             "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
             "build_s": build_s, "compile_s": compile_s,
+            # every batch size's prefill and decode programs, compiled in parallel threads
+            "compile_all_s": compile_all_s,
             "repeatable": all(np.array_equal(t[2], times[0][2]) for t in times),
             # The first row's first greedy tokens: rows of the same weights should agree
             # whichever kernels ran (up to bf16 near-ties).
@@ -222,6 +253,8 @@ def run_worker(args) -> list[dict]:
             "report": None if report is None else str(report),
             # With --profile: GPU time per decode step by kernel category, and idle gaps.
             "profile": profile,
+            # With --profile: us per step in products / all-reduces / glue / idle (time_split).
+            "profile_split": profile_split,
             # Collective instructions in the compiled decode loop (first batch size, tp > 1):
             # expected 2 all-reduces per layer + 2 tiny all-gathers (argmax over the sharded
             # vocabulary: [batch, tp] values and indices), no all-gather of weights.
@@ -234,19 +267,83 @@ def run_worker(args) -> list[dict]:
     return rows
 
 
+def _compile_all(llama, graphdef, state, cfg, prompts, max_len, steps, pos, cache_sharding,
+                 prompt_sharding) -> dict:
+    """Compile the prefill and decode programs of every batch size at once: traced one after
+    the other, compiled in parallel threads (XLA releases the GIL), so a worker waits about
+    one compile instead of two per batch size (an 80-layer program takes 10-20 s). The jitted
+    functions then find them in their cache. Returns the compiled decode loop by batch size."""
+    import concurrent.futures
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    lowered = {}
+    for batch, prompt in prompts.items():
+        cache = llama.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding)
+        token = jax.device_put(np.zeros(batch, np.int32), prompt_sharding)
+        lowered[("prefill", batch)] = llama.prefill.lower(graphdef, state, prompt, cache)
+        lowered[("decode", batch)] = llama.decode.lower(graphdef, state, token, cache, pos, steps)
+        del cache
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+        done = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+    return {batch: done[("decode", batch)] for batch in prompts}
+
+
 def _profile_summary(path, steps):
-    """profile_summary's per-step text for the trace under `path`, or why there is none."""
+    """(profile_summary's per-step text for the trace under `path`, or why there is none;
+    the step's exclusive `time_split` in us per step, or None)."""
     import profile_summary  # benchmarks/, next to this script
     try:
         trace = profile_summary.load_trace(path)
         # The Llama layer's kbit products in order: q/k/v, o, gate/up, down (lm_head too when
         # quantized, which breaks the period; the summary then says so).
         kernels = profile_summary.kernel_events(trace)
-        return "\n".join([profile_summary.summarize(kernels, steps, period=4),
+        split = time_split(kernels, profile_summary.category)
+        return "\n".join([time_split_text(split, steps),
+                          profile_summary.summarize(kernels, steps, period=4),
                           profile_summary.layer_sequence(kernels, period=4),
-                          profile_summary.host_summary(trace, steps)])
+                          profile_summary.host_summary(trace, steps)]), \
+            {k: v / steps for k, v in split.items()}
     except (SystemExit, OSError, ValueError) as e:   # e.g. a CPU run: no GPU process in the trace
-        return f"no summary: {e}"
+        return f"no summary: {e}", None
+
+
+#: Where a decode step's GPU time goes: profile_summary's kernel categories in three groups
+#: (anything else, XLA's fusions, copies and the attention and norm kernels, is "glue").
+SPLIT = {"products": ("kbit fused matmul", "kbit dequantize", "kbit other", "cuBLAS / dense GEMM"),
+         "all-reduces": ("NCCL",)}
+#: XLA's own collective kernels (its one-shot all-reduce) count as all-reduces too.
+_COLLECTIVE_KERNEL = re.compile(r"all.?reduce|all.?gather|collective", re.I)
+
+
+def time_split(kernels, category) -> dict:
+    """GPU 0's span from its first kernel's start to its last kernel's end, split exclusively
+    into products, all-reduces, glue and idle (microseconds): each instant goes to the
+    earliest-started kernel still running (a kernel launched early, e.g. as a programmatic
+    dependent, waits for its predecessor: the overlap is the predecessor's), idle where none
+    runs. ``kernels``: (start, end, name) sorted by start; ``category``: name -> label."""
+    def group(name):
+        if _COLLECTIVE_KERNEL.search(name):
+            return "all-reduces"
+        label = category(name)
+        return next((g for g, labels in SPLIT.items() if label in labels), "glue")
+
+    split = dict.fromkeys(("products", "all-reduces", "glue", "idle"), 0.0)
+    cursor = kernels[0][0] if kernels else 0.0
+    for start, end, name in kernels:
+        if end <= cursor:
+            continue                          # entirely under kernels that started earlier
+        split["idle"] += max(0.0, start - cursor)
+        split[group(name)] += end - max(start, cursor)
+        cursor = end
+    return split
+
+
+def time_split_text(split: dict, steps: int) -> str:
+    span = sum(split.values()) or 1.0
+    return "time per step, exclusive (us): " + ", ".join(
+        f"{k} {v / steps:.1f} ({100 * v / span:.0f}%)" for k, v in split.items()) + \
+        f"; span {span / steps:.1f}"
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -254,6 +351,7 @@ def environment() -> dict:
     sys.path.insert(0, ROOT)
     code = ("import json, jax, flax, kbit_jax; d = jax.devices()[0]; "
             "print(json.dumps({'device': d.device_kind, 'platform': d.platform, "
+            "'device_count': jax.device_count(), "
             "'jax': jax.__version__, 'flax': flax.__version__, 'kbit_jax': kbit_jax.__version__, "
             "'build_info': {k: str(v) for k, v in kbit_jax.build_info().items()}}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
@@ -265,7 +363,11 @@ def environment() -> dict:
     return info
 
 
-def run_subprocess(args, config: str, weights: str, tp: int, modes: dict) -> list[dict]:
+def start_worker(args, config: str, weights: str, tp: int, modes: dict, xla_flags: str = "",
+                 gpus=None) -> dict:
+    """Start the worker of one (config, weights, tp, modes) in its own process, with
+    ``xla_flags`` added to XLA_FLAGS and, given ``gpus``, CUDA_VISIBLE_DEVICES set to them.
+    Its output goes to temporary files (pipes could fill while other workers run)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config,
            "--weights", weights, "--batches", ",".join(map(str, args.batches)),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
@@ -279,22 +381,76 @@ def run_subprocess(args, config: str, weights: str, tp: int, modes: dict) -> lis
         cmd += ["--progress"]
     if args.quantize_head:
         cmd += ["--quantize-head"]
+    if args.compile_cache:
+        cmd += ["--compile-cache", args.compile_cache]
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    sys.stderr.write(proc.stderr)      # the worker's progress and any crash report
-    lines = [l[len(RESULT):] for l in proc.stdout.splitlines() if l.startswith(RESULT)]
+    if xla_flags:
+        cmd += [f"--xla-flags={xla_flags}"]
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=ROOT)
+    return {"proc": proc, "out": out, "err": err, "gpus": gpus, "start": time.perf_counter(),
+            "row": {"config": config, "weights": weights, "tp": tp, **modes, "xla_flags": xla_flags}}
+
+
+def finish_worker(worker: dict) -> list[dict]:
+    """Wait for a `start_worker` process; its rows, or one row saying how it failed."""
+    proc = worker["proc"]
+    proc.wait()
+    out, err = worker["out"], worker["err"]
+    out.seek(0), err.seek(0)
+    stdout, stderr = out.read(), err.read()
+    out.close(), err.close()
+    sys.stderr.write(stderr)      # the worker's progress and any crash report
+    wall = time.perf_counter() - worker["start"]
+    row = worker["row"]
+    print(f"worker {row['config']} {row['weights']} tp {row['tp']}"
+          + (f" on GPUs {','.join(worker['gpus'])}" if worker["gpus"] else "")
+          + f": exit {proc.returncode} after {wall:.0f} s", file=sys.stderr, flush=True)
+    lines = [l[len(RESULT):] for l in stdout.splitlines() if l.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         # Keep the end of the worker's stderr in the results: a crash (an XLA check failure
         # aborts the process) must be diagnosable from the JSON alone.
-        return [{"config": config, "weights": weights, "tp": tp, **modes,
-                 "status": f"failed (exit {proc.returncode}); stderr_tail in the JSON",
-                 "stderr_tail": proc.stderr[-4000:]}]
-    return json.loads(lines[-1])
+        return [{**worker["row"], "status": f"failed (exit {proc.returncode}); stderr_tail in the JSON",
+                 "stderr_tail": stderr[-4000:], "worker_s": wall}]
+    return [{**r, "worker_s": wall} for r in json.loads(lines[-1])]
+
+
+def run_subprocess(args, config: str, weights: str, tp: int, modes: dict, xla_flags: str = "") -> list[dict]:
+    return finish_worker(start_worker(args, config, weights, tp, modes, xla_flags))
+
+
+def run_concurrent(args, jobs: list[tuple], gpus: list[str]) -> list[dict]:
+    """Run the workers of ``jobs`` ((config, weights, tp, modes, xla_flags) each) at the same
+    time where their GPUs do not overlap: largest tp first, each started as soon as enough of
+    ``gpus`` are free, on GPUs no other running worker has. Rows in the order of ``jobs``."""
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i][2])
+    free, running, rows = list(gpus), {}, {}
+    while order or running:
+        for i in list(order):
+            need = min(jobs[i][2], len(gpus))   # (a tp above that: the worker says so in its row)
+            if need <= len(free):
+                mine, free = free[:need], free[need:]
+                running[i] = start_worker(args, *jobs[i], gpus=mine)
+                order.remove(i)
+        time.sleep(0.2)
+        for i, worker in list(running.items()):
+            if worker["proc"].poll() is not None:
+                rows[i] = [{**r, "concurrent": True} for r in finish_worker(worker)]
+                free += worker["gpus"]
+                del running[i]
+    return [r for i in range(len(jobs)) for r in rows[i]]
 
 
 def to_markdown(env: dict, args, rows: list[dict]) -> str:
+    flag_sets = getattr(args, "xla_flags", None) or []
+    show_flags = len(flag_sets) > 1    # one column more: the XLA options of the row
+
     def modes(r):   # (rows of older runs lack the newer modes: they ran XLA's path there)
-        return tuple(r.get(m, "xla") for m in MODES)
+        cells = tuple(r.get(m, "xla") for m in MODES)
+        return cells + ((f"`{r.get('xla_flags') or '(none)'}`",) if show_flags else ())
 
     def key(r):
         return r["config"], r["batch"], r.get("tp", 1), *modes(r)
@@ -316,10 +472,14 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"model GiB is the whole model, "
         f"GiB/dev the first device's share. "
         f"jax {env.get('jax')}, flax {env.get('flax')}, kbit_jax build {env.get('build_info')}; "
-        f"XLA_FLAGS {env.get('xla_flags') or '(none)'}.",
+        f"XLA_FLAGS {env.get('xla_flags') or '(none)'}"
+        + (f", plus `{flag_sets[0]}`" if len(flag_sets) == 1 and flag_sets[0] else "") + "."
+        + (" Rows ran concurrently on disjoint GPUs (--concurrent)."
+           if any(r.get("concurrent") for r in rows) else ""),
         "",
-        "| config | tp | attention | norm | mlp gate | batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
-        "|---|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | tp | attention | norm | mlp gate | " + ("xla flags | " if show_flags else "")
+        + "batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
+        "|---|---:|---|---|---|" + ("---|" if show_flags else "") + "---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         tp, mode_cells = r.get("tp", 1), " | ".join(modes(r))
@@ -334,6 +494,28 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         lines.append(f"| {r['config']} | {tp} | {mode_cells} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
                      f"{speedup} | {r['decode_ms_per_step']:.2f} | {r['prefill_ms']:.1f} | "
                      f"{r['model_gib']:.2f} | {per_device:.2f} | {peak} |")
+    checked = [r for r in rows if r.get("decode_collectives")]
+    if checked:   # the compiled decode loops' collectives: weights are never all-gathered
+        lines += ["", "Collectives in the compiled decode loop (first batch size): " + "; ".join(
+            f"{r['config']} tp {r['tp']} {r['weights']}: {r['decode_collectives']['all-reduce']} "
+            f"all-reduces, all-gathers {r['decode_collectives']['all_gather_shapes'] or 'none'}"
+            for r in checked) + " (expected: 2 all-reduces per layer, and the argmax's two "
+            "[batch, tp] all-gathers)."]
+    profiled = [r for r in rows if r.get("profile_split")]
+    if profiled:
+        lines += ["", "Where a decode step's GPU time goes (--profile; GPU 0, us per step, each "
+                  "instant counted once: products = kbit and dense matmul kernels, all-reduces = "
+                  "NCCL / XLA collective kernels (time waiting for the other GPUs included), glue "
+                  "= everything else, idle = no kernel running):", "",
+                  "| config | tp | " + ("xla flags | " if show_flags else "") + "batch | weights | "
+                  "products | all-reduces | glue | idle | step |",
+                  "|---|---:|" + ("---|" if show_flags else "") + "---:|---|---:|---:|---:|---:|---:|"]
+        for r in profiled:
+            t = r["profile_split"]
+            flags = f"{modes(r)[-1]} | " if show_flags else ""
+            lines.append(f"| {r['config']} | {r.get('tp', 1)} | {flags}{r['batch']} | {r['weights']} | "
+                         + " | ".join(f"{t[k]:.0f}" for k in ("products", "all-reduces", "glue", "idle"))
+                         + f" | {sum(t.values()):.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -372,6 +554,19 @@ def parse_args(argv=None):
                    help="quantize lm_head too (default: dense, like embeddings; it is ~1/8 of an 8B model's bytes)")
     p.add_argument("--in-process", action="store_true",
                    help="run every model in this process (peak memory is then cumulative)")
+    p.add_argument("--xla-flags", action="append", default=None, metavar="FLAGS",
+                   help="XLA options added to XLA_FLAGS for the workers; repeat the option to "
+                        "compare option sets (every row once per set, e.g. --xla-flags= "
+                        "--xla-flags=--xla_gpu_enable_latency_hiding_scheduler=true: write "
+                        "'=' before a value that starts with --)")
+    p.add_argument("--concurrent", action="store_true",
+                   help="on GPUs, run workers whose device sets do not overlap at the same time "
+                        "(each on its own GPUs through CUDA_VISIBLE_DEVICES; largest tp first): "
+                        "a sweep over tp 1, 2, 4 on 4 GPUs takes about 5 worker times instead "
+                        "of 9. Rows record concurrent: true")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache directory: a program compiled by an "
+                        "earlier run (same jax, XLA options and shapes) is loaded, not compiled")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -381,6 +576,9 @@ def parse_args(argv=None):
         if len(args.tp) != 1:
             p.error("a worker runs one --tp size")
         args.tp = args.tp[0]
+    if args.in_process and (args.xla_flags or args.concurrent):
+        p.error("--in-process runs in this process: XLA_FLAGS are fixed and nothing runs "
+                "concurrently (drop --xla-flags / --concurrent, or --in-process)")
     for mode, choices in MODES.items():
         value = getattr(args, mode)
         if any(m not in choices for m in value.split(",")) or (args.worker and "," in value):
@@ -395,20 +593,30 @@ def main(argv=None):
     if args.worker:
         print(RESULT + json.dumps(run_worker(args)), flush=True)
         return
+    start = time.perf_counter()
     env = environment()
     print(json.dumps(env), file=sys.stderr)
-    rows = []
+    rows, jobs = [], []
     for config in args.configs.split(","):
-        for tp in args.tp:
-            for values in itertools.product(*(getattr(args, m).split(",") for m in MODES)):
-                modes = dict(zip(MODES, values))
-                for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
-                    if args.in_process:
-                        sub = argparse.Namespace(**{**vars(args), "config": config, "weights": weights,
-                                                    "tp": tp, **modes})
-                        rows += run_worker(sub)
-                    else:
-                        rows += run_subprocess(args, config, weights, tp, modes)
+        for xla_flags in args.xla_flags or [""]:
+            for tp in args.tp:
+                for values in itertools.product(*(getattr(args, m).split(",") for m in MODES)):
+                    modes = dict(zip(MODES, values))
+                    for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
+                        jobs.append((config, weights, tp, modes, xla_flags))
+    if args.in_process:
+        for config, weights, tp, modes, _ in jobs:
+            rows += run_worker(argparse.Namespace(**{**vars(args), "config": config,
+                                                     "weights": weights, "tp": tp, **modes}))
+    elif args.concurrent and env.get("platform") == "gpu":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(env["device_count"])]
+        rows = run_concurrent(args, jobs, gpus)
+    else:
+        for job in jobs:
+            rows += run_subprocess(args, *job)
+    env["wall_s"] = time.perf_counter() - start
+    print(f"{len(jobs)} workers, {env['wall_s']:.0f} s in all", file=sys.stderr, flush=True)
     md = to_markdown(env, args, rows)
     print(md)
     if args.out:

@@ -27,12 +27,25 @@ per-GPU bytes (weight shard + activations) / the copy bandwidth measured in the 
         python benchmarks/bench_sharded.py --shapes 1024x512 --m 1 8 --repeats 2 --out /tmp/r  # smoke test
 
 Writes ``sharded_matmul.json`` and ``sharded_matmul.md`` under ``--out``.
+
+Expert parallelism (``--moe CONFIG``): the decode step of a mixture-of-experts model's MoE
+layers (router, top-k, the grouped gate/up and down products ``kbit_jax.ragged_dot``, combine;
+no attention, no shared expert) for a batch of tokens, with the experts of every layer spread
+over ``--ep`` devices (``shard_map``: each device multiplies the rows routed to its own
+experts, one all-reduce of the combined ``[batch, hidden]`` per layer; weights never move),
+against the same step on one device. Random k-bit experts generated on the devices; the
+whole model's weights are read every step (no L2 reuse). Writes ``moe_ep.json`` / ``.md``:
+
+    python benchmarks/bench_sharded.py --moe qwen3-next --ep 1 2 4 --m 1 8 --bits 4 --out /tmp/ep
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
+        python benchmarks/bench_sharded.py --moe tiny --ep 1 2 4 --m 1 8 --repeats 2 --out /tmp/ep
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -185,6 +198,153 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- expert-parallel MoE decode ---------------------------------------------------------------
+#: MoE layer shapes: hidden K, each expert's intermediate H (gate/up [G, K, 2H] interleaved for
+#: the GLU, down [G, H, K]), G experts, top_k per token, MoE layers.
+MOE_CONFIGS = {
+    # Qwen3-Next-80B-A3B, the Qwen3-Coder-Next architecture (its shared expert left out)
+    "qwen3-next": dict(hidden=2048, intermediate=512, experts=512, top_k=10, layers=48),
+    "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, experts=128, top_k=8, layers=48),
+    "tiny": dict(hidden=64, intermediate=32, experts=8, top_k=2, layers=2),
+}
+
+
+def moe_layer(x, router, gate_up, down, *, top_k: int, axis=None):
+    """One MoE layer on decode tokens ``x[B, K]``: softmax router, top-k (renormalized), rows
+    sorted by expert, ``ragged_dot`` gate/up (SwiGLU in the kernel) and down, combined by the
+    router weights. ``axis`` (inside ``shard_map``): ``gate_up``/``down`` are this device's
+    experts, the consecutive ``G / E`` from ``axis_index * G / E``; their rows are moved to the
+    front (the grouped product gives 0 past its groups' rows), so each device combines only
+    its own experts' outputs and one psum of ``[B, K]`` adds the devices' shares."""
+    b, k = x.shape
+    experts, local = router.shape[1], gate_up.batch_shape[0]
+    probs = jax.nn.softmax(jnp.dot(x, router, preferred_element_type=jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros((experts,), jnp.int32).at[flat].add(1)
+    rows = x[order // top_k]                                      # [B * top_k, K], by expert
+    shift = 0
+    if axis is not None:
+        first = jax.lax.axis_index(axis) * local
+        shift = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)])[first]
+        sizes = jax.lax.dynamic_slice(sizes, (first,), (local,))
+        rows = jnp.roll(rows, -shift, axis=0)
+    out = kj.ragged_dot(kj.ragged_dot(rows, gate_up, sizes, glu="silu"), down, sizes)
+    out = jnp.roll(out, shift, axis=0) if axis is not None else out
+    out = jnp.zeros_like(out).at[order].set(out).reshape(b, top_k, k)
+    y = jnp.einsum("bj,bjk->bk", weights, out.astype(jnp.float32))
+    if axis is not None:
+        y = jax.lax.psum(y, axis)
+    return y.astype(x.dtype)
+
+
+def moe_step_fn(cfg: dict, mesh=None, axis: str = "ep"):
+    """A jitted decode step over the MoE layers, ``step(x, routers, layers)`` with ``layers``
+    a list of (gate_up, down); residual adds between layers. With ``mesh``: experts over
+    ``axis`` through ``shard_map`` (x and routers replicated)."""
+    def step(x, routers, layers, axis=None):
+        for router, (gate_up, down) in zip(routers, layers):
+            x = x + moe_layer(x, router, gate_up, down, top_k=cfg["top_k"], axis=axis)
+        return x
+
+    if mesh is None:
+        return jax.jit(step)
+
+    def sharded(x, routers, layers):
+        specs = [tuple(ks.weight_specs(w, P(axis, None, None)) for w in layer) for layer in layers]
+        return jax.shard_map(functools.partial(step, axis=axis), mesh=mesh,
+                             in_specs=(P(), [P()] * len(routers), specs), out_specs=P(),
+                             check_vma=False)(x, routers, layers)
+
+    return jax.jit(sharded)
+
+
+def random_experts(key, cfg: dict, bits: int, mesh=None, axis: str = "ep"):
+    """(routers, layers): per layer a dense router [K, G] and random k-bit experts, gate/up
+    [G, K, 2H] and down [G, H, K], generated on the default device layer by layer and, with
+    ``mesh``, placed at once with the experts over ``axis`` (the same values either way)."""
+    k, h, g = cfg["hidden"], cfg["intermediate"], cfg["experts"]
+    cb = jnp.asarray(codebooks.get_codebook("nf", bits))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def make(key, kin, n):
+        k1, k2 = jax.random.split(key)
+        planes = jax.random.bits(k1, (g, kin // 32, n, bits), jnp.uint32)
+        scales = jax.random.randint(k2, (g, kin // 32, n), 0x60, 0x90, jnp.int32).astype(jnp.uint8)
+        return kj.KbitWeight(planes, scales, jnp.broadcast_to(cb, (g, cb.shape[0])),
+                             jnp.full((g,), 2.0 ** -6, jnp.float32), layout="fragment")
+
+    def place(w):
+        return w if mesh is None else ks.shard_weight(w, mesh, P(axis, None, None))
+
+    routers, layers = [], []
+    for i in range(cfg["layers"]):
+        kr, kg, kd = jax.random.split(jax.random.fold_in(key, i), 3)
+        router = (jax.random.normal(kr, (k, g), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+        routers.append(router if mesh is None else jax.device_put(router, NamedSharding(mesh, P())))
+        layers.append((place(make(kg, k, 2 * h)), place(make(kd, h, k))))
+    return routers, layers
+
+
+def bench_moe(args):
+    cfg = dict(MOE_CONFIGS[args.moe])
+    if args.moe_layers:
+        cfg["layers"] = args.moe_layers
+    devices = jax.devices()
+    rows, base = [], {}
+    for bits in args.bits:
+        for ep in args.ep:
+            if ep > len(devices):
+                print(f"ep={ep}: skipped (only {len(devices)} devices)", flush=True)
+                continue
+            if cfg["experts"] % ep:
+                print(f"ep={ep}: skipped ({cfg['experts']} experts do not split over {ep})", flush=True)
+                continue
+            mesh = None if ep == 1 else jax.sharding.Mesh(np.array(devices[:ep]), ("ep",))
+            routers, layers = random_experts(jax.random.key(0), cfg, bits, mesh)
+            step = moe_step_fn(cfg, mesh)
+            weight_bytes = sum(leaf.nbytes for layer in layers for w in layer for leaf in jax.tree.leaves(w))
+            for m in args.m:
+                x = (jax.random.normal(jax.random.key(m), (m, cfg["hidden"]), jnp.float32) * 0.5
+                     ).astype(jnp.dtype(args.dtype))
+                if mesh is not None:
+                    x = jax.device_put(x, NamedSharding(mesh, P()))
+                t = median_call_seconds(step, (x, routers, layers), args.repeats)
+                coll = collectives(step.lower(x, routers, layers).compile().as_text())
+                if ep == 1:
+                    base[(bits, m)] = t
+                row = dict(config=args.moe, **cfg, ep=ep, m=m, bits=bits, dtype=args.dtype,
+                           step_ms=t * 1e3, tokens_per_s=m / t, weight_gib_per_device=weight_bytes / ep / 2 ** 30,
+                           speedup_vs_ep1=base[(bits, m)] / t if (bits, m) in base else None,
+                           collectives=coll,
+                           ok=coll["all-gather"] == 0 and coll["all-reduce"] == (cfg["layers"] if ep > 1 else 0))
+                rows.append(row)
+                print(f"{args.moe} ep={ep} M={m:<4d} K={bits} step {t * 1e3:8.3f} ms  {m / t:9.1f} tok/s"
+                      + (f"  x{row['speedup_vs_ep1']:.2f} vs ep=1" if row["speedup_vs_ep1"] else "")
+                      + f"  coll {_fmt(coll)}" + ("" if row["ok"] else "  <-- CHECK"), flush=True)
+            del routers, layers
+    return rows
+
+
+def moe_markdown(result) -> str:
+    lines = [f"# Expert-parallel MoE decode step: {result['device']} x {result['devices_available']}, "
+             f"jax {result['jax']}, {result['date']}", "",
+             "One decode step through the MoE layers only (router, top-k, kbit_jax.ragged_dot gate/up "
+             "and down, combine; no attention or shared expert), experts spread over ep devices with "
+             "shard_map, one all-reduce of [batch, hidden] per layer; median of queued calls "
+             "(bench_sharded.py --moe).", "",
+             "| config | layers | experts | top k | ep | batch | bits | ms/step | tok/s | vs ep=1 | GiB/device | collectives |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        speedup = f"{r['speedup_vs_ep1']:.2f}x" if r["speedup_vs_ep1"] else "-"
+        lines.append(f"| {r['config']} | {r['layers']} | {r['experts']} | {r['top_k']} | {r['ep']} | {r['m']} | "
+                     f"{r['bits']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.1f} | {speedup} | "
+                     f"{r['weight_gib_per_device']:.2f} | {_fmt(r['collectives'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
@@ -198,7 +358,30 @@ def main(argv=None):
     p.add_argument("--method", default="auto", choices=["auto", "fused", "dequantize"])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default=None, help="directory for sharded_matmul.json (+ .md)")
+    p.add_argument("--moe", default=None, choices=sorted(MOE_CONFIGS),
+                   help="instead of the matmul rows: the expert-parallel MoE decode step of this "
+                        "config (see above; uses --ep, --m, --bits, --dtype, --repeats)")
+    p.add_argument("--ep", nargs="+", type=int, default=[1, 2],
+                   help="with --moe: expert-parallel device counts (1 = one device, no shard_map)")
+    p.add_argument("--moe-layers", type=int, default=None,
+                   help="with --moe: MoE layers to run (default: the config's)")
     args = p.parse_args(argv)
+    if args.moe:
+        devices = jax.devices()
+        print(f"{len(devices)} x {devices[0].device_kind}, jax {jax.__version__}, build {kj.build_info()}",
+              flush=True)
+        rows = bench_moe(args)
+        result = dict(device=devices[0].device_kind, devices_available=len(devices), jax=jax.__version__,
+                      date=datetime.date.today().isoformat(), build=kj.build_info(), rows=rows,
+                      all_ok=all(r["ok"] for r in rows))
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "moe_ep.json"), "w") as f:
+                json.dump(result, f, indent=1, default=str)
+            with open(os.path.join(args.out, "moe_ep.md"), "w") as f:
+                f.write(moe_markdown(result))
+            print(f"wrote {args.out}/moe_ep.json and .md")
+        return result
 
     devices = jax.devices()
     ndevs = args.ndev or sorted({1, *[2 ** i for i in range(1, 8) if 2 ** i <= len(devices)], len(devices)})

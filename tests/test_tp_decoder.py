@@ -176,3 +176,22 @@ def test_bad_tp_sizes():
     with pytest.raises(ValueError, match=r"whole 32-element blocks"):
         llama.build_model(cfg, bits=4, mesh=mesh4)
     llama.build_model(cfg, mesh=mesh4)   # the bf16 model has no blocks: fine
+
+
+@pytest.mark.parametrize("bits", [pytest.param(2, id="k2"), pytest.param(None, id="bf16")])
+def test_decode_loop_hlo_tp4_batch8(bits):
+    """The configuration bench_decode measures at tp 4 (K = 2 and bf16, batch 8, Explicit
+    axis): the greedy loop's program has 2 all-reduces per layer and only the argmax's two
+    [batch, tp] all-gathers; every weight stays in its shard."""
+    cfg, tp, batch = llama.TINY_TP, 4, 8
+    mesh = tp_mesh(tp, AxisType.Explicit)
+    model, _ = llama.build_model(cfg, bits=bits, mesh=mesh)
+    assert_weights_sharded(model, tp)
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(mesh):
+        cache = llama.init_cache(cfg, batch, 16, sharding=llama.cache_sharding(mesh))
+        token = jax.device_put(jnp.zeros((batch,), jnp.int32), NamedSharding(mesh, P()))
+        loop = llama.decode.lower(graphdef, state, token, cache, 8, 4).compile().as_text()
+    assert collectives(loop) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 2 * cfg.n_layers,
+                                 "all-gather": 2}
+    assert sorted(all_gather_shapes(loop)) == [f"f32[{batch},{tp}]", f"s32[{batch},{tp}]"]

@@ -1,0 +1,91 @@
+"""benchmarks/bench_decode.py's driver logic without a GPU: the exclusive split of a profiled
+step (products / all-reduces / glue / idle) and the concurrent scheduling of workers on
+disjoint GPUs (with stand-in workers), and its argument checks."""
+
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import bench_decode  # noqa: E402
+import profile_summary  # noqa: E402
+
+
+def test_time_split_counts_each_instant_once(rng):
+    names = {"products": "kbit_matmul_ws_kernel<4>", "all-reduces": "ncclDevKernel_AllReduce_Sum_bf16",
+             "glue": "loop_multiply_fusion", "xla collective": "one_shot_all_reduce_kernel"}
+    # Random kernels on a timeline; the split must sum to the span, and an instant covered by
+    # several kernels goes to the one that started first.
+    kernels, t = [], 0.0
+    for _ in range(200):
+        t += float(rng.uniform(0, 5))
+        kernels.append((t, t + float(rng.uniform(0.1, 8)), names[rng.choice(list(names))]))
+    kernels.sort()
+    split = bench_decode.time_split(kernels, profile_summary.category)
+    span = max(e for _, e, _ in kernels) - kernels[0][0]
+    assert sum(split.values()) == pytest.approx(span)
+    assert split["idle"] == pytest.approx(span - profile_summary.busy_us(kernels))
+
+    # A hand-made step: matmul 0-10 with a dependent fusion launched at 8 (ends 12), a gap,
+    # an all-reduce 14-16 (NCCL) and XLA's own all-reduce kernel 16-17, glue 17-20.
+    step = [(0.0, 10.0, names["products"]), (8.0, 12.0, names["glue"]), (14.0, 16.0, names["all-reduces"]),
+            (16.0, 17.0, names["xla collective"]), (17.0, 20.0, names["glue"])]
+    assert bench_decode.time_split(step, profile_summary.category) == {
+        "products": 10.0, "all-reduces": 3.0, "glue": 5.0, "idle": 2.0}
+    assert bench_decode.time_split([], profile_summary.category) == dict.fromkeys(
+        ("products", "all-reduces", "glue", "idle"), 0.0)
+
+
+class FakeProc:
+    """A worker that 'runs' for `seconds` of wall time."""
+
+    def __init__(self, seconds):
+        self.end = time.monotonic() + seconds
+        self.returncode = None
+
+    def poll(self):
+        if time.monotonic() >= self.end:
+            self.returncode = 0
+        return self.returncode
+
+
+def test_concurrent_workers_never_share_a_gpu(monkeypatch):
+    running, log = {}, []
+
+    def start(args, config, weights, tp, modes, xla_flags="", gpus=None):
+        assert len(gpus) == min(tp, 4)
+        busy = {g for w in running.values() for g in w["gpus"]}      # started, not finished
+        assert not busy & set(gpus), (gpus, busy)
+        worker = {"proc": FakeProc(0.05 * tp), "gpus": gpus, "job": (weights, tp)}
+        running[id(worker)] = worker
+        log.append((weights, tp, tuple(gpus)))
+        return worker
+
+    def finish(worker):
+        del running[id(worker)]
+        weights, tp = worker["job"]
+        return [{"weights": weights, "tp": tp, "gpus": worker["gpus"], "status": "ok"}]
+
+    monkeypatch.setattr(bench_decode, "start_worker", start)
+    monkeypatch.setattr(bench_decode, "finish_worker", finish)
+    modes = {"attention": "auto", "norm": "auto", "mlp_gate": "auto"}
+    jobs = [("llama3-70b", w, tp, modes, "") for tp in (1, 2, 4) for w in ("bf16", "4", "2")]
+    jobs.append(("llama3-70b", "4", 8, modes, ""))      # more than the machine has
+    rows = bench_decode.run_concurrent(None, jobs, ["0", "1", "2", "3"])
+    # Rows come back in the order of the jobs, each once, marked concurrent.
+    assert [(r["weights"], r["tp"]) for r in rows] == [(w, tp) for _, w, tp, _, _ in jobs]
+    assert all(r["concurrent"] for r in rows)
+    # The largest tp starts first; tp 4 (and 8, capped) hold all four GPUs.
+    assert log[0][1] == 8 and log[0][2] == ("0", "1", "2", "3")
+    assert all(len(g) == 4 for _, tp, g in log if tp >= 4)
+
+
+def test_in_process_refuses_xla_flags_and_concurrency(capsys):
+    for extra in (["--xla-flags=--xla_gpu_enable_latency_hiding_scheduler=true"], ["--concurrent"]):
+        with pytest.raises(SystemExit):
+            bench_decode.parse_args(["--in-process", *extra])
+        assert "--in-process runs in this process" in capsys.readouterr().err
+    args = bench_decode.parse_args(["--xla-flags=", "--xla-flags=--xla_a=1 --xla_b=2"])
+    assert args.xla_flags == ["", "--xla_a=1 --xla_b=2"]
