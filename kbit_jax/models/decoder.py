@@ -326,7 +326,8 @@ class Llama(nnx.Module):
                 block_hook(blocks[-1])
         self.layers = nnx.List(blocks)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
-        self.lm_head = None if cfg.tie_embeddings else _linear(cfg.dim, cfg.vocab_size, param_dtype, rngs)
+        # data even when None: a quantized head may be set later (quantized_tied_head)
+        self.lm_head = nnx.data(None) if cfg.tie_embeddings else _linear(cfg.dim, cfg.vocab_size, param_dtype, rngs)
         self.tp = None   # (mesh, axis) once placed tensor-parallel by shard_model
 
     def __call__(self, tokens, cache: Cache | None = None, pos=0, *, last_only: bool = False):
