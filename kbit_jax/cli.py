@@ -203,6 +203,11 @@ class _Streamer:
         self.out.flush()
         self.shown = len(text)
 
+    def finish(self):
+        """Print what is held back (bytes that never completed a character)."""
+        self.out.write(self.tokenizer.decode(self.ids)[self.shown:] + "\n")
+        self.out.flush()
+
 
 def generate(argv) -> int:
     """Generate text from a prompt, streaming it to stdout; speed on stderr at the end."""
@@ -279,12 +284,11 @@ def generate(argv) -> int:
                 compile_s += elapsed
             pos += 1
             stream.add(token)
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    stream.finish()
     rate = f"{decoded / decode_s:.1f} tok/s" if decoded and decode_s > 0 else "n/a"
-    print(f"prefill: {t} tokens in {prefill_s * 1e3:.1f} ms ({t / prefill_s:.1f} tok/s); "
-          f"decode: {decoded} tokens in {decode_s:.2f} s ({rate}); "
-          f"compile: {compile_s:.1f} s", file=sys.stderr)
+    print(f"{len(stream.ids)} new tokens; prefill: {t} tokens in {prefill_s * 1e3:.1f} ms "
+          f"({t / prefill_s:.1f} tok/s); decode: {decoded} tokens in {decode_s:.2f} s ({rate}; "
+          f"the first step compiles and is not counted); compile: {compile_s:.1f} s", file=sys.stderr)
     return 0
 
 
@@ -307,18 +311,17 @@ def _nll():
 
 
 def windows(n: int, context: int, stride: int):
-    """Sliding windows over ``n`` tokens: ``(begin, end, first_scored)``, each window at most
-    ``context`` tokens, advancing by ``stride``; every token after the first is scored exactly
-    once, by the window that first contains it, with up to ``context - stride`` tokens of
-    history."""
-    out, scored_to = [], 1
-    for begin in range(0, max(n - 1, 1), stride):
-        end = min(begin + context, n)
-        if end > scored_to:
-            out.append((begin, end, scored_to))
-            scored_to = end
-        if end == n:
-            break
+    """Sliding windows over ``n`` tokens, as ``(begin, end, first)``: the window holds tokens
+    ``begin .. end-1`` (at most ``context``) and scores the predictions of tokens ``first ..
+    end-1``. The first window scores every token after the first; each later one the next
+    ``min(stride, context - 1)`` tokens, with the rest of the window before them as history.
+    Every token but the first is scored exactly once."""
+    end = min(context, n)
+    out = [(0, end, 1)]
+    while end < n:
+        new_end = min(end + min(stride, context - 1), n)
+        out.append((max(0, new_end - context), new_end, end))
+        end = new_end
     return out
 
 
@@ -341,8 +344,8 @@ def perplexity(argv) -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel over the first N devices")
     args = parser.parse_args(argv)
-    if not 0 < args.stride <= args.context:
-        raise UsageError(f"need 0 < --stride <= --context, got {args.stride}, {args.context}")
+    if not 0 < args.stride <= args.context or args.context < 2:
+        raise UsageError(f"need 0 < --stride <= --context and --context >= 2, got {args.stride}, {args.context}")
     try:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
@@ -401,8 +404,9 @@ def quantize(argv) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
-        print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(__doc__.strip(), file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     command = {"demo": demo, "generate": generate, "perplexity": perplexity, "quantize": quantize}[argv[0]]
     try:
         return command(argv[1:])
