@@ -3,7 +3,7 @@
 Each (config, weights) pair runs in its own subprocess so that peak GPU memory is per model
 and an out-of-memory failure costs one row, not the run. Inside a worker the model is built
 once (randomly initialized; kbit models are quantized block by block as they are built, see
-``kbit_jax.examples.llama.build_model``), then for each batch size: prefill the prompt
+``kbit_jax.models.decoder.build_model``), then for each batch size: prefill the prompt
 (jitted), then greedy-decode ``new_tokens - 1`` steps in one jitted ``fori_loop``, so the
 timed region has one dispatch and wall time equals device time to within a dispatch.
 Median of ``--reps`` repetitions after a warm-up (compile) run.
@@ -18,7 +18,7 @@ CPU smoke test (slow; the tiny config):
         --prompt 16 --new-tokens 8 --reps 1 --out /tmp/decode
 
 Tensor parallelism (``--tp``, a comma list of sizes: each runs over the first N devices, with
-``kbit_jax.examples.llama``'s Megatron layout: fused q/k/v and gate/up column-parallel, o/down
+``kbit_jax.models.decoder``'s Megatron layout: fused q/k/v and gate/up column-parallel, o/down
 row-parallel, lm_head over the vocabulary, KV cache over kv heads; two all-reduces per layer).
 Llama-3-70B on a 2-GPU and a 4-GPU H200 machine:
     python benchmarks/bench_decode.py --configs llama3-70b --weights bf16,4,2 --tp 2 \\
@@ -55,9 +55,9 @@ RESULT = "RESULT "  # prefix of the worker's stdout line carrying its rows as JS
 #: does not fit one H200 (141 GB of weights); it is attempted and reported as not fitting.
 DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tiny": "bf16,2,3,4,5",
                    "tiny-tp": "bf16,2,3,4,5"}
-#: The example decoder's kernel choices (`llama.build_model` keywords) and their values; each
+#: The decoder's kernel choices (`decoder.build_model` keywords) and their values; each
 #: flag takes a comma list, and every combination is a row. Spelled out here: the driver parses
-#: its arguments before importing jax and flax (the example module would pull them in).
+#: its arguments before importing jax and flax (the decoder module would pull them in).
 MODES = {"attention": ("auto", "xla", "pallas"), "norm": ("auto", "xla", "pallas"),
          "mlp_gate": ("auto", "xla")}
 
@@ -95,11 +95,11 @@ def run_worker(args) -> list[dict]:
     from flax import nnx
 
     import kbit_jax
-    from kbit_jax.examples import llama
+    from kbit_jax.models import decoder
 
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    cfg = llama.CONFIGS[args.config]
+    cfg = decoder.CONFIGS[args.config]
     bits = None if args.weights == "bf16" else int(args.weights)
     tp = args.tp
     base = {"config": args.config, "weights": args.weights, "bits": bits, "tp": tp,
@@ -109,7 +109,7 @@ def run_worker(args) -> list[dict]:
     if tp > len(jax.devices()):
         return [{**base, "status": f"needs {tp} devices, found {len(jax.devices())}"}]
     try:
-        llama.check_tp(cfg, tp)
+        decoder.check_tp(cfg, tp)
     except ValueError as e:
         return [{**base, "status": f"cannot split: {e}"}]
     devices = jax.devices()[:tp]
@@ -134,7 +134,7 @@ def run_worker(args) -> list[dict]:
         mesh = jax.make_mesh((tp,), ("tp",), axis_types=(axis_type,), devices=devices)
         base["axis_type"] = args.axis_type
     t0 = time.perf_counter()
-    model, report = llama.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
+    model, report = decoder.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
                                       param_dtype=jnp.bfloat16, quantize_head=args.quantize_head,
                                       progress=args.progress, mesh=mesh,
                                       **{m: getattr(args, m) for m in MODES})
@@ -149,7 +149,7 @@ def run_worker(args) -> list[dict]:
         cache_sharding = prompt_sharding = None
         context = contextlib.nullcontext
     else:
-        cache_sharding = llama.cache_sharding(mesh)
+        cache_sharding = decoder.cache_sharding(mesh)
         prompt_sharding = NamedSharding(mesh, P())
         context = functools.partial(jax.set_mesh, mesh)
 
@@ -169,17 +169,17 @@ def run_worker(args) -> list[dict]:
 
         @in_mesh
         def once(trace_dir=None):
-            cache = llama.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding)
+            cache = decoder.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding)
             jax.block_until_ready(cache)
             t0 = time.perf_counter()
-            logits, cache = llama.prefill(graphdef, state, prompt, cache)
+            logits, cache = decoder.prefill(graphdef, state, prompt, cache)
             first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             first.block_until_ready()
             t1 = time.perf_counter()
             # Only the decode loop is traced (the perfetto JSON is what profile_summary reads).
             with (jax.profiler.trace(trace_dir, create_perfetto_trace=True) if trace_dir
                   else contextlib.nullcontext()):
-                out, cache = llama.decode(graphdef, state, first, cache, args.prompt, steps)
+                out, cache = decoder.decode(graphdef, state, first, cache, args.prompt, steps)
                 out.block_until_ready()
             t2 = time.perf_counter()
             return t1 - t0, t2 - t1, np.asarray(out)
@@ -197,9 +197,9 @@ def run_worker(args) -> list[dict]:
             profile = _profile_summary(path, steps)
         collectives = None
         if mesh is not None and batch == args.batches[0]:
-            collectives = in_mesh(lambda: hlo_collectives(llama.decode.lower(
+            collectives = in_mesh(lambda: hlo_collectives(decoder.decode.lower(
                 graphdef, state, jax.device_put(np.zeros(batch, np.int32), prompt_sharding),
-                llama.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding),
+                decoder.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding),
                 args.prompt, steps).compile().as_text()))()
         _, peak = _device_memory(devices)
         rows.append({
@@ -306,7 +306,7 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"{args.codebook!r}; lm_head {'quantized' if args.quantize_head else 'bf16'}; median of {args.reps}. "
         f"Peak GiB is the worker process's device peak, model building included (with tp > 1: "
         f"the largest over its devices). tp = tensor-parallel devices ({args.axis_type} mesh "
-        f"axis); attention: the single-token attention (`llama.ATTENTION_MODES`; auto = the "
+        f"axis); attention: the single-token attention (`decoder.ATTENTION_MODES`; auto = the "
         f"Pallas kernel on a GPU); norm: the residual add + RMSNorm (auto = its Pallas kernel on "
         f"a GPU); mlp gate: where silu(gate) * up runs (auto = inside the kbit gate/up kernel); "
         f"vs bf16 compares with bf16 at the same tp and modes; "
