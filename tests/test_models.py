@@ -193,6 +193,20 @@ def test_shards_and_bf16(tmp_path, rng):
         np.testing.assert_array_equal(a, b)
 
 
+def test_raw_reader_matches_safetensors(tmp_path, rng):
+    """The header-and-offset reader (used where safetensors' NumPy API lacks bf16) reads what
+    safetensors reads, for every float dtype."""
+    tensors = {f"w.{np.dtype(d).name}": rng.standard_normal((3, 5)).astype(d)
+               for d in (np.float32, np.float16, jnp.bfloat16)}
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    ckpt = loader.SafetensorsCheckpoint(tmp_path)
+    for name, want in tensors.items():
+        got = ckpt._read_raw(name)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(ckpt.read(name), want)
+
+
 def test_quantized_load_is_quantize_of_the_weights(tmp_path, rng):
     """bits=K: each fused kernel is kbit_jax.quantize of the dense one (same leaves), every
     linear layer of the blocks quantized, the head dense unless quantize_head."""

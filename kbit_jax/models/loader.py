@@ -138,9 +138,10 @@ class SafetensorsCheckpoint:
         """Tensor ``name`` as a NumPy array (bf16 as ``ml_dtypes.bfloat16``)."""
         try:
             return self.handles[self.weight_map[name]].get_tensor(name)
-        except TypeError:
-            return self._read_raw(name)       # a safetensors without NumPy bf16 support
         except Exception as e:
+            info = self.info(name)
+            if info is not None and info[0] == "BF16":
+                return self._read_raw(name)   # a safetensors whose NumPy API lacks bf16
             raise ValueError(f"cannot read tensor {name!r} from {self.file(name)}: {e}") from None
 
     def _read_raw(self, name: str) -> np.ndarray:
@@ -298,6 +299,9 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
     next(steps)
     embedding = ckpt.read("model.embed_tokens.weight")
     fill.set_array(model.embed.embedding, embedding)
+    tied_head = cfg.tie_embeddings and quantized and quantize_head
+    if not tied_head:
+        del embedding                     # kept on the host only to make a quantized tied head
     for i, layer in enumerate(model.layers):
         next(steps)
         pre = f"model.layers.{i}."
@@ -320,9 +324,9 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
     fill.set_array(model.norm.scale, ckpt.read("model.norm.weight"))
     if not cfg.tie_embeddings:
         fill.set_linear(model, "lm_head", _kernel(read("lm_head.weight")), quantized and quantize_head)
-    elif quantized and quantize_head:      # a quantized copy of the tied embedding
+    elif tied_head:                       # a quantized copy of the tied embedding
         fill.set_linear(model, "lm_head", _kernel(fill.to_device(embedding)), True)
-    del embedding
+        del embedding
     for _ in steps:
         pass
     _check_filled(model)
