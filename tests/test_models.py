@@ -304,10 +304,15 @@ def test_save_load_round_trip(tmp_path, rng):
 def test_save_load_dense(tmp_path, rng):
     path = write_checkpoint(tmp_path / "hf", LLAMA, random_tensors(LLAMA, rng))
     model = models.load(path, dtype=jnp.float32, progress=False)
-    back = models.load(models.save(model, tmp_path / "dense"), dtype=jnp.float32, progress=False)
+    saved = models.save(model, tmp_path / "dense")
+    back = models.load(saved, dtype=jnp.float32, progress=False)
     for a, b in zip(leaves(model), leaves(back)):
         np.testing.assert_array_equal(a, b)
     assert back.config == model.config
+    half = models.load(saved, progress=False)            # dtype bf16: dense leaves cast on restore
+    for a, b in zip(leaves(model), leaves(half)):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(a.astype(jnp.bfloat16), b)
 
 
 # -- bad checkpoints and arguments -------------------------------------------------------------

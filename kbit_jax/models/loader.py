@@ -263,7 +263,7 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
         it was saved (``bits`` must be None or its bits).
       codebook: as ``kbit_jax.quantize``.
       dtype: float32, bfloat16 or float16: the dense weights (embedding, norms, dense layers)
-        and so the computation.
+        and so the computation (a saved model's dense weights are cast to it as restored).
       mesh, axis: place the model tensor-parallel over ``mesh``'s axis ``axis`` as it is loaded
         (``decoder.shard_model``'s layout); None: the default device.
       quantize_head: quantize the output projection too (a tied one gets a quantized copy of
