@@ -9,7 +9,10 @@ timed region has one dispatch and wall time equals device time to within a dispa
 Median of ``--reps`` repetitions after a warm-up (compile) run.
 
 Full run on one H200 (defaults):
-    python benchmarks/bench_decode.py --out benchmarks/results/decode
+    python benchmarks/bench_decode.py --out /tmp/decode
+The committed Llama-3-8B table (benchmarks/results/decode_llama3_8b_h200.md):
+    python benchmarks/bench_decode.py --configs llama3-8b --weights bf16,4,2,3,5 \\
+        --new-tokens 128 --reps 2 --out benchmarks/results --name decode_llama3_8b_h200
 A run of a few minutes:
     python benchmarks/bench_decode.py --configs llama3-8b --batches 1 --weights bf16,4 \\
         --new-tokens 64 --reps 2 --out /tmp/decode
@@ -22,9 +25,9 @@ Tensor parallelism (``--tp``, a comma list of sizes: each runs over the first N 
 row-parallel, lm_head over the vocabulary, KV cache over kv heads; two all-reduces per layer).
 Llama-3-70B on a 2-GPU and a 4-GPU H200 machine:
     python benchmarks/bench_decode.py --configs llama3-70b --weights bf16,4,2 --tp 2 \\
-        --out benchmarks/results/decode_tp2
+        --out /tmp/decode_tp2
     python benchmarks/bench_decode.py --configs llama3-70b --weights bf16,4,2 --tp 2,4 \\
-        --out benchmarks/results/decode_tp4
+        --out /tmp/decode_tp4
 CPU smoke test of the tensor-parallel path ("tiny-tp" splits over up to 4 devices, "tiny" 2):
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/bench_decode.py \\
         --configs tiny-tp --tp 1,2,4 --batches 1,2 --weights bf16,4 --prompt 16 --new-tokens 8 \\
@@ -361,7 +364,8 @@ def parse_args(argv=None):
     p.add_argument("--mlp-gate", default="auto",
                    help="comma list of MLP gate modes, each a row (with every other mode): auto "
                         "(silu(gate) * up inside the kbit gate/up kernel), xla (default auto)")
-    p.add_argument("--out", default=None, help="directory for decode.json and decode.md")
+    p.add_argument("--out", default=None, help="directory for <name>.json and <name>.md")
+    p.add_argument("--name", default="decode", help="file name stem under --out (default: decode)")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")
     p.add_argument("--progress", action="store_true", help="progress bar while building models")
     p.add_argument("--quantize-head", action="store_true",
@@ -409,11 +413,11 @@ def main(argv=None):
     print(md)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "decode.json"), "w") as f:
+        with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
             json.dump({"environment": env, "args": {k: v for k, v in vars(args).items()
                                                     if k not in ("worker", "config")},
                        "results": rows}, f, indent=1)
-        with open(os.path.join(args.out, "decode.md"), "w") as f:
+        with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
             f.write(md)
 
 

@@ -1,38 +1,28 @@
-"""Device-time benchmark of kbit_jax.matmul against the dense jnp.dot (DESIGN.md §7).
+"""Device-time benchmark of kbit_jax.matmul against the dense jnp.dot.
 
 Timing: each measurement jits one function that runs the product over R different weight
 buffers (R chosen so their bytes exceed the 60 MB L2 at least four times, so weights come
 from HBM as in decoding), in P passes with P copies of x, each pass after the previous one
 (`kbit_jax.timing.passes_function`: otherwise XLA may merge or group one weight's products).
-The function is dispatched 10 times back to back without waiting
-(`kbit_jax.timing.median_call_seconds`: the host overhead hides behind device work), then the
-last result is awaited; time / (10 * P * R) is one sample, and the median of the samples is
+
+On a GPU (--time busy, the default there) every row reports the device's busy time per
+product, kbit and dense alike: the union of the GPU's kernel intervals in a profile of
+one-pass calls (`busy_seconds`), in which waits for the host drop out. Call times are recorded
+beside it ("kbit_call_us", "dense_call_us"): they also hold the device's idle time between
+calls, and on small layers the host's cost of queueing a call, so they are an upper bound.
+
+--time call (the only mode on a CPU backend) reports call times instead: the function is
+dispatched 10 times back to back without waiting (`kbit_jax.timing.median_call_seconds`), the
+last result awaited, and time / (10 * P * R) is one sample; the median of the samples is
 reported. P starts at 1 and doubles while queueing a call takes more than 0.7 of its time
-(`kbit_jax.timing.products_seconds`): the host's cost grows with the R weights' argument
-leaves, and on the small shapes one pass measured the host, not the device (qwen3 q, M = 1:
-11.6 us per kbit product for a 7.2 us kernel; `host_bound.py`). Rows record P
-("passes", "dense_passes") and whether the host still set the pace at the cap of 8 passes
-("host_bound", "dense_host_bound"). On the small shapes the host's cost of a call grows with its
-products too, so more passes do not always hand the pace to the device, and which rows the host
-held flipped between runs (22 of 116 rows between sessions 43 and 44), so a table mixed call
-times and busy times row by row. So on a GPU (--time busy, the default there) every row reports
-the device's busy time per product, kbit and dense alike: the union of the GPU's kernel
-intervals in a profile of one-pass calls (`busy_seconds`), in which waits for the host drop out.
-The call times stay in the row as "kbit_call_us" / "dense_call_us": an upper bound where the host
-set the pace, and otherwise they also hold the device's idle time between calls, which a large
-layer's few products a call do not amortize (H200, session 45: Llama-3-70B gate/up at M = 1, 8
-products a call, 44.2 us a kbit product against 39.6 us busy, 115.9 against 107.0 for the dense
-dot). --time call reports the call times instead, and the busy time only where the
-host still set the pace at the cap of 8 passes (the tables before session 45; marked "*" in
-render.py's table). With busy time the call times are only recorded, so their pass search stops
-at one pass (--max-passes, default 8 with --time call and 1 with --time busy): each search step
-compiles the product over P x R weights again, ~2 s a row on the small layers (H200, session 46);
-a one-pass call time is an upper bound where the host set the pace ("host_bound"). (The other
-16-bit dense dot's column is a call time in either mode; its search keeps the cap of 8.) On a
-CPU backend there is no profile to read, and the call time stays. The dense bf16 and fp16 dots
-are measured in the same run, and the bandwidth floor is bytes moved /
-copy bandwidth measured in the same run: the faster of cudaMemcpy (through torch, where it is
-installed) and XLA's own copy. With --out, matmul.json is rewritten after every row.
+(`kbit_jax.timing.products_seconds`, up to --max-passes); rows record P ("passes",
+"dense_passes") and whether the host still set the pace ("host_bound", "dense_host_bound").
+
+The dense bf16 and fp16 dots are measured in the same run (the other 16-bit dot's column is a
+call time in either mode), and the bandwidth floor is bytes moved / copy bandwidth measured in
+the same run: the faster of cudaMemcpy (through torch, where it is installed) and XLA's own
+copy. With --out, <name>.json is rewritten after every row, and <name>.md and <name>.png
+(`render.py`) are written at the end; the name defaults to matmul_<gpu>, e.g. matmul_h200.
 
     python benchmarks/bench_matmul.py --out benchmarks/results            # full table (GPU)
     python benchmarks/bench_matmul.py --shapes qwen3_q --m 1 16 --bits 4  # a subset
@@ -45,6 +35,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -56,6 +47,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import kbit_jax as kj  # noqa: E402
 from kbit_jax import reference  # noqa: E402
 from kbit_jax.timing import median_call_seconds, passes_function, products_seconds  # noqa: E402
+import render  # noqa: E402
 from profile_summary import busy_us, trace_kernels  # noqa: E402
 from shapes import BITS, M_VALUES, SHAPES  # noqa: E402
 
@@ -75,7 +67,7 @@ def memcpy_bandwidth():
     """Bytes read + written per second by cudaMemcpy device to device (torch, in a subprocess so
     that it does not share the process with JAX's allocator), or None where torch or CUDA is
     missing. XLA's copy (copy_bandwidth) reads ~3.2 TB/s on the H200 where cudaMemcpy reaches
-    ~4.2, and the targets (DESIGN.md section 7) are fractions of the latter."""
+    ~4.2, so the floor and '% BW' use the faster of the two."""
     code = ("import torch\n"
             "a = torch.empty(1 << 31, dtype=torch.uint8, device='cuda'); b = torch.empty_like(a)\n"
             "s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
@@ -131,10 +123,13 @@ def main(argv=None):
                         "1 with --time busy, where the call time is only recorded)")
     p.add_argument("--warmup", type=float, default=0.2,
                    help="seconds of untimed calls before each measurement's samples (clocks ramp up)")
-    p.add_argument("--out", default=None, help="directory for matmul.json (+ .md)")
+    p.add_argument("--out", default=None, help="directory for <name>.json, .md and .png")
+    p.add_argument("--name", default=None,
+                   help="file name stem under --out (default: matmul_<gpu>, e.g. matmul_h200)")
     args = p.parse_args(argv)
 
     device = jax.devices()[0]
+    name = args.name or f"matmul_{device_tag(device.device_kind)}"
     on_gpu = device.platform == "gpu"
     timing = args.time or ("busy" if on_gpu else "call")
     if timing == "busy" and not on_gpu:
@@ -211,7 +206,7 @@ def main(argv=None):
                         row["kbit_xla_gate_us"] = timed(unfused, x, ws, passes=passes)[0] * 1e6
                     rows.append(row)
                     if args.out:  # after every row, so that a run cut short keeps what it measured
-                        write_json(result, args.out)
+                        write_json(result, args.out, name)
                     print(f"{name:22s} {dtype_name:8s} M={m:<5d} K={bits} kbit {t * 1e6:9.1f} us  "
                           f"dense {t_dense * 1e6:9.1f} us  x{t_dense / t:5.2f}  "
                           f"{100 * row['bw_fraction']:5.1f}% of copy BW  passes {passes}/{dense_passes}"
@@ -220,14 +215,23 @@ def main(argv=None):
                           + (f"  kbit + XLA gate {row['kbit_xla_gate_us']:7.1f} us" if args.glu else ""),
                           flush=True)
     if args.out:
-        print(f"wrote {write_json(result, args.out)}")
+        path = write_json(result, args.out, name)
+        print(f"wrote {path}")
+        render.main([path])
     return result
 
 
-def write_json(result, out_dir):
-    """Write result to out_dir/matmul.json through a temporary file (never a half-written file)."""
+def device_tag(device_kind: str) -> str:
+    """A short file-name tag for a device: its first word with a digit ("NVIDIA H100 80GB HBM3"
+    -> "h100", "NVIDIA A100-SXM4-80GB" -> "a100"), else its first word ("cpu")."""
+    words = [w for w in re.split(r"[^a-z0-9]+", device_kind.lower()) if w and w != "nvidia"]
+    return next((w for w in words if any(c.isdigit() for c in w)), words[0] if words else "device")
+
+
+def write_json(result, out_dir, name):
+    """Write result to out_dir/<name>.json through a temporary file (never a half-written file)."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "matmul.json")
+    path = os.path.join(out_dir, f"{name}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
     os.replace(path + ".tmp", path)

@@ -12,7 +12,7 @@ it times ``kbit_jax.matmul`` and the dense ``jnp.dot`` on a weight sharded the s
 (bf16 by default), under ``jit`` with NamedSharding inputs. The compiled HLO of both is
 checked for collectives (recorded; a kbit program with an all-gather is reported as an error).
 
-Timing (DESIGN.md §7): one jitted call applies the layer to R different weight buffers (R so
+Timing (docs/performance.md): one jitted call applies the layer to R different weight buffers (R so
 that the per-GPU weight bytes exceed the 60 MB L2 at least four times: weights come from HBM
 as in decoding), in passes until queueing a call no longer sets its pace
 (kbit_jax.timing.products_seconds, as in bench_matmul.py; rows record "passes" and
@@ -21,7 +21,7 @@ and the median sample is divided by the products per call. Weights are random
 codes/scales generated on the devices (values do not matter for speed). The floor is the
 per-GPU bytes (weight shard + activations) / the copy bandwidth measured in the same run.
 
-    python benchmarks/bench_sharded.py --out benchmarks/results               # all GPUs
+    python benchmarks/bench_sharded.py --out /tmp/sharded                   # all GPUs
     python benchmarks/bench_sharded.py --ndev 1 2 --m 1 16 --bits 4 --out /tmp/r
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
         python benchmarks/bench_sharded.py --shapes 1024x512 --m 1 8 --repeats 2 --out /tmp/r  # smoke test

@@ -2,7 +2,7 @@
 // cluster add their f32 partial tiles (BM x BN) and store the bf16 sums, as the wgmma kernel's
 // epilogue does (matmul_wgmma.cuh: each rank sums every ks-th row over the ranks, in rank order).
 // Modes:
-//   0 dsmem: the kernel's pull before session 34: each rank reads the other ranks' staged tiles
+//   0 dsmem: a pull: each rank reads the other ranks' staged tiles
 //            through distributed shared memory, one rank after another; a cluster barrier at exit.
 //   1 dsmem-batched: the same, with a thread's loads from all ranks issued before its first add.
 //   2 l2: each rank writes the rows it does not own to a global workspace (L2-resident), passes
@@ -13,7 +13,7 @@
 //         four items' loads from every rank in flight before the first add.
 //   6 push: each rank sends the rows it does not own to their owners' receive slots by st.async
 //         (completing on the owner's mbarrier), then adds its own rows from its own shared memory;
-//         no barrier at exit (the kernel's sum since session 34).
+//         no barrier at exit (the wgmma kernel's sum).
 // Modes 0-2 and 4-6 give bit-identical sums (same order), checked. Every launch fills the GPU
 // with as many clusters as fit at once (cudaOccupancyMaxActiveClusters at the reserved shared
 // memory). Column "y": the sums stored as the kernels store them ("rows": [BM][clusters x BN])
@@ -24,7 +24,7 @@
 //        -o /tmp/cluster_sum_bench && /tmp/cluster_sum_bench
 // Prints one line per (BM, BN, ks, y, mode): the launch time (back-to-back, events) and the
 // median and slowest CTA's span from its tile staged to its sums stored, and the median to its
-// exit (%globaltimer). Results: benchmarks/results/wgmma_push_h200_s34.md.
+// exit (%globaltimer).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -11,7 +11,6 @@
 //   build/cuda_kernel_harness layers             a Llama-3-70B layer's products at TP 1, 2, 4, M = 1
 //   build/cuda_kernel_harness prefetch           the same products after an idle gap, with and without
 //                                                an L2 prefetch of their weights issued before the gap
-//   build/cuda_kernel_harness timeline BITS K N M ...   milestones of a launch (-DKBIT_TIMELINE builds)
 //   build/cuda_kernel_harness host               host time of a launch and of its parts
 //   build/cuda_kernel_harness sweep              every cluster size (k-split) vs the launcher's choice
 //   build/cuda_kernel_harness narrow             M <= 8 in the 16-row tilings' 32-column groups
@@ -43,9 +42,6 @@
 // KBIT_HARNESS_NARROW_M and _BITS set those of "narrow", KBIT_HARNESS_WIDE5_M those of "wide5",
 // KBIT_HARNESS_TILES_M and _BITS those of "tiles", KBIT_HARNESS_BALANCE_M and _BITS those of
 // "balance";
-// KBIT_HARNESS_TIMELINE_VARIANT=v, _KSPLIT=n and _COLUMNS=c force "timeline"'s tiling variant,
-// cluster size and wgmma weight tile; KBIT_HARNESS_TIMELINE_FLOOD=1 and
-// _TWICE=1 precede each "timeline" launch by a code flood or by the same product.
 // tools/kernel_profile.sh builds this harness on the GPU machine and runs sel or ncu.
 //
 // Correctness: quantize (both layouts, three input dtypes) bit-exact against a host quantizer
@@ -75,7 +71,6 @@
 #include "cuda/common.cuh"
 #include "cuda/fast_div.cuh"
 #include "cuda/launch.cuh"
-#include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
 #include "format.h"
 
@@ -100,6 +95,20 @@ static int g_failures = 0, g_checks = 0;
       printf("\n");                  \
     }                                \
   } while (0)
+
+// A MatmulTuning with its own launch report: the launchers write what they chose into
+// `launched` (MatmulTuning::report points at it, in copies too).
+struct Tuning : kbit::cuda::MatmulTuning {
+  kbit::cuda::MatmulLaunchReport launched;
+  Tuning() { report = &launched; }
+  Tuning(const Tuning& o) : kbit::cuda::MatmulTuning(o), launched(o.launched) { report = &launched; }
+  Tuning& operator=(const Tuning& o) {
+    kbit::cuda::MatmulTuning::operator=(o);
+    launched = o.launched;
+    report = &launched;
+    return *this;
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Host helpers
@@ -507,7 +516,7 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   kbit::cuda::MatmulArgs a;
   a.x = dx.p; a.dtype = dt; a.planes = dp.p; a.scales = ds.p; a.codebook = dcb.p; a.tensor_scale = dts.p;
   a.y = dy.p; a.batch = c.B; a.m = c.M; a.k = c.K; a.n = c.N; a.bits = bits; a.layout = layout;
-  kbit::cuda::MatmulTuning tune;
+  Tuning tune;
   tune.k_split = c.k_split;
   tune.force_generic = c.force_generic;
   tune.variant = c.variant;
@@ -528,13 +537,13 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
   for (int rep = 0; rep < reps; ++rep) {
     CK(cudaMemset(dy.p, 0xFF, dy.n));  // NaN in every dtype: unwritten outputs fail the check
     const std::string err = kbit::cuda::launch_matmul(a, 0, &tune);
-    g_balanced_launches += rep == 0 && tune.launched_balanced;
-    g_split_last_launches += rep == 0 && tune.launched_whole_ctas > 0;
-    g_wide5_launches += rep == 0 && tune.launched_variant == 4;
-    g_push_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPush;
-    g_pull_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPull;
-    g_pull_by_rank_launches += rep == 0 && tune.launched_cluster_sum == kbit::cuda::kClusterSumPull &&
-                               tune.launched_k_split > kbit::cuda::kPullBatchMaxRanks;
+    g_balanced_launches += rep == 0 && tune.launched.balanced;
+    g_split_last_launches += rep == 0 && tune.launched.whole_ctas > 0;
+    g_wide5_launches += rep == 0 && tune.launched.variant == 4;
+    g_push_launches += rep == 0 && tune.launched.cluster_sum == kbit::cuda::kClusterSumPush;
+    g_pull_launches += rep == 0 && tune.launched.cluster_sum == kbit::cuda::kClusterSumPull;
+    g_pull_by_rank_launches += rep == 0 && tune.launched.cluster_sum == kbit::cuda::kClusterSumPull &&
+                               tune.launched.k_split > kbit::cuda::kPullBatchMaxRanks;
     CK(cudaDeviceSynchronize());
     if (!err.empty()) {  // (a failed case, not a case within its bound)
       printf("  launch error: %s\n", err.c_str());
@@ -556,13 +565,13 @@ static double run_matmul_case(const MMCase& c, int bits, int layout, DType dt, u
     if (reps > 1 && ratio > 1.0) {
       ++failed_runs;
       printf("REPEAT run %d of %d: max |err| / bound %.3g, relative Frobenius error %.3g (k_split %d, %d CTAs)\n", rep,
-             reps, ratio, rel, tune.launched_k_split, tune.launched_ctas);
+             reps, ratio, rel, tune.launched.k_split, tune.launched.ctas);
       if (failed_runs <= 8) diagnose_matmul_run(c, ref, bound, y, dt);
     }
   }
   if (reps > 1)
     printf("REPEAT %d of %d runs failed (%s, k_split %d, %d CTAs)\n", failed_runs, reps, path_out->c_str(),
-           tune.launched_k_split, tune.launched_ctas);
+           tune.launched.k_split, tune.launched.ctas);
   return worst_rel;
 }
 
@@ -587,39 +596,31 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
   printf("%s\n", tiles.size() > 32 ? " ..." : "");
 }
 
-// The launcher's tiling choice where the harness's "rows" fitted it (Config::chunk_cost and
-// Launcher::plan in matmul_fused.cuh): bf16 at M = 9..16 on a wide, short layer (K 256, N 32768)
-// takes the N-split tiling in blocks of 16 rows, bf16 on a narrow layer (K 5120, N 2048) a
-// 16-row tiling (variant 0 or 1). fp16 (session 42's prices, nsplit_price_f16; H100 "rows",
-// benchmarks/results/nsplit_f16_s42.md) on Llama-3-8B gate/up (K 4096, N 14336) at M = 16 takes
-// the N-split tiling at bits 2, 4 and 5 (18.8-25.7 against 21.1-29.4 us; bits 5 since session
-// 46 the 64-column tiling, below) and a 16-row tiling at bits 3; on GLM-4.7 gate/up (K 2048,
-// N 10240) at M = 64, bits 5, the N-split tiling (28.2 against 36.4 us: before, a 16-row
-// tiling). On Qwen3 gate/up (K 2048, N 5120) at M = 32 bits 2-4 take a 16-row tiling and bits 5
-// the N-split tiling in blocks of 32 rows. On Llama-3-8B down
-// (K 14336, N 4096) at M = 17, whose second 16-row block has one row, bits 2 and 4 take a 16-row
-// tiling: 0.83-0.88x the N-split tiling's time since that block's copy is shifted (session 32,
-// benchmarks/results/last_block_h200_s32.md).
-// Bits 5 at M = 9..16 (session 46, harness "wide5", benchmarks/results/wide5_h200_s46.md):
-// the 64-column tiling (variant 4) on Qwen3 gate/up (M = 9: 8.4 against V1's 10.4 us; fp16 at
-// M = 16), Llama-3-70B down (K 28672, N 8192) and Llama-3-8B gate/up with fp16 (24.8 against the
-// N-split tiling's 23.6 us: the price's one loss there); the N-split tiling on Llama-3-8B gate/up
-// with bf16; V1 on GLM-4.7 gate/up (K 2048, N 10240; V4 1.04x).
-// The wgmma kernel's plan (WgLauncher, session 32, benchmarks/results/wgmma_split_last_h200_s32.md):
-// Llama-3-70B gate/up (K 8192, N 28672) at M = 512, bits 2-4, splits its last round of tiles
-// (448 tiles of 256 x 128 on 132 SMs; 0.88-0.91x the time); Llama-3-8B gate/up (K 4096, N 14336)
-// at M = 512, bits 5, runs 224 tiles of 256 x 128 unsplit (session 33: bits 5 takes the 256-row
-// tile too; the last round fills 92 of 132 SMs). With the wrong count of resident CTAs the
-// session-32 launcher split it. At M = 384 (WgLauncher::cost's row tile) the 128 x 128 tile on
-// two warpgroup pairs (session 39, H100 wgplans; benchmarks/results/wgmma_pairs128_h100_s39.md):
-// Llama-3-70B q/k/v at TP 2 (K 8192, N 5120) in 120 unsplit tiles (54.9 us, against 60.2 for
-// 128 x 256 over 2-CTA clusters, session 33's pick, and 88.3 for 256 x 128), and Llama-3-70B down
-// (K 28672, N 8192) in 252 tiles with the last round split (308.6 us, against 357.1 for the 128
-// 256-row tiles session 33 picked).
+// The launchers' choices where their fitted prices decide (Config::chunk_cost and Planner::plan
+// in matmul_fused_config.cuh / matmul_fused_plan.cuh, WgLauncher in matmul_wgmma.cuh), each the
+// faster option in the timings the prices were fitted on: bf16 at M = 9..16 on a wide, short
+// layer (K 256, N 32768) takes the N-split tiling in blocks of 16 rows, bf16 on a narrow layer
+// (K 5120, N 2048) a 16-row tiling (variant 0 or 1). fp16 on Llama-3-8B gate/up (K 4096,
+// N 14336) at M = 16 takes the N-split tiling at bits 2 and 4, the 64-column tiling at bits 5,
+// a 16-row tiling at bits 3; on GLM-4.7 gate/up (K 2048, N 10240) at M = 64, bits 5, the N-split
+// tiling. On Qwen3 gate/up (K 2048, N 5120) at M = 32 bits 2-4 take a 16-row tiling and bits 5
+// the N-split tiling in blocks of 32 rows. On Llama-3-8B down (K 14336, N 4096) at M = 17, whose
+// second 16-row block has one row, bits 2 and 4 take a 16-row tiling (its shifted last-block copy
+// makes it 0.83-0.88x the N-split tiling's time).
+// Bits 5 at M = 9..16: the 64-column tiling (variant 4) on Qwen3 gate/up (fp16 at M = 16),
+// Llama-3-70B down (K 28672, N 8192) and Llama-3-8B gate/up with fp16; the N-split tiling on
+// Llama-3-8B gate/up with bf16; variant 1 on GLM-4.7 gate/up (K 2048, N 10240).
+// The wgmma kernel's plan: Llama-3-70B gate/up (K 8192, N 28672) at M = 512, bits 2-4, splits its
+// last round of tiles (448 tiles of 256 x 128 on 132 SMs); Llama-3-8B gate/up (K 4096, N 14336)
+// at M = 512, bits 5, runs 224 tiles of 256 x 128 unsplit (the last round fills 92 of 132 SMs;
+// with a wrong count of resident CTAs the launcher would split it). At M = 384 (WgLauncher::cost's
+// row tile) the 128 x 128 tile on two warpgroup pairs: Llama-3-70B q/k/v at TP 2 (K 8192,
+// N 5120) in 120 unsplit tiles, and Llama-3-70B down (K 28672, N 8192) in 252 tiles with the last
+// round split.
 // Only the choice is checked (the data are zeros); the results of these tilings are checked in
 // test_matmul.
 static void test_dispatch() {
-  auto launch_zeros = [](int K, int N, int M, DType dt, int bits, kbit::cuda::MatmulTuning& tune) {
+  auto launch_zeros = [](int K, int N, int M, DType dt, int bits, Tuning& tune) {
     DevBuf<uint8_t> x(size_t(M) * K * 2), y(size_t(M) * N * 2), sc(size_t(K / 32) * N);
     DevBuf<uint32_t> planes(size_t(K / 32) * N * bits);
     DevBuf<float> cb(size_t(1) << bits), ts(1);
@@ -645,15 +646,15 @@ static void test_dispatch() {
                         {14336, 4096, 17, DType::kBF16, 0, 4, 4}};
   for (const Want& w : wants)
     for (int bits = w.bits_lo; bits <= w.bits_hi; ++bits) {
-      kbit::cuda::MatmulTuning tune;
+      Tuning tune;
       tune.variant = -2;  // matmul_fused.cuh's own choice (with bf16 at M = 32 users get the wgmma kernel)
       launch_zeros(w.K, w.N, w.M, w.dt, bits, tune);
-      const int v = tune.launched_variant;
-      const bool ok = w.nsplit_rows > 0    ? v == 2 && tune.launched_rows == w.nsplit_rows
-                      : w.nsplit_rows == 0 ? (v == 0 || v == 1) && tune.launched_rows == 16
-                                           : v == 4 && tune.launched_rows == 16;
+      const int v = tune.launched.variant;
+      const bool ok = w.nsplit_rows > 0    ? v == 2 && tune.launched.rows == w.nsplit_rows
+                      : w.nsplit_rows == 0 ? (v == 0 || v == 1) && tune.launched.rows == 16
+                                           : v == 4 && tune.launched.rows == 16;
       EXPECT(ok, "dispatch K=%d N=%d M=%d bits=%d dtype=%s: variant %d in blocks of %d rows (%s%s expected)\n",
-             w.K, w.N, w.M, bits, kbit::cuda::dtype_name(w.dt), v, tune.launched_rows,
+             w.K, w.N, w.M, bits, kbit::cuda::dtype_name(w.dt), v, tune.launched.rows,
              w.nsplit_rows > 0    ? "the N-split tiling of rows: "
              : w.nsplit_rows == 0 ? "a 32-column 16-row tiling"
                                   : "the 64-column 16-row tiling",
@@ -666,14 +667,14 @@ static void test_dispatch() {
                              {8192, 5120, 384, 4, 128, 128, false},  {28672, 8192, 384, 4, 128, 128, true},
                              {2048, 4096, 48, 4, 64, 64, false},     {14336, 4096, 48, 4, 64, 64, false}};
   for (const WgWant& w : wg_wants) {
-    kbit::cuda::MatmulTuning tune;
+    Tuning tune;
     launch_zeros(w.K, w.N, w.M, DType::kBF16, w.bits, tune);
-    const bool split = tune.launched_whole_ctas > 0;
-    EXPECT(tune.launched_variant == 3 && tune.launched_rows == w.rows && tune.launched_wg_columns == w.columns &&
+    const bool split = tune.launched.whole_ctas > 0;
+    EXPECT(tune.launched.variant == 3 && tune.launched.rows == w.rows && tune.launched.wg_columns == w.columns &&
                split == w.split,
            "dispatch K=%d N=%d M=%d bits=%d: variant %d, %d-row tiles of %d columns, %s (the wgmma kernel, %d rows, "
-           "%d columns, %s expected)\n", w.K, w.N, w.M, w.bits, tune.launched_variant,
-           tune.launched_rows, tune.launched_wg_columns, split ? "last round split" : "unsplit", w.rows, w.columns,
+           "%d columns, %s expected)\n", w.K, w.N, w.M, w.bits, tune.launched.variant,
+           tune.launched.rows, tune.launched.wg_columns, split ? "last round split" : "unsplit", w.rows, w.columns,
            w.split ? "last round split" : "unsplit");
   }
 }
@@ -946,7 +947,7 @@ static bool graph_timing() {
 
 // ---- shared by the timing modes ----
 
-// MatmulTuning::launched_cluster_sum in words.
+// MatmulLaunchReport::cluster_sum in words.
 static const char* cluster_sum_name(int sum) {
   return sum == kbit::cuda::kClusterSumPush ? "push" : sum == kbit::cuda::kClusterSumPull ? "pull" : "-";
 }
@@ -1066,7 +1067,7 @@ struct WeightCopies {
 // Median time of product `a` over cold copies (`reps` batches of `per` launches) with `tune`
 // (which receives the launched cluster size and CTA count); a launch error is printed and counted.
 static double time_tuned(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCopies& w,
-                         kbit::cuda::MatmulTuning& tune, int reps, int per) {
+                         Tuning& tune, int reps, int per) {
   std::string err;
   auto launch = [&](int c, cudaStream_t stream) {
     a.planes = w.planes(c);
@@ -1110,17 +1111,17 @@ static std::vector<int> env_int_list(const char* name, const char* fallback, int
 // the warp-specialized kernel.
 static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCopies& w, int k_split,
                             double (&us_v)[2], int reps = 7, int per = 20,
-                            kbit::cuda::MatmulTuning* launched = nullptr, int ws_max_rows = -1) {
+                            Tuning* launched = nullptr, int ws_max_rows = -1) {
   us_v[0] = us_v[1] = 0;
   for (int v = 0; v < (a.m <= 128 ? 2 : 1); ++v) {
-    kbit::cuda::MatmulTuning tune;
+    Tuning tune;
     tune.variant = v;
     tune.k_split = k_split;
     tune.ws_max_rows = ws_max_rows;
     us_v[v] = time_tuned(tm, a, w, tune, reps, per);
     if (launched) {
-      launched->launched_k_split = tune.launched_k_split;
-      launched->launched_ctas = tune.launched_ctas;
+      launched->launched.k_split = tune.launched.k_split;
+      launched->launched.ctas = tune.launched.ctas;
     }
   }
   return us_v[1] > 0 ? std::min(us_v[0], us_v[1]) : us_v[0];
@@ -1139,8 +1140,6 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 // the weight tile's columns the launcher chose. At M <= 128 the forced sizes of the SWEEP
 // line run the 256-column tile, and a second line, "BN128 ..." (same fields), the 128-column
 // tile (tuning.wg_columns).
-// (Session 26's run of 256/384/512 timed the warp-specialized kernel instead: time_variants
-// forces matmul_fused.cuh's variant 0.)
 static void bench_sweep() {
   const std::vector<int> ms = env_int_list("KBIT_HARNESS_SWEEP_M", "1 16", 1, 4096);
   const std::vector<int> bits_list = env_int_list("KBIT_HARNESS_SWEEP_BITS", "2 4 5", 2, 5);
@@ -1155,16 +1154,16 @@ static void bench_sweep() {
       for (int M : ms) {
         const bool wgmma = M >= 65 || wgmma_everywhere;
         // (variants 0 and 1 of time_variants would force matmul_fused.cuh's tilings)
-        auto time = [&](int ks, int wg_columns, kbit::cuda::MatmulTuning& tune) {
+        auto time = [&](int ks, int wg_columns, Tuning& tune) {
           if (wgmma) {
-            kbit::cuda::MatmulTuning t;
+            Tuning t;
             t.variant = 3;
             t.k_split = ks;
             t.wg_columns = wg_columns;
             const double us = time_tuned(tm, env.matmul_args(s, bits, M), w, t, 5, 10);
-            tune.launched_k_split = t.launched_k_split;
-            tune.launched_ctas = t.launched_ctas;
-            tune.launched_wg_columns = t.launched_wg_columns;
+            tune.launched.k_split = t.launched.k_split;
+            tune.launched.ctas = t.launched.ctas;
+            tune.launched.wg_columns = t.launched.wg_columns;
             return us;
           }
           double us_v[2];
@@ -1173,7 +1172,7 @@ static void bench_sweep() {
         double fused_us = 0;
         if (wgmma && M <= 128) {
           if (M < 65) {  // matmul_fused.cuh's own choice at this M (any tiling)
-            kbit::cuda::MatmulTuning t;
+            Tuning t;
             t.variant = -2;
             fused_us = time_tuned(tm, env.matmul_args(s, bits, M), w, t, 5, 10);
           } else {  // (variant -1 would pick the wgmma kernel here)
@@ -1185,14 +1184,14 @@ static void bench_sweep() {
         for (int columns : {256, 128}) {
           if (columns == 128 && !two_tiles) break;
           // the line's first time: the launcher's own choice (on the SWEEP line, of the tile too)
-          kbit::cuda::MatmulTuning tune;
+          Tuning tune;
           const double us = time(0, columns == 128 ? 128 : 0, tune);
-          const int chosen_columns = tune.launched_wg_columns;
+          const int chosen_columns = tune.launched.wg_columns;
           printf("%s %-18s %5d %6d %d %2d %8.2f %d %3d ", columns == 128 ? "BN128" : "SWEEP", s.name, s.K, s.N, bits, M,
-                 us, tune.launched_k_split, tune.launched_ctas);
+                 us, tune.launched.k_split, tune.launched.ctas);
           for (int ks = 1; ks <= 8; ++ks) {
             const double t = time(ks, two_tiles ? columns : 0, tune);
-            printf(" %.2f/%d/%d", t, tune.launched_k_split, tune.launched_ctas);
+            printf(" %.2f/%d/%d", t, tune.launched.k_split, tune.launched.ctas);
           }
           if (fused_us > 0) printf(" fused %.2f", fused_us);
           if (wgmma) printf(" columns %d", chosen_columns);
@@ -1215,7 +1214,7 @@ static void time_cases_after_default(const std::vector<int>& bits_list, const st
       const WeightCopies w(env, s, bits);
       for (int M : ms) {
         const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
-        kbit::cuda::MatmulTuning dflt;
+        Tuning dflt;
         const double us = time_tuned(tm, a, w, dflt, 5, 10);
         each(s, a, w, us, dflt);
         fflush(stdout);
@@ -1235,31 +1234,31 @@ static void bench_narrow() {
       env_int_list("KBIT_HARNESS_NARROW_BITS", "2 3 4 5", 2, 5),
       env_int_list("KBIT_HARNESS_NARROW_M", "1 4 8", 1, 8),
       tm, [&](const Shape& s, const kbit::cuda::MatmulArgs& a, const WeightCopies& w, double us,
-              const kbit::cuda::MatmulTuning& dflt) {
-        auto narrow = [&](int ks, kbit::cuda::MatmulTuning& t) {
+              const Tuning& dflt) {
+        auto narrow = [&](int ks, Tuning& t) {
           t.min_m_tiles = 2;
           t.variant = 0;
           t.k_split = ks;
           return time_tuned(tm, a, w, t, 5, 10);
         };
-        kbit::cuda::MatmulTuning nt;
+        Tuning nt;
         const double nus = narrow(0, nt);
         double best = nus;
         printf("NARROW %-18s %5d %6d %d %d %8.2f v%d/%d/%d %8.2f %d/%d", s.name, s.K, s.N, a.bits, int(a.m), us,
-               dflt.launched_variant, dflt.launched_k_split, dflt.launched_ctas, nus, nt.launched_k_split,
-               nt.launched_ctas);
+               dflt.launched.variant, dflt.launched.k_split, dflt.launched.ctas, nus, nt.launched.k_split,
+               nt.launched.ctas);
         for (int ks = 1; ks <= 4; ++ks) {
-          kbit::cuda::MatmulTuning t;
+          Tuning t;
           const double k_us = narrow(ks, t);
           best = std::min(best, k_us);
-          printf(" %.2f/%d", k_us, t.launched_k_split);
+          printf(" %.2f/%d", k_us, t.launched.k_split);
         }
         printf(" %.3f\n", best / us);
       });
 }
 
 // Every tiling the launcher plans at M <= 16 forced, beside its own pick, with their plans
-// (MatmulTuning::launched_plan_cost, in V0 chunks, and the chunk's price in that unit): the data
+// (MatmulLaunchReport::plan_cost, in variant-0 chunks, and the chunk's price in that unit): the data
 // its prices are fitted on. One line per case, `tag` first:
 //   <tag> <shape> K N [bits] M <default us> v<variant>/<k_split>/<ctas>  then per forced tiling:
 //         v<variant> <us> <k_split>/<ctas> <plan cost> <chunk price>
@@ -1270,17 +1269,17 @@ static void time_tilings(const char* tag, bool with_bits, const std::vector<int>
   Timer tm;
   time_cases_after_default(bits_list, ms, tm, [&](const Shape& s, const kbit::cuda::MatmulArgs& a,
                                                   const WeightCopies& w, double us,
-                                                  const kbit::cuda::MatmulTuning& dflt) {
+                                                  const Tuning& dflt) {
     printf("%s %-18s %5d %6d", tag, s.name, s.K, s.N);
     if (with_bits) printf(" %d", a.bits);
-    printf(" %2d %8.2f v%d/%d/%d", int(a.m), us, dflt.launched_variant, dflt.launched_k_split, dflt.launched_ctas);
+    printf(" %2d %8.2f v%d/%d/%d", int(a.m), us, dflt.launched.variant, dflt.launched.k_split, dflt.launched.ctas);
     for (int v : variants) {
       if (v == 4 && a.bits != 5) continue;  // (bits 5's tiling)
-      kbit::cuda::MatmulTuning t;
+      Tuning t;
       t.variant = v;
       const double v_us = time_tuned(tm, a, w, t, 5, 10);
-      printf("  v%d %8.2f %d/%d %.2f %.2f", t.launched_variant, v_us, t.launched_k_split, t.launched_ctas,
-             t.launched_plan_cost, t.launched_chunk_price);
+      printf("  v%d %8.2f %d/%d %.2f %.2f", t.launched.variant, v_us, t.launched.k_split, t.launched.ctas,
+             t.launched.plan_cost, t.launched.chunk_price);
     }
     printf("\n");
   });
@@ -1298,7 +1297,7 @@ static void bench_wide5() {
 // Any bits at M <= 32: "TILES" lines of time_tilings (with the bits), V0, V1, V2 (and V4 at bits
 // 5) forced beside the launcher's pick. KBIT_HARNESS_TILES_M="9 12 16" (default) and
 // KBIT_HARNESS_TILES_BITS="2 3 4 5" (default) set the M and bits; KBIT_HARNESS_F16=1 times fp16.
-// (At M = 17..32 the pick may be the wgmma kernel (its label v0/1/..: see launched_wg_columns),
+// (At M = 17..32 the pick may be the wgmma kernel (its label v0/1/..: see MatmulLaunchReport::wg_columns),
 // and the forced tilings are the warp-specialized kernel's 16-row blocks and its N-split tiling
 // in blocks of 32 rows.)
 static void bench_tiles() {
@@ -1321,23 +1320,23 @@ static void bench_balance() {
       env_int_list("KBIT_HARNESS_BALANCE_BITS", "2 3 4 5", 2, 5),
       env_int_list("KBIT_HARNESS_BALANCE_M", "1 4 16", 1, 16),
       tm, [&](const Shape& s, const kbit::cuda::MatmulArgs& a, const WeightCopies& w, double us,
-              const kbit::cuda::MatmulTuning& dflt) {
-        const int v = dflt.launched_variant;
-        if (v == 2 || dflt.launched_wg_columns > 0) return;  // (no balanced form)
+              const Tuning& dflt) {
+        const int v = dflt.launched.variant;
+        if (v == 2 || dflt.launched.wg_columns > 0) return;  // (no balanced form)
         printf("BALANCE %-18s %5d %6d %d %2d %8.2f v%d/%d/%d/%d %.2f", s.name, s.K, s.N, a.bits, int(a.m), us, v,
-               dflt.launched_k_split, dflt.launched_ctas, dflt.launched_balanced, dflt.launched_plan_cost);
+               dflt.launched.k_split, dflt.launched.ctas, dflt.launched.balanced, dflt.launched.plan_cost);
         for (int ks = 1; ks <= 8; ++ks)
           for (int bal = 0; bal <= (ks > 1 ? 1 : 0); ++bal) {
-            kbit::cuda::MatmulTuning t;
+            Tuning t;
             t.variant = v;
             t.k_split = ks;
             t.balance = bal;
             const double t_us = time_tuned(tm, a, w, t, 5, 10);
-            if (bal && !t.launched_balanced) {
+            if (bal && !t.launched.balanced) {
               printf("  b%d -", ks);
               continue;
             }
-            printf("  %c%d %.2f/%d/%.2f", bal ? 'b' : 'u', ks, t_us, t.launched_ctas, t.launched_plan_cost);
+            printf("  %c%d %.2f/%d/%.2f", bal ? 'b' : 'u', ks, t_us, t.launched.ctas, t.launched.plan_cost);
           }
         printf("\n");
       });
@@ -1370,7 +1369,7 @@ static void bench_sel() {
 // the cp.async kernel (32- and 64-row tilings); one line per case
 //   ROWS <shape> K N bits M <16-row us> <N-split us> <default us> <cp.async us> <default / best>
 //        v<the default's variant>/<rows of its blocks> plan <16-row cost> <N-split cost> <its price>
-// (the plan costs of matmul_fused.cuh's launcher, MatmulTuning::planned_*, from one more launch
+// (the plan costs of matmul_fused.cuh's launcher, MatmulLaunchReport::planned_*, from one more launch
 // with its own choice: what benchmarks/nsplit_price_fit.py fits the N-split prices on)
 // KBIT_HARNESS_ROWS_M="1 4 16" times other M (1..128) instead, KBIT_HARNESS_ROWS_BITS="2 3 4 5"
 // other bits, and KBIT_HARNESS_ROWS_TP="2 4" adds a Llama-3-70B layer's products at those
@@ -1385,9 +1384,9 @@ static void bench_rows() {
   printf("device: %s; device-to-device copy: %.0f GB/s; activations %s\n", env.prop.name, env.copy_gbs,
          f16 && std::atoi(f16) ? "fp16" : "bf16");
   Timer tm;
-  kbit::cuda::MatmulTuning tune;  // (the last launch's choice)
+  Tuning tune;  // (the last launch's choice)
   auto time_variant = [&](const kbit::cuda::MatmulArgs& a, const WeightCopies& w, int variant) {
-    tune = kbit::cuda::MatmulTuning();
+    tune = Tuning();
     tune.variant = variant;
     return time_tuned(tm, a, w, tune, 5, 10);
   };
@@ -1399,9 +1398,9 @@ static void bench_rows() {
         double us_v[2];
         const double ws = time_variants(tm, a, w, 0, us_v, 5, 10, nullptr, 1 << 30);
         const double nsplit = time_variant(a, w, 2), dflt = time_variant(a, w, -1);
-        const int dflt_variant = tune.launched_variant, dflt_rows = tune.launched_rows;
+        const int dflt_variant = tune.launched.variant, dflt_rows = tune.launched.rows;
         const double cp = time_variants(tm, a, w, 0, us_v, 5, 10, nullptr, 0);
-        kbit::cuda::MatmulTuning fused_pick;
+        Tuning fused_pick;
         fused_pick.variant = -2;
         kbit::cuda::MatmulArgs a0 = a;
         a0.planes = w.planes(0);
@@ -1410,7 +1409,7 @@ static void bench_rows() {
         if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
         printf("ROWS %-18s %5d %6d %d %3d %8.2f %8.2f %8.2f %8.2f %6.3f v%d/%d plan %.3f %.3f %.2f\n", s.name, s.K,
                s.N, bits, M, ws, nsplit, dflt, cp, dflt / std::min(std::min(ws, nsplit), cp), dflt_variant, dflt_rows,
-               fused_pick.planned_rows16_cost, fused_pick.planned_nsplit_cost, fused_pick.planned_nsplit_price);
+               fused_pick.launched.planned_rows16_cost, fused_pick.launched.planned_nsplit_cost, fused_pick.launched.planned_nsplit_price);
       }
     }
 }
@@ -1442,38 +1441,38 @@ static void bench_split_last() {
       const WeightCopies w(env, s, bits);
       for (int M : ms) {
         const kbit::cuda::MatmulArgs a = env.matmul_args(s, bits, M);
-        auto time = [&](int split_last, int wg_columns, kbit::cuda::MatmulTuning& t, int wg_rows = 0) {
-          t = kbit::cuda::MatmulTuning();
+        auto time = [&](int split_last, int wg_columns, Tuning& t, int wg_rows = 0) {
+          t = Tuning();
           t.variant = 3;
           t.wg_split_last = split_last;
           t.wg_columns = wg_columns;
           t.wg_rows = wg_rows;
           return time_tuned(tm, a, w, t, 5, 10);
         };
-        kbit::cuda::MatmulTuning off, dflt;
+        Tuning off, dflt;
         double us_off = time(0, 0, off), us = time(-1, 0, dflt);
         us += time(-1, 0, dflt);
         us_off += time(0, 0, off);
         printf("SPLIT %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d %d\n", s.name, s.K, s.N, bits, M, us_off / 2,
-               us / 2, us / us_off, dflt.launched_whole_ctas, dflt.launched_ctas, off.launched_wg_columns,
-               dflt.launched_wg_columns);
+               us / 2, us / us_off, dflt.launched.whole_ctas, dflt.launched.ctas, off.launched.wg_columns,
+               dflt.launched.wg_columns);
         if (M > 128) {
-          kbit::cuda::MatmulTuning tall, r128;
+          Tuning tall, r128;
           double u256 = time(-1, 0, tall, 256), u128 = time(-1, 0, r128, 128);
           u128 += time(-1, 0, r128, 128);
           u256 += time(-1, 0, tall, 256);
           printf("SPLITR %-18s %5d %6d %d %4d %8.2f %8.2f %6.3f %4d %4d %d %d\n", s.name, s.K, s.N, bits, M, u256 / 2,
-                 u128 / 2, u128 / u256, tall.launched_ctas, r128.launched_ctas, r128.launched_wg_columns,
-                 dflt.launched_rows);
+                 u128 / 2, u128 / u256, tall.launched.ctas, r128.launched.ctas, r128.launched.wg_columns,
+                 dflt.launched.rows);
         }
         if (bits == 5 && M <= 128) {
           printf("SPLITJ %-18s %5d %6d %d %4d", s.name, s.K, s.N, bits, M);
           for (int columns : {256, 128}) {
-            kbit::cuda::MatmulTuning t;
+            Tuning t;
             const double u0 = time(0, columns, t);
-            const int c0 = t.launched_ctas;
+            const int c0 = t.launched.ctas;
             const double u1 = time(1, columns, t);
-            printf("  %.2f/%d %.2f/%d/%d", u0, c0, u1, t.launched_ctas, t.launched_whole_ctas);
+            printf("  %.2f/%d %.2f/%d/%d", u0, c0, u1, t.launched.ctas, t.launched.whole_ctas);
           }
           printf("\n");
         }
@@ -1511,29 +1510,29 @@ static void bench_wgmma_plans() {
             for (int columns : {64, 128, 256})
               if ((rows == 256 ? columns == 128 : columns != 64 || rows == 64)) tiles.push_back({rows, columns});
         std::vector<double> us(tiles.size(), 0.0);
-        std::vector<kbit::cuda::MatmulTuning> tune(tiles.size());
+        std::vector<Tuning> tune(tiles.size());
         double pick_us = 0;
-        kbit::cuda::MatmulTuning pick;
+        Tuning pick;
         for (int pass = 0; pass < 2; ++pass) {
           for (size_t i = 0; i < tiles.size(); ++i) {
-            tune[i] = kbit::cuda::MatmulTuning();
+            tune[i] = Tuning();
             tune[i].variant = 3;
             tune[i].wg_rows = tiles[i].rows > 64 ? tiles[i].rows : 0;
             tune[i].wg_columns = tiles[i].columns;
             us[i] += time_tuned(tm, a, w, tune[i], 5, 10) / 2;
           }
-          pick = kbit::cuda::MatmulTuning();
+          pick = Tuning();
           pick.variant = 3;
           pick_us += time_tuned(tm, a, w, pick, 5, 10) / 2;
         }
         for (size_t i = 0; i < tiles.size(); ++i) {
-          const kbit::cuda::MatmulTuning& t = tune[i];
+          const Tuning& t = tune[i];
           printf("WGPLAN %-18s %5d %6d %d %4d %3d %d %d %4d %4d %-4s %8.2f\n", s.name, s.K, s.N, bits, M,
-                 t.launched_rows, t.launched_wg_columns, t.launched_k_split, t.launched_ctas, t.launched_whole_ctas,
-                 cluster_sum_name(t.launched_cluster_sum), us[i]);
+                 t.launched.rows, t.launched.wg_columns, t.launched.k_split, t.launched.ctas, t.launched.whole_ctas,
+                 cluster_sum_name(t.launched.cluster_sum), us[i]);
         }
-        printf("WGPICK %-18s %5d %6d %d %4d %3d %d %8.2f\n", s.name, s.K, s.N, bits, M, pick.launched_rows,
-               pick.launched_wg_columns, pick_us);
+        printf("WGPICK %-18s %5d %6d %d %4d %3d %d %8.2f\n", s.name, s.K, s.N, bits, M, pick.launched.rows,
+               pick.launched.wg_columns, pick_us);
         fflush(stdout);
       }
     }
@@ -1640,151 +1639,6 @@ static void bench_prefetch() {
   }
 }
 
-#ifdef KBIT_TIMELINE
-// Where one launch's time goes (cuda/timeline.cuh), averaged over `reps` launches on cold
-// weights: each launch follows a one-thread kernel that stamps %globaltimer, so a CTA's entry
-// is measured from the previous kernel's run (launch latency), and its milestones from its own
-// entry by clock64 (converted to ns at the CTA's own rate: clock cycles over globaltimer ns
-// between entry and exit).
-__global__ void stamp_kernel(unsigned long long* out) { *out = kbit::cuda::global_ns(); }
-// 256 KiB of straight-line code, more than an SM's instruction caches hold: run before a launch
-// (KBIT_HARNESS_TIMELINE_FLOOD=1), it leaves that launch none of its own code cached.
-__global__ void code_flood(float* out) {
-  float a[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) a[i] = threadIdx.x + i;
-#pragma unroll
-  for (int i = 0; i < 16384; ++i) asm volatile("fma.rn.f32 %0, %0, %1, %1;" : "+f"(a[i % 8]) : "f"(1.0001f));
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s += a[i];
-  if (s == 0.123f) out[threadIdx.x] = s;
-}
-
-static void bench_timeline(int bits, int K, int N, int M, int reps) {
-  using namespace kbit::cuda;
-  BenchEnv env(std::max(M, 1));
-  const Shape s{"timeline", K, N};
-  const WeightCopies w(env, s, bits);
-  constexpr int kMaxCtas = 4096;
-  const size_t buf_bytes = size_t(kMaxCtas) * kTlSlots * 8;
-  unsigned long long *buf, *stamp;
-  CK(cudaMalloc(&buf, buf_bytes));
-  CK(cudaMalloc(&stamp, 8));
-  std::vector<unsigned long long> h(size_t(kMaxCtas) * kTlSlots);
-  const char* names[kTlMarks] = {"entry", "setup", "producer past pdl_wait", "first copy issued", "table built",
-                                 "first chunk arrived", "first item computed", "first item stored",
-                                 "last chunk arrived", "all stored", "exit",
-                                 "last warp: first computed", "last warp: first stored",
-                                 "leader: warps summed", "rank 0: ranks' sums in", "last item: warps' sums in",
-                                 "-", "probe 0", "probe 1", "probe 2", "probe 3", "probe 4", "probe 5"};
-  // per mark: the per-launch median and maximum over CTAs (ns from the CTA's entry)
-  std::vector<std::vector<double>> med(kTlMarks), mx(kTlMarks);
-  std::vector<double> entry_min, entry_med, entry_max, exit_max, chunks_min, chunks_max, rate, host_us;
-  MatmulArgs a = env.matmul_args(s, bits, M);
-  MatmulTuning tune;
-  tune.timeline = buf;
-  // KBIT_HARNESS_TIMELINE_VARIANT=v forces the tiling variant (MatmulTuning::variant),
-  // KBIT_HARNESS_TIMELINE_KSPLIT=n the cluster size (k_split), _COLUMNS=c the wgmma kernel's
-  // weight tile (wg_columns)
-  if (const char* v = getenv("KBIT_HARNESS_TIMELINE_VARIANT")) tune.variant = atoi(v);
-  if (const char* v = getenv("KBIT_HARNESS_TIMELINE_KSPLIT")) tune.k_split = atoi(v);
-  if (const char* v = getenv("KBIT_HARNESS_TIMELINE_COLUMNS")) tune.wg_columns = atoi(v);
-  int ctas = 0;
-  auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0.0 : v[v.size() / 2]; };
-  // KBIT_HARNESS_TIMELINE_FLOOD=1: code_flood before each launch (cold instruction caches);
-  // KBIT_HARNESS_TIMELINE_TWICE=1: the same product launched once more just before it (warm).
-  const bool flood = getenv("KBIT_HARNESS_TIMELINE_FLOOD") != nullptr;
-  const bool twice = getenv("KBIT_HARNESS_TIMELINE_TWICE") != nullptr;
-  float* flood_out = nullptr;
-  if (flood) CK(cudaMalloc(&flood_out, 1024));
-  for (int r = 0; r < reps + 2; ++r) {
-    a.planes = w.planes(r);
-    a.scales = w.scales(r);
-    CK(cudaMemset(buf, 0, buf_bytes));
-    if (flood) code_flood<<<env.prop.multiProcessorCount, 32>>>(flood_out);
-    if (twice) {
-      MatmulArgs a2 = a;
-      a2.planes = w.planes(r + 1);
-      a2.scales = w.scales(r + 1);
-      const std::string e2 = launch_matmul(a2, 0, &tune);
-      if (!e2.empty()) { printf("ERROR %s\n", e2.c_str()); ++g_failures; return; }
-    }
-    stamp_kernel<<<1, 1>>>(stamp);
-    const auto h0 = std::chrono::steady_clock::now();
-    const std::string e = launch_matmul(a, 0, &tune);
-    host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
-    if (!e.empty()) { printf("ERROR %s\n", e.c_str()); ++g_failures; return; }
-    CK(cudaDeviceSynchronize());
-    if (r < 2) continue;  // warm-up
-    unsigned long long t0;
-    CK(cudaMemcpy(h.data(), buf, buf_bytes, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(&t0, stamp, 8, cudaMemcpyDeviceToHost));
-    std::vector<std::vector<double>> d(kTlMarks);
-    std::vector<double> ent, ex, ch;
-    for (int c = 0; c < kMaxCtas; ++c) {
-      const unsigned long long* row = &h[size_t(c) * kTlSlots];
-      if (row[kTlEntry] == 0) continue;
-      const double ns = double(row[kTlGlobalExit] - row[kTlGlobalEntry]);
-      const double cyc_per_ns = ns > 0 ? double(row[kTlExit] - row[kTlEntry]) / ns : 1.98;
-      rate.push_back(cyc_per_ns);
-      for (int m = 0; m < kTlMarks; ++m)
-        if (row[m]) d[m].push_back(double(row[m] - row[kTlEntry]) / cyc_per_ns);
-      ent.push_back(double(row[kTlGlobalEntry]) - double(t0));
-      ex.push_back(double(row[kTlGlobalExit]) - double(t0));
-      ch.push_back(double(row[kTlChunks]));
-    }
-    if (ent.empty()) { printf("ERROR: no CTA recorded a timeline (built without -DKBIT_TIMELINE?)\n"); ++g_failures; return; }
-    ctas = int(ent.size());
-    auto maxv = [](const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); };
-    for (int m = 0; m < kTlMarks; ++m) { med[m].push_back(median(d[m])); mx[m].push_back(maxv(d[m])); }
-    entry_min.push_back(*std::min_element(ent.begin(), ent.end()));
-    entry_med.push_back(median(ent));
-    entry_max.push_back(maxv(ent));
-    exit_max.push_back(maxv(ex));
-    chunks_min.push_back(*std::min_element(ch.begin(), ch.end()));
-    chunks_max.push_back(maxv(ch));
-  }
-  // The wgmma kernel (M >= 33 or 65, matmul.cu) marks its own milestones under the same slots.
-  if (tune.launched_wg_columns > 0) {
-    const char* wg_names[kTlMarks] = {"entry", "setup (table, barriers)", "-", "first copies issued",
-                                      "table built", "first chunk arrived", "products done",
-                                      "tiles staged (cluster)", "own rows in (push)", "reduced and stored", "exit",
-                                      "last warp: sent (push)", "last warp: stored", "thread 0: first stored", "-",
-                                      "thread 0: sum entered", "thread 0: first added", "probe 0", "probe 1",
-                                      "probe 2", "probe 3", "probe 4", "probe 5"};
-    std::copy(std::begin(wg_names), std::end(wg_names), std::begin(names));
-  }
-  Timer tm;
-  double us_v[2];
-  kbit::cuda::MatmulTuning plain;  // (variants 0 and 1 would force matmul_fused.cuh's tilings)
-  plain.variant = tune.variant;     // (a forced variant or cluster size: those launches)
-  plain.k_split = tune.k_split;
-  plain.wg_columns = tune.wg_columns;
-  const double us = tune.launched_wg_columns > 0 || tune.variant != -1 || tune.k_split > 0
-                        ? time_tuned(tm, a, w, plain, 7, 20)
-                        : time_variants(tm, a, w, 0, us_v);
-  const double bytes = w.plane_bytes + w.scale_bytes;
-  printf("TIMELINE bits %d K %d N %d M %d: %d CTAs (variant %d, %d-row blocks, k-split %d, wgmma columns %d), "
-         "chunks per CTA "
-         "%.0f..%.0f, clock %.2f GHz; back-to-back launches %.2f us (%.1f %% of copy), DRAM time at copy rate "
-         "%.2f us\n", bits, K, N, M, ctas, tune.launched_variant, tune.launched_rows, tune.launched_k_split,
-         tune.launched_wg_columns,
-         median(chunks_min), median(chunks_max), median(rate), us, 100 * bytes / (us * 1e-6) / 1e9 / env.copy_gbs,
-         bytes / (env.copy_gbs * 1e9) * 1e6);
-  printf("  CTA entry after the previous kernel's stamp: first %.2f us, median %.2f, last %.2f; last exit %.2f us; "
-         "host time of launch_matmul %.2f us\n", median(entry_min) * 1e-3, median(entry_med) * 1e-3,
-         median(entry_max) * 1e-3, median(exit_max) * 1e-3, median(host_us));
-  printf("  %-22s %12s %12s   (us from the CTA's entry; medians over %d launches)\n", "milestone", "median CTA",
-         "slowest CTA", reps);
-  for (int m = 1; m < kTlMarks; ++m)
-    printf("  %-22s %12.2f %12.2f\n", names[m], median(med[m]) * 1e-3, median(mx[m]) * 1e-3);
-  cudaFree(buf);
-  cudaFree(stamp);
-  if (flood_out) cudaFree(flood_out);
-}
-#endif
-
 // Host time of one launch_matmul call and of its parts, in us per call (median of 9 batches of
 // 200 calls, the GPU queue never full): a decode step issues ~4 kbit products per layer, and
 // when the host launches slower than the GPU runs them, the GPU idles (XLA command buffers,
@@ -1880,7 +1734,7 @@ static void bench(const char* csv_path, bool full) {
     for (int v = 0; v < 2; ++v) {
       printf("%-20s V%d", s.name, v);
       for (int ks : {1, 2, 3, 4, 6, 8}) {
-        kbit::cuda::MatmulTuning tune;
+        Tuning tune;
         tune.k_split = ks;
         tune.variant = v;
         const double us = time_tuned(tm, env.matmul_args(s, bits, 1), w, tune, 7, 20);
@@ -1952,14 +1806,14 @@ static void run_one(int bits, int K, int N, int M, int reps, int variant) {
     a.batch = 1; a.m = M; a.k = K; a.n = N; a.bits = bits; a.layout = kbit::kFragment;
     a.planes = reinterpret_cast<const uint32_t*>(pool + (r % copies) * one);
     a.scales = pool + (r % copies) * one + (plane_bytes + 255) / 256 * 256;
-    kbit::cuda::MatmulTuning tune;
+    Tuning tune;
     tune.variant = variant;
     const std::string e = kbit::cuda::launch_matmul(a, 0, &tune);
     if (!e.empty()) { printf("ERROR %s\n", e.c_str()); break; }
     if (r == 0)
       printf("one: bits %d K %d N %d M %d: variant %d, %d-row blocks, cluster size %d, %d CTAs, wgmma columns %d, "
-             "cluster sum %s\n", bits, K, N, M, tune.launched_variant, tune.launched_rows, tune.launched_k_split,
-             tune.launched_ctas, tune.launched_wg_columns, cluster_sum_name(tune.launched_cluster_sum));
+             "cluster sum %s\n", bits, K, N, M, tune.launched.variant, tune.launched.rows, tune.launched.k_split,
+             tune.launched.ctas, tune.launched.wg_columns, cluster_sum_name(tune.launched.cluster_sum));
   }
   CK(cudaDeviceSynchronize());
   cudaFree(pool); cudaFree(cb); cudaFree(ts); cudaFree(x); cudaFree(y);
@@ -1972,10 +1826,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   setvbuf(stdout, nullptr, _IOLBF, 0);
-#if defined(KBIT_SKIP_EPILOGUE) || defined(KBIT_SKIP_STORE)
-  printf("NOTE: an experiment build (KBIT_SKIP_EPILOGUE / KBIT_SKIP_STORE, matmul_fused.cuh): the fused "
-         "kernels skip work, their results are wrong; timings only\n");
-#endif
   const std::string mode = argc > 1 ? argv[1] : "all";
   const bool quick = argc > 2 && std::string(argv[2]) == "quick";
   if (mode == "repeat") {  // repeat BITS DTYPE(bf16|f16|f32) B M K N K_SPLIT VARIANT REPS [LAYOUT]
@@ -1994,15 +1844,6 @@ int main(int argc, char** argv) {
     test_sanitizer_subset();
     printf("\nTESTS: %d checks, %d failures\n", g_checks, g_failures);
     return g_failures ? 1 : 0;
-  }
-  if (mode == "timeline") {
-#ifdef KBIT_TIMELINE
-    for (int i = 2; i + 3 < argc; i += 4) bench_timeline(atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), 20);
-    return g_failures ? 1 : 0;
-#else
-    printf("timeline: build with -DKBIT_TIMELINE (tools/kernel_profile.sh timeline)\n");
-    return 2;
-#endif
   }
   const std::pair<const char*, void (*)()> timing_modes[] = {
       {"sweep", bench_sweep}, {"narrow", bench_narrow}, {"wide5", bench_wide5}, {"host", bench_host},

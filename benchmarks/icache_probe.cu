@@ -2,7 +2,7 @@
 // time of N independent FMAs run once (cold: fetched at this launch) against the same code run
 // again right after (warm), per SM. Why: Nsight Compute put 11-21 % of the warp samples of the
 // small kbit matmul launches in stall_no_inst, at every 128-byte line of their epilogues, which
-// run once per launch (benchmarks/results/epilogue_s41.md).
+// run once per launch.
 //
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/icache_probe benchmarks/icache_probe.cu
 //   /tmp/icache_probe            (one line per code size and launch)

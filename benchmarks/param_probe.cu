@@ -2,9 +2,9 @@
 // kernel parameter (a constant-bank load, LDC) the first time its line is touched in a launch,
 // against a second read of the same line, and after one warp has touched every line at once.
 // Why: the small kbit products spend 0.2-0.4 us on stretches of their item end that issue a few
-// dozen instructions (benchmarks/results/small_layers_h100_s43.md); those stretches read
-// parameters that nothing had read before in that launch.
-// Measured (H200, session 44, benchmarks/results/item_end_h200_s44_param_probe.log): a first read
+// dozen instructions; those stretches read parameters that nothing had read before in that
+// launch.
+// Measured (H200): a first read
 // of a parameter line takes ~137 cycles, a second 63, an L2 hit from global memory 460-540: not
 // what the stretches cost.
 //

@@ -1,6 +1,6 @@
 """Render benchmark JSON (bench_matmul.py) as a markdown table and a speedup-vs-M plot.
 
-    python benchmarks/render.py benchmarks/results/matmul.json
+    python benchmarks/render.py benchmarks/results/matmul_h200.json    # -> .md and .png beside it
     python benchmarks/render.py --merge all.json part1.json part2.json   # runs split over calls
     python benchmarks/render.py --compare base.json new.json             # an A/B, to stdout
 
@@ -102,6 +102,32 @@ def compare(base, new) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(result) -> str:
+    """Markdown: the speedup over the dense dot by M (rows) and bits (columns), the geometric
+    mean over the run's shapes with the lowest and highest in brackets, for one activation
+    dtype (bf16 where the run has it)."""
+    dtypes = [r["dtype"] for r in result["rows"]]
+    if not dtypes:
+        return ""
+    dtype = "bfloat16" if "bfloat16" in dtypes else dtypes[0]
+    cells = collections.defaultdict(list)
+    for r in result["rows"]:
+        if r["dtype"] == dtype:
+            cells[(r["m"], r["bits"])].append(r["speedup"])
+    ms, bits = sorted({m for m, _ in cells}), sorted({b for _, b in cells})
+    shapes = len({r["shape"] for r in result["rows"] if r["dtype"] == dtype})
+    lines = [f"Speedup over the dense {dtype} dot, geometric mean over {shapes} shapes (lowest-highest):",
+             "", "| M | " + " | ".join(f"bits {b}" for b in bits) + " |",
+             "|---:|" + "---:|" * len(bits)]
+    for m in ms:
+        row = []
+        for b in bits:
+            v = cells.get((m, b))
+            row.append(f"{statistics.geometric_mean(v):.2f}x ({min(v):.2f}-{max(v):.2f})" if v else "")
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(result) -> str:
     busy = _timing(result) == "busy"
     timing = ("Every kbit and dense time is the device's busy time per product from a profile (the union "
@@ -117,6 +143,7 @@ def markdown(result) -> str:
              f"'% BW' = bytes moved by the kbit product / copy bandwidth / its time. {timing}"
              f"method={result['method']}.",
              "",
+             summary(result),
              "| shape (K x N) | dtype | M | bits | kbit us | dense us | other 16-bit dense us | speedup | % BW | floor us |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 

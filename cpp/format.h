@@ -66,6 +66,16 @@ KBIT_HD uint32_t encode_e4m4(float v) {
   return code;
 }
 
+// A block's scale byte: encode_e4m4(absmax / tensor_scale), one code lower where rounding up
+// would make the block's scale, decode_e4m4(byte) * tensor_scale, overflow float32 (absmax within
+// 2^-5 of float32's largest value; the lower code is then within 2^-5 of absmax too).
+constexpr float kFloatMax = 3.40282346638528859812e+38f;
+KBIT_HD uint32_t block_scale_byte(float absmax, float tensor_scale) {
+  uint32_t byte = encode_e4m4(absmax / tensor_scale);
+  if (byte > 0u && decode_e4m4(byte) * tensor_scale > kFloatMax) --byte;
+  return byte;
+}
+
 // Index of the codebook entry nearest to r; ties go to the lower index.
 KBIT_HD uint32_t nearest_code(float r, const float* codebook, int entries) {
   uint32_t best = 0;
@@ -81,6 +91,18 @@ KBIT_HD uint32_t nearest_code(float r, const float* codebook, int entries) {
 // Reciprocal-then-multiply rather than w / absmax because XLA rewrites a division by a
 // broadcast divisor into exactly this form, and the reference must agree bit for bit (true
 // division differs by an ulp in ~25% of elements and flips about one code in a million).
-KBIT_HD float normalized(float w, float absmax) { return absmax > 0.f ? w * (1.0f / absmax) : 0.f; }
+// From absmax = 2^126 on, 1 / absmax is subnormal, which flush-to-zero float modes (XLA's CPU
+// threads) turn into 0: such blocks are first scaled by 2^-64 (exact), keeping the reciprocal
+// normal. Every other block takes the unscaled path, so its codes do not depend on this.
+constexpr float kLargeAbsmax = 0x1p126f;
+constexpr float kLargeAbsmaxPrescale = 0x1p-64f;
+KBIT_HD float normalized(float w, float absmax) {
+  if (!(absmax > 0.f)) return 0.f;
+  if (absmax >= kLargeAbsmax) {
+    w *= kLargeAbsmaxPrescale;
+    absmax *= kLargeAbsmaxPrescale;
+  }
+  return w * (1.0f / absmax);
+}
 
 }  // namespace kbit

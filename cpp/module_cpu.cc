@@ -28,6 +28,7 @@ NB_MODULE(_kbit_cpu, m) {
         targets["kbit_quantize"] = as_capsule(KbitQuantizeCpu);
         targets["kbit_dequantize"] = as_capsule(KbitDequantizeCpu);
         targets["kbit_matmul"] = as_capsule(KbitMatmulCpu);
+        targets["kbit_ragged_dot"] = as_capsule(KbitRaggedDotCpu);
         return targets;
       },
       "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(platform='cpu').");

@@ -1,5 +1,6 @@
 // nanobind module _kbit_cuda: the CUDA FFI targets and the build information.
-//   registrations() -> {"kbit_quantize": capsule, "kbit_dequantize": capsule, "kbit_matmul": capsule}
+//   registrations() -> {"kbit_quantize": capsule, "kbit_dequantize": capsule, "kbit_matmul": capsule,
+//                      "kbit_ragged_dot": capsule}
 //   build_info()    -> {"cuda_version": "13.0", "cuda_archs": "90", "cudart_version": 13000, ...}
 //   wgmma_rows(n, k, bits)      -> (min, max): the rows that take the wgmma kernel here (the lowering)
 //   wgmma_rule_rows(n, k, bits) -> (min, max): the rule alone, as on a wgmma device (tests)
@@ -25,6 +26,7 @@ NB_MODULE(_kbit_cuda, m) {
     d["kbit_quantize"] = encapsulate(KbitQuantizeCuda);
     d["kbit_dequantize"] = encapsulate(KbitDequantizeCuda);
     d["kbit_matmul"] = encapsulate(KbitMatmulCuda);
+    d["kbit_ragged_dot"] = encapsulate(KbitRaggedDotCuda);
     return d;
   });
   m.def("build_info", []() {

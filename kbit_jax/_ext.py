@@ -7,7 +7,7 @@ import threading
 
 import jax
 
-TARGETS = ("kbit_quantize", "kbit_dequantize", "kbit_matmul")
+TARGETS = ("kbit_quantize", "kbit_dequantize", "kbit_matmul", "kbit_ragged_dot")
 
 _lock = threading.Lock()
 _registered: dict[str, bool] = {}

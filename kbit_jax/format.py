@@ -1,6 +1,6 @@
 """The v1 kbit weight format: E4M4 scales, layouts, and the `KbitWeight` pytree.
 
-Format (DESIGN.md §1). A weight ``W[..., K, N]`` (``y = x @ W``) is cut into cells of 32
+Format (docs/format.md). A weight ``W[..., K, N]`` (``y = x @ W``) is cut into cells of 32
 consecutive elements along K, one per (block ``kb``, column ``n``). Each cell stores
 
 - ``bits`` uint32 words holding the 32 codes (indices into the codebook), in a *layout*:

@@ -4,7 +4,7 @@ Two halves:
 
 **Placement.** A ``KbitWeight`` for ``W[*batch, K, N]`` is laid out in 32-element cells
 along K, so a slice at whole blocks along K, or any slice along N, is itself a valid weight
-(DESIGN.md §1). `shard_weight` places the four leaves from a *logical* PartitionSpec over
+(docs/format.md). `shard_weight` places the four leaves from a *logical* PartitionSpec over
 ``(*batch, K, N)``: the K entry goes to the ``K/32`` axis of ``planes``/``scales``, the N
 entry to their N axis, batch entries to every leaf's batch axes; ``codebook`` and
 ``tensor_scale`` are replicated except along batch axes. `column_parallel` (``P(None, tp)``,

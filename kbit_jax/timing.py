@@ -116,7 +116,7 @@ def products_seconds(product, x, weights, repeats: int, max_passes: int = 8,
         if not nxt:
             # A second median, and the smaller one stands: on an H100 about one measurement in
             # 15 read 1.2-2.4x slow, dense dots too; a rerun of those rows did not repeat it,
-            # but hit other rows (benchmarks/results/README.md, matmul_h100_s26).
+            # but hit other rows.
             again_s = median_call_seconds(f, (xs, weights), repeats, warmup_seconds=warmup_seconds)
             call_s = min(call_s, again_s)
             # The smaller median may show that the host set the pace after all: then double on.

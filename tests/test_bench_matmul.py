@@ -1,6 +1,6 @@
 """benchmarks/bench_matmul.py on the CPU: it refuses the busy time (--time busy), which needs a
-profile with kernel intervals, and a pass cap below one. (A whole CPU run copies 2 GiB to measure the
-copy bandwidth, too slow for CI.)"""
+profile with kernel intervals, and a pass cap below one; its default file names come from the
+device. (A whole CPU run copies 2 GiB to measure the copy bandwidth, too slow for CI.)"""
 
 import os
 import sys
@@ -26,3 +26,10 @@ def test_max_passes_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         bench_matmul.main(["--kn", "64", "128", "--m", "1", "--bits", "4", "--max-passes", "0"])
     assert "--max-passes must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, tag", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100"),
+                                       ("NVIDIA GeForce RTX 4090", "4090"), ("cpu", "cpu"), ("", "device")])
+def test_device_tag_names_the_result_files(kind, tag):
+    assert bench_matmul.device_tag(kind) == tag

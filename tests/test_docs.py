@@ -1,5 +1,8 @@
-"""The Python examples in README.md and docs/*.md run as written (each file in a fresh process,
-its blocks in order, with 8 simulated CPU devices)."""
+"""The Python examples in README.md and docs/**/*.md run as written (each file in a fresh
+process, its blocks in order, with 8 simulated CPU devices).
+
+Every block fenced as ```python is run; examples that cannot run on a CPU (GPU-only flags,
+shell commands, rules and pseudo-code) are fenced as ```bash or ```text instead."""
 
 import os
 import pathlib
@@ -10,10 +13,10 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_examples_run(doc, tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
     if not blocks:

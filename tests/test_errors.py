@@ -1,5 +1,10 @@
 """Every documented bad input raises the documented exception, naming what is wrong."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,3 +153,74 @@ def test_interop_errors(q):
         kj.from_bitsandbytes(p, a, cb, (8, 60))
     with pytest.raises(ValueError, match="batch"):
         kj.to_bitsandbytes(kj.quantize(jnp.ones((2, 32, 4)), 2))
+
+
+def _run_isolated(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter: a crash there fails the test, not the session."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+@pytest.mark.parametrize("bad", [None, [1.0, 2.0], 1.0, "planes"])
+@pytest.mark.parametrize("leaf", ["planes", "scales", "codebook", "tensor_scale"])
+def test_weight_leaf_not_an_array_names_the_leaf(q, leaf, bad):
+    leaves = {name: getattr(q, name) for name in ("planes", "scales", "codebook", "tensor_scale")}
+    weight = kj.KbitWeight(**{**leaves, leaf: bad}, layout=q.layout)
+    for call in (lambda: kj.dequantize(weight), lambda: kj.matmul(jnp.ones((1, 64)), weight),
+                 lambda: kj.convert_layout(weight, "planes")):
+        with pytest.raises(TypeError, match=rf"w_q.{leaf} must be an array .*got {type(bad).__name__}"):
+            call()
+
+
+@pytest.mark.parametrize("codebook", [np.linspace(-1, 1, 16) + 0.5j, np.arange(16) % 2 == 0,
+                                      jnp.ones(16, jnp.complex64)])
+def test_complex_and_bool_codebooks_rejected(codebook):
+    with pytest.raises(TypeError, match=rf"codebook must be .* real numbers .*got dtype {np.asarray(codebook).dtype.name}"):
+        kj.quantize(jnp.ones((32, 4)), 4, codebook=codebook)
+
+
+def test_complex_codebook_rejected_under_jit():
+    with pytest.raises(TypeError, match="codebook must be"):
+        jax.jit(lambda cb: kj.quantize(jnp.ones((32, 4)), 4, codebook=cb))(jnp.ones(16, jnp.complex64))
+
+
+@pytest.mark.parametrize("dtype, got", [(None, "None"), (jnp.int8, "int8"), ("float64", "float64"),
+                                        ("nonsense", "'nonsense'")])
+def test_dequantize_bad_dtype_says_what_it_got(q, dtype, got):
+    with pytest.raises(TypeError, match=rf"dtype must be one of \['float32', 'bfloat16', 'float16'\], got {got}$"):
+        kj.dequantize(q, dtype)
+
+
+def test_ffi_errors_name_dtypes_as_numpy_does():
+    """The C++ checks print int32/float64, not XLA's S32/F64."""
+    out = (jax.ShapeDtypeStruct((1, 2, 4, 4), jnp.uint32), jax.ShapeDtypeStruct((1, 2, 4), jnp.uint8))
+    call = jax.ffi.ffi_call("kbit_quantize", out)
+    with pytest.raises(Exception, match="kbit_quantize: codebook must be float32, got int32"):
+        jax.block_until_ready(call(jnp.ones((1, 64, 4)), jnp.zeros((1, 16), jnp.int32), jnp.ones((1,)),
+                                   layout=np.int32(1)))
+    with pytest.raises(Exception, match="w must be float32, bfloat16 or float16, got bool"):
+        jax.block_until_ready(call(jnp.ones((1, 64, 4), jnp.bool_), jnp.zeros((1, 16)), jnp.ones((1,)),
+                                   layout=np.int32(1)))
+
+
+@pytest.mark.parametrize("call", [
+    "jax.jit(lambda w: kj.quantize(w, 4)).lower(jax.ShapeDtypeStruct((2**32, 2**31), jnp.float32))",
+    "jax.jit(lambda w: kj.quantize(w, 4)).lower(jax.ShapeDtypeStruct((2**36, 2**36, 32, 8), jnp.float32))",
+    "jax.jit(lambda x: kj.matmul(x, q)).lower(jax.ShapeDtypeStruct((2**31, 2**31, 64), jnp.float32))",
+    "jax.jit(kj.dequantize).lower(kj.KbitWeight(jax.ShapeDtypeStruct((2**20, 2**34, 2**20, 4), jnp.uint32), "
+    "jax.ShapeDtypeStruct((2**20, 2**34, 2**20), jnp.uint8), jax.ShapeDtypeStruct((2**20, 16), jnp.float32), "
+    "jax.ShapeDtypeStruct((2**20,), jnp.float32)))",
+])
+def test_oversized_shapes_raise_instead_of_aborting(call):
+    """XLA aborts the process on a shape whose byte size overflows int64; kbit_jax raises first."""
+    result = _run_isolated(f"""
+        import jax, jax.numpy as jnp, kbit_jax as kj
+        q = kj.quantize(jnp.ones((64, 8)), 4)
+        try:
+            {call}
+        except ValueError as e:
+            print("ValueError:", e)
+        """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "ValueError:" in result.stdout and "elements, more than the 2^56" in result.stdout, result.stdout

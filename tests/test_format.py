@@ -147,3 +147,52 @@ def test_tensor_scale_is_a_power_of_two_that_fits():
         assert amax / s <= 31 and amax / s > 15, (amax, s)
     assert float(tensor_scale(jnp.zeros((32, 2)))) == 1.0
     assert np.isnan(tensor_scale(jnp.array([[np.inf]] * 32, jnp.float32)))
+
+
+# -- extreme magnitudes and range ---------------------------------------------------------------
+def _relative_error(w, q):
+    d = np.asarray(kj.dequantize(q), np.float64)
+    return np.max(np.abs(d - w)) / np.max(np.abs(w))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("absmax", [2.0 ** 126, 1e38, 3e38, float(np.finfo(np.float32).max)])
+def test_huge_blocks_quantize_with_the_documented_error(layout, absmax, rng):
+    """1 / absmax is subnormal from 2^126 on; the quantizer must not flush it to zero."""
+    w = np.linspace(-1, 1, 32 * 6, dtype=np.float64).reshape(32, 6) * rng.permutation(6)
+    w = (w / np.max(np.abs(w)) * absmax).astype(np.float32)
+    q = kj.quantize(w, 4, layout=layout)
+    # nf4 codes are at most half their largest gap (~0.28) apart, E4M4 rounds the scale by <= 1/32.
+    assert _relative_error(w, q) < 0.2
+    # Bit-exact with the reference (the CPU kernel and the spec agree at the edge too).
+    from kbit_jax import reference
+    planes, scales = reference.quantize(jnp.asarray(w), q.codebook, q.tensor_scale, layout=layout)
+    np.testing.assert_array_equal(planes, q.planes)
+    np.testing.assert_array_equal(scales, q.scales)
+
+
+@pytest.mark.parametrize("amax", [2.0 ** -122, 2.0 ** -124, 2.0 ** -126])
+def test_tiny_matrices_keep_a_nonzero_tensor_scale(amax, rng):
+    w = rng.standard_normal((64, 8))
+    w = (w / np.max(np.abs(w)) * amax).astype(np.float32)
+    q = kj.quantize(w, 4)
+    assert float(q.tensor_scale) == 2.0 ** -126
+    d = np.asarray(kj.dequantize(q), np.float64)
+    # Relative error as for any matrix, plus float32's smallest normal absolutely: values below
+    # it are flushed to zero (docs/errors.md).
+    assert np.max(np.abs(d - w)) <= 0.2 * amax + 2.0 ** -126
+    assert np.count_nonzero(d) > 0
+
+
+def test_underflowed_blocks_are_counted_and_warned(rng):
+    w = np.ones((64, 41), np.float32) * np.logspace(-20, 20, 41, dtype=np.float32)
+    with pytest.warns(kj.ops.ScaleUnderflowWarning, match="70 of 82 blocks") as caught:
+        q = kj.quantize(w, 4)
+    assert caught[0].message.count == 70
+    zero_columns = np.all(np.asarray(kj.dequantize(q)) == 0, axis=0)
+    assert zero_columns.sum() == 35
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kj.quantize(rng.standard_normal((64, 8)).astype(np.float32), 4)   # nothing underflows
+        jax.jit(lambda w: kj.quantize(w, 4))(w)                           # traced: no count

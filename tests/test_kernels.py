@@ -165,7 +165,7 @@ def test_matmul_batched_leading_shapes_and_planes_layout(device, rng):
 @pytest.mark.slow
 @pytest.mark.parametrize("bits, anchor", [(2, 7.42), (3, 14.99), (4, 21.09), (5, 25.95)])
 def test_sqnr_anchors(bits, anchor):
-    """4M N(0,1) samples, normal-float codebook, E4M4 scales (DESIGN.md §1); Lloyd-Max better."""
+    """4M N(0,1) samples, normal-float codebook, E4M4 scales (docs/format.md); Lloyd-Max better."""
     w = jax.random.normal(jax.random.key(bits), (4096, 1024), jnp.float32)
 
     def sqnr(codebook):

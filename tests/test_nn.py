@@ -14,7 +14,7 @@ import kbit_jax as kj
 from kbit_jax import nn as knn
 from kbit_jax.examples import llama
 
-#: SQNR (dB) of the NF codebook with E4M4 scales on Gaussian weights (DESIGN.md §1).
+#: SQNR (dB) of the NF codebook with E4M4 scales on Gaussian weights (docs/format.md).
 SQNR_DB = {2: 7.42, 3: 14.99, 4: 21.09, 5: 25.95}
 
 
@@ -457,3 +457,34 @@ def test_fused_projections_match_separate_kernels(rng):
     np.testing.assert_allclose(mlp(x), expected, rtol=1e-4, atol=1e-3)
     with pytest.raises(ValueError, match="mlp_gate='kernel'"):
         llama.MLP(cfg, jnp.float32, nnx.Rngs(0), gate="kernel")
+
+
+# -- underflow report ------------------------------------------------------------------------------
+def _wide_range_kernel():
+    """[64, 41]: columns 1e-20 .. 1e20; 35 of them (70 blocks) lie below E4M4's range."""
+    return np.ones((64, 41), np.float32) * np.logspace(-20, 20, 41, dtype=np.float32)
+
+
+def test_quantize_params_reports_underflowed_blocks(rng):
+    params = {"fc": {"kernel": jnp.asarray(_wide_range_kernel())},
+              "out": {"kernel": jnp.asarray(rng.standard_normal((64, 8)), jnp.float32)}}
+    with pytest.warns(kj.ops.ScaleUnderflowWarning, match="70 nonzero blocks in 1 layers") as caught:
+        _, report = knn.quantize_params(params, 4, with_report=True)
+    assert len(caught) == 1      # one summary, not one per layer
+    assert report.underflowed_blocks == 70 and report.underflowed == [("fc/kernel", 70)]
+    assert "70 nonzero blocks in 1 layers underflowed to zero" in str(report)
+
+
+def test_quantize_model_reports_underflowed_blocks(rng):
+    class Net(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(64, 41, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(64, 8, rngs=nnx.Rngs(1))
+            self.a.kernel.set_value(jnp.asarray(_wide_range_kernel()))
+
+    net = Net()
+    with pytest.warns(kj.ops.ScaleUnderflowWarning, match="70 nonzero blocks"):
+        report = knn.quantize_model(net, 4, progress=False)
+    assert report.underflowed_blocks == 70 and report.underflowed == [("a", 70)]
+    clean = knn.quantize_model(nnx.Sequential(nnx.Linear(64, 8, rngs=nnx.Rngs(2))), 4, progress=False)
+    assert clean.underflowed_blocks == 0 and "underflowed" not in str(clean)

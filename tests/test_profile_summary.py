@@ -1,5 +1,6 @@
-"""benchmarks/profile_summary.py on a synthetic GPU trace: the decode profile in the results
-README comes from it, so its interval arithmetic and kernel categories are checked here."""
+"""benchmarks/profile_summary.py on a synthetic GPU trace: bench_matmul.py's busy times and
+bench_decode.py's profile summaries come from it, so its interval arithmetic and kernel
+categories are checked here."""
 
 import os
 import sys

@@ -1,4 +1,5 @@
-"""benchmarks/render.py on synthetic bench_matmul results: --merge and --compare (no GPU)."""
+"""benchmarks/render.py on synthetic bench_matmul results: --merge, --compare and the summary
+table (no GPU)."""
 
 import json
 import os
@@ -97,3 +98,15 @@ def test_merge_refuses_runs_of_two_timings_and_compare_names_them(tmp_path):
         render.merge([str(p) for p in paths])
     text = render.compare(result([row("a", 1, 10.0, 20.0)]), dict(result([row("a", 1, 9.0, 20.0)]), timing="busy"))
     assert text.startswith("(base times are call times, new times busy times")
+
+
+def test_summary_gives_the_geometric_mean_and_range_by_m_and_bits():
+    rows = [row("a", 1, 10.0, 20.0), row("b", 1, 10.0, 80.0), row("a", 16, 10.0, 10.0),
+            row("a", 1, 10.0, 30.0, bits=2), dict(row("a", 1, 1.0, 100.0), dtype="float16")]
+    lines = render.summary(result(rows)).splitlines()
+    assert lines[0] == "Speedup over the dense bfloat16 dot, geometric mean over 2 shapes (lowest-highest):"
+    assert lines[2] == "| M | bits 2 | bits 4 |"
+    assert lines[4] == "| 1 | 3.00x (3.00-3.00) | 4.00x (2.00-8.00) |"   # sqrt(2 * 8); fp16 row left out
+    assert lines[5] == "| 16 |  | 1.00x (1.00-1.00) |"
+    assert render.summary(result([])) == ""
+    assert "| 1 | 3.00x (3.00-3.00) | 4.00x (2.00-8.00) |" in render.markdown(result(rows))

@@ -68,12 +68,12 @@ def test_hot_loop_is_the_shortest_loop_around_an_mma():
 
 
 def test_labels_name_the_template_arguments():
-    assert sass_loops.label(WS) == "ws bits 4 ActBF16 MT 1 V1"
-    assert sass_loops.label(CP) == "cp.async bits 2 ActF16  MT 8 V0"
+    assert sass_loops.label(WS) == "ws bits 4 ActBF16 MT 1 kWarpKPair"
+    assert sass_loops.label(CP) == "cp.async bits 2 ActF16  MT 8 kWarpKBlock"
     assert sass_loops.label(WG) == "wgmma bits 4 BM 128"
-    # since session 27 the kernel also takes J, the weight tiles per warpgroup
+    # J, the weight tiles per warpgroup
     assert sass_loops.label(WG.replace("Li128E", "Li128ELi1E")) == "wgmma bits 4 BM 128 J 1"
-    # session 42's activation type: fp16 kernels apart, bf16 ones paired with older trees' kernels
+    # the activation type: fp16 kernels apart, bf16 ones paired with trees whose kernels lack it
     assert sass_loops.label(WG.replace("Li128E", "Li128ELi1ENS0_6ActF16E")) == "wgmma bits 4 BM 128 J 1 ActF16"
     assert sass_loops.label(WG.replace("Li128E", "Li128ELi1ENS0_7ActBF16E")) == "wgmma bits 4 BM 128 J 1"
     assert sass_loops.label("_Z8quantizev") == "_Z8quantizev"
@@ -141,3 +141,28 @@ def test_ops_lists_the_opcodes_whose_count_changed(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[-4:] == ["5", "->", "4", "(-1)"]
     assert lines[2].split() == ["IMAD", "-1", "LOP3", "+1", "MOV", "-1"]
+
+
+def test_cache_reuses_a_revisions_cubins(tmp_path, monkeypatch):
+    # compile_cubin stubbed (no nvcc here) and a disassembler that prints the "cubin": a revision's
+    # cubins are compiled once into cache/<commit>/, the working tree's every time
+    compiled = []
+    dis = tmp_path / "cuobjdump"
+    dis.write_text('#!/bin/sh\ncat "$2"\n')  # (called as: cuobjdump -sass FILE)
+    dis.chmod(0o755)
+
+    def fake_compile(src, include, out):
+        compiled.append(os.path.relpath(src, os.path.dirname(include)))
+        with open(out, "w") as f:
+            f.write(f"Function : k\n        /*0000*/   EXIT ;  // {os.path.basename(src)}\n")
+
+    monkeypatch.setattr(sass_loops, "compile_cubin", fake_compile)
+    unit = os.path.join(sass_loops.ROOT, "cpp", "cuda", "quantize.cu")
+    for run in range(2):
+        work = tmp_path / f"work{run}"
+        work.mkdir()
+        sass = sass_loops.disassemble([unit], "HEAD", str(work), str(dis), cache=str(tmp_path / "cache"))
+        assert sass_loops.report_identity(sass) == 0
+    assert compiled == [os.path.join("cpp", "cuda", "quantize.cu")] * 3  # ref once, the working tree twice
+    (commit,) = os.listdir(tmp_path / "cache")
+    assert len(commit) == 40 and os.listdir(tmp_path / "cache" / commit) == ["quantize.cubin"]

@@ -268,7 +268,7 @@ def test_cuda_lowering_follows_the_wgmma_rows(monkeypatch):
         assert ("glu = 0" in text) == (where == "xla after kernel"), (n, bits)
     w = kj.quantize(jnp.ones((64, 4096)), 4)
     g = jax.jit(kj.matmul)
-    for dtype in (jnp.bfloat16, jnp.float16):  # (fp16 takes the wgmma kernel too since session 42)
+    for dtype in (jnp.bfloat16, jnp.float16):  # (fp16 takes the wgmma kernel too)
         assert "kbit_dequantize" not in g.trace(jnp.ones((200, 64), dtype), w).lower(
             lowering_platforms=("cuda",)).as_text()
     for bits, where in ((4, "kernel"), (5, "dequantize")):  # 1000 rows: within bits 2-4's range only

@@ -3,10 +3,10 @@ no wgmma serialized and no register spilled, for every bits value.
 
 Why: ptxas makes every wgmma of a kernel wait for the previous one when the pipeline around them
 is not one it can prove safe (its "Potential Performance Loss: wgmma.mma_async instructions are
-serialized" notes, C7510-C7520), and the kernel still gives right results, only slower. Session 23
-met two of them: a copy branch on the thread index inside the k loop (C7520) and a 288-thread
-block whose register cap made it spill (C7512). Both are visible at compile time, before a GPU run.
-Where cuobjdump is found, also: no thread-index read inside the main loop (session 34).
+serialized" notes, C7510-C7520), and the kernel still gives right results, only slower: e.g. a
+copy branch on the thread index inside the k loop (C7520), or a 288-thread block whose register
+cap makes it spill (C7512). Both are visible at compile time, before a GPU run.
+Where cuobjdump is found, also: no thread-index read inside the main loop.
 """
 
 import concurrent.futures
@@ -67,7 +67,7 @@ def test_no_registers_spilled(reports, bits):
 
 
 def test_the_patterns_match_ptxas_wording():
-    # (the notes ptxas printed for the two versions that session 23 dropped)
+    # (notes ptxas prints for a copy branch in the k loop and for a register cap that spills)
     assert SERIALIZED.search("ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async "
                              "instructions are serialized due to program dependence on compiler-inserted "
                              "WG.AR in divergent path in the function 'k'")
@@ -86,13 +86,14 @@ CUOBJDUMP = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
 @pytest.mark.skipif(CUOBJDUMP is None, reason="needs cuobjdump (the CUDA toolkit's, or $CUOBJDUMP)")
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_main_loop_reads_no_thread_index(objects, bits):
-    # Session 34: ptxas rebuilt the decode's lane constants from the thread index inside the main
-    # loop (an S2R of SR_TID and 39-65 instructions per chunk) unless the code after the loop
-    # happened to need more registers; pinned_to_lane (matmul_wgmma.cuh) keeps them in registers.
+    # Without pinned_to_lane (matmul_wgmma.cuh) ptxas rebuilds the decode's lane constants from the
+    # thread index inside the main loop (an S2R of SR_TID and 39-65 instructions per chunk) unless
+    # the code after the loop happens to need more registers.
     sass = subprocess.run([CUOBJDUMP, "-sass", str(objects[bits][1])], check=True, capture_output=True,
                           text=True).stdout
     kernels = {name: code for name, code in sass_loops.functions(sass).items() if "wgmma_kernel" in name}
-    assert len(kernels) == 5, sorted(kernels)  # BM 64 and 128 with J 1 and 2, BM 256
+    # BM 64 with J 1 and 2 and the 64-column tile (WG 1), BM 128 with J 1 and 2, BM 256; bf16 and fp16
+    assert len(kernels) == 12, sorted(kernels)
     for name, code in kernels.items():
         loop = sass_loops.hot_loop(code)
         assert loop, f"no main loop found in {sass_loops.label(name)}"

@@ -15,8 +15,6 @@
 #                                                 cluster-size sweep, ~1 s a run, for A/B rounds)
 #   tools/kernel_profile.sh prefetch             those products after an idle gap, with and without
 #                                                 an L2 prefetch of their weights before the gap
-#   tools/kernel_profile.sh timeline BITS K N M ...   where a launch's time goes: milestone clocks
-#                                                 per CTA (an instrumented build, cuda/timeline.cuh)
 #   tools/kernel_profile.sh repeat BITS DTYPE B M K N KS VARIANT REPS   one test case launched
 #                                                 REPS times, every run checked (the harness's
 #                                                 "repeat": a hunt for intermittent failures)
@@ -29,8 +27,7 @@
 #                                                 tiles against none, and above 128 rows its 256- and
 #                                                 128-row tiles forced (SPLITR; KBIT_HARNESS_SPLIT_M, _BITS)
 #   tools/kernel_profile.sh sweep                every cluster size (k-split) against the launcher's
-#                                                 choice; benchmarks/ksplit_fit.py scores its cost model
-#                                                 (M <= 16). KBIT_HARNESS_SWEEP_M="128 256 512" sweeps
+#                                                 choice (M <= 16). KBIT_HARNESS_SWEEP_M="128 256 512" sweeps
 #                                                 those M instead (above 128: the wgmma kernel),
 #                                                 KBIT_HARNESS_SWEEP_BITS="3" those bits
 #   tools/kernel_profile.sh narrow               M <= 8 in the 16-row tilings' 32-column groups against
@@ -40,17 +37,16 @@
 #                                                 (KBIT_HARNESS_WIDE5_M)
 #   tools/kernel_profile.sh tiles                bits 2..5, M = 9..16: every tiling forced beside the
 #                                                 launcher's pick, with their plans (KBIT_HARNESS_TILES_M,
-#                                                 _BITS; benchmarks/tiles_price_fit.py fits the prices)
+#                                                 _BITS)
 #   tools/kernel_profile.sh balance              M <= 16: every cluster size, uniform and chunk-balanced,
-#                                                 in the launcher's tiling (KBIT_HARNESS_BALANCE_M, _BITS;
-#                                                 benchmarks/results/balance_s51_summary.py scores the pick)
+#                                                 in the launcher's tiling (KBIT_HARNESS_BALANCE_M, _BITS)
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
 #   tools/kernel_profile.sh ab BASE [ROUNDS]     A/B on one GPU: the harness of BASE (an older
 #                                                 tree's cpp/ and benchmarks/) and of this tree run
 #                                                 "sel" alternately, ROUNDS (3) times each; prints
-#                                                 benchmarks/sel_compare.py's summary. Prepare BASE
+#                                                 both result lines side by side. Prepare BASE
 #                                                 here and carry it, e.g.
 #        mkdir -p .git/info .ab_base; echo /.ab_base/ >> .git/info/exclude
 #        git archive <ref> cpp benchmarks | tar -x -C .ab_base      (then carry [".ab_base"])
@@ -59,11 +55,6 @@
 #   tools/kernel_profile.sh ab env:KBIT_JAX_PDL=0 2   base = this build run with that variable
 #                                                 set (here: without programmatic dependent launch);
 #                                                 in a chain: AB_BASE=... AB_ROUNDS=2 ... test,ab
-#   EXTRA_NVCC="-DKBIT_WS_MAX_MT=2" tools/kernel_profile.sh sel   a compile-time variant
-#   EXTRA_NVCC="-DKBIT_SKIP_EPILOGUE" tools/kernel_profile.sh rows   what the items' ends cost: the
-#                                                 warp-specialized kernel without them (sums and
-#                                                 stores; -DKBIT_SKIP_STORE: without the stores),
-#                                                 wrong results, timings to compare with a plain build
 #   tools/kernel_profile.sh test,sel,sweep       modes without arguments, one after another on
 #                                                 one build
 set -uo pipefail
@@ -77,7 +68,7 @@ mkdir -p "$work"
 build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then link
   local root=$1 out=$2 objs=$work/obj_$(basename "$2") pids=()
   # (KBIT_WGMMA as in CMake's 90a build: the harness dispatches like the module)
-  local flags="-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -DKBIT_WGMMA=1 -I$root/cpp ${EXTRA_NVCC:-}"
+  local flags="-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -DKBIT_WGMMA=1 -I$root/cpp"
   echo "== build $out from $root ($flags)"
   mkdir -p "$objs"
   for src in "$root"/benchmarks/cuda_kernel_harness.cu "$root"/cpp/cuda/*.cu; do
@@ -87,12 +78,7 @@ build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then 
   for p in "${pids[@]}"; do wait "$p" || { echo "build failed"; return 1; }; done
   nvcc -gencode=arch=compute_90a,code=sm_90a "$objs"/*.o -o "$out"
 }
-if [[ $what == timeline ]]; then  # an instrumented build (cuda/timeline.cuh) of its own
-  bin=$work/harness_timeline
-  EXTRA_NVCC="${EXTRA_NVCC:-} -DKBIT_TIMELINE" build . "$bin" || exit 1
-else
-  build . "$bin" || exit 1
-fi
+build . "$bin" || exit 1
 
 run_mode() {  # MODE [ARGS...]
 local mode=$1; shift
@@ -104,11 +90,10 @@ case $mode in
   prefetch) "$bin" prefetch | tee "$OUT/prefetch${TAG:-}.log" ;;
   repeat) timeout 300 "$bin" repeat "$@" > "$OUT/repeat${TAG:-}.log" 2>&1; echo "harness repeat rc=$?"
           grep -E "^REPEAT [0-9]+ of|^repeat" "$OUT/repeat${TAG:-}.log" ;;
-  timeline) "$bin" timeline "$@" | tee "$OUT/timeline${TAG:-}.log" ;;
   host) "$bin" host | tee "$OUT/host${TAG:-}.log" ;;
   rows) "$bin" rows | tee "$OUT/rows${TAG:-}.log" | grep -E "^ROWS|copy" ;;
   split) "$bin" split | tee "$OUT/split${TAG:-}.log" | grep -E "^SPLIT|copy" ;;
-  sweep) "$bin" sweep > "$OUT/sweep${TAG:-}.log"; python3 benchmarks/ksplit_fit.py "$OUT/sweep${TAG:-}.log" ;;
+  sweep) "$bin" sweep | tee "$OUT/sweep${TAG:-}.log" | grep -E "^SWEEP|^sweep|copy" ;;
   narrow) "$bin" narrow | tee "$OUT/narrow${TAG:-}.log" | grep -E "^NARROW|copy" ;;
   wide5) "$bin" wide5 | tee "$OUT/wide5${TAG:-}.log" | grep -E "^WIDE5|copy" ;;
   tiles) "$bin" tiles | tee "$OUT/tiles${TAG:-}.log" | grep -E "^TILES|copy" ;;
@@ -137,11 +122,7 @@ case $mode in
       "$bin" "$ab" > "$work/${ab}_new_$i.log"; a+=("$work/${ab}_new_$i.log")
     done
     cat "${b[@]}" > "$OUT/${ab}_base.log"; cat "${a[@]}" > "$OUT/${ab}_new.log"
-    if [[ $ab == sel ]]; then
-      (IFS=,; python3 benchmarks/sel_compare.py "${a[*]}" "${b[*]}" --md "$OUT/sel_ab.md")
-    else
-      paste <(grep -E "^[A-Z]+ " "$OUT/${ab}_base.log") <(grep -E "^[A-Z]+ " "$OUT/${ab}_new.log")
-    fi ;;
+    paste <(grep -E "^[A-Z]+ " "$OUT/${ab}_base.log") <(grep -E "^[A-Z]+ " "$OUT/${ab}_new.log") ;;
   none) ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac

@@ -66,7 +66,7 @@ def glu():
 
 
 def wide5():
-    # Bits 5's 64-column tiling (variant 4) on K = 2048, N = 5120 (Qwen3 gate/up), 80 items on as
+    # Bits 5's 64-column tiling (Tiling::kWideBits5, variant 4) on K = 2048, N = 5120 (Qwen3 gate/up), 80 items on as
     # many CTAs: in 16-row blocks at M = 12 (the launcher's plan), in 8-row blocks from the 128 KiB
     # table at M = 1 (planned) and 5 (its rule at M = 4..8); bf16 and fp16, and a GLU at M = 1.
     q = kj.quantize(jax.random.normal(jax.random.key(5), (2048, 5120)), 5)

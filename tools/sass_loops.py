@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The size of each fused-matmul kernel's hot loop, a reference tree against the working tree.
 
-Why: a change outside the chunk loop can still change the loop's machine code. In session 17,
-computing the first work cursor once at kernel scope grew the warp-specialized kernel's loop
-from 256 to 320 instructions: its address arithmetic left the uniform datapath. The harness then
-measured 1.02x the time. That is visible here, on any machine with nvcc, before a GPU run.
+A change outside the chunk loop can still change the loop's machine code: e.g. a cursor computed
+at kernel scope instead of per item moved the loop's address arithmetic off the uniform datapath
+(256 -> 320 instructions per chunk, 1.02x the time). That is visible here, on any machine with
+nvcc, before a GPU run.
 
 For every kernel in the compiled `cpp/cuda/matmul_fused_b*.cu` and `matmul_wgmma_b*.cu` of both
 trees, the hot loop is taken as the shortest loop that contains an HMMA (mma.sync) or HGMMA
@@ -12,21 +12,21 @@ trees, the hot loop is taken as the shortest loop that contains an HMMA (mma.syn
 gets one line, with the loop's instruction count in REF and in the working tree. (The wgmma
 kernel's loop is one chunk, two k-blocks, and includes warp 0's copy code.) A loop of the same
 length whose instructions sit in another order (beyond register names) is marked "reordered":
-in session 37 a change before the fused kernels' loops left their lengths alone but reordered
-the bits-5 loops, which then took 1.02-1.04x the time
-(benchmarks/results/fused_early_table_h200_s37.md).
+ptxas's schedule changed, which can cost a few percent of time at the same length.
 
     python3 tools/sass_loops.py [REF] [--only b4] [--max-growth N] [--ops]   (b4: both kernels' bits 4)
 
 REF defaults to HEAD. `--max-growth N` exits with status 1 when a loop grew by more than N
 instructions. `--ops` adds, under each loop that changed, its opcodes' counts that changed
-(e.g. `IMAD -35  MOV -19  LOP3 +13  SHF +12`: bits 2's register moves going, session 43).
+(e.g. `IMAD -35  MOV -19  LOP3 +13  SHF +12`).
 
-    python3 tools/sass_loops.py [REF] --identical
+    python3 tools/sass_loops.py [REF] --identical [--new REV] [--cache DIR]
 
 compares the whole disassembly of every `cpp/cuda/*.cu` instead: identical SASS means the GPU
 tests of REF cover the working tree too, a way to verify a behaviour-preserving kernel refactor
-on a machine without a GPU (exit status 1 where a unit's SASS differs).
+on a machine without a GPU (exit status 1 where a unit's SASS differs). `--new REV` compiles git
+revision REV instead of the working tree; `--cache DIR` keeps the cubins of git revisions there
+(by commit), so a second comparison against the same REF compiles only the new tree.
 
 Needs nvcc and cuobjdump: the CUDA toolkit's, or the one Triton's wheel carries, given by
 --cuobjdump or $CUOBJDUMP, e.g.
@@ -51,10 +51,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC_FLAGS = ["-arch=sm_90a", "-O3", "-std=c++17", "--expt-relaxed-constexpr"]
 _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
-# kbit_matmul_{ws,fused}_kernel<BITS, Act, MT, V> (warp-specialized / cp.async kernel)
+# kbit_matmul_{ws,fused}_kernel<BITS, Act, MT, V> (warp-specialized / cp.async kernel; V the tiling,
+# matmul_fused_config.cuh's Tiling)
 _MATMUL_KERNEL = re.compile(r"kbit_matmul_(ws|fused)_kernelILi(\d)ENS0_\d+(\w+?)ELi(\d)ELi(\d)E")
-# kbit_matmul_wgmma_kernel<BITS, BM, J, WG, Act>: bits, BM, J (session 27+), Act (session 42+),
-# WG (warpgroups across the tile's columns, session 47+; labelled only where it is 1)
+# kbit_matmul_wgmma_kernel<BITS, BM, J, WG, Act>: bits, BM, J, WG (warpgroups across the tile's
+# columns; labelled only where it is 1), Act (optional: trees without it pair with bf16)
+TILINGS = {"0": "kWarpKBlock", "1": "kWarpKPair", "2": "kNSplit", "4": "kWideBits5"}
 _WGMMA_KERNEL = re.compile(r"kbit_matmul_wgmma_kernelILi(\d)ELi(\d+)E(?:Li(\d)E)?(?:Li(\d)E)?(?:NS0_\d+(\w+?)E)?")
 
 
@@ -114,7 +116,7 @@ def label(mangled: str) -> str:
     m = _MATMUL_KERNEL.search(mangled)
     if m:
         kind, bits, act, mt, v = m.groups()
-        return f"{'ws' if kind == 'ws' else 'cp.async'} bits {bits} {act:7s} MT {mt} V{v}"
+        return f"{'ws' if kind == 'ws' else 'cp.async'} bits {bits} {act:7s} MT {mt} {TILINGS.get(v, 'V' + v)}"
     m = _WGMMA_KERNEL.search(mangled)
     if m:
         act = m.group(5) if m.group(5) and m.group(5) != "ActBF16" else ""  # (bf16 pairs with older trees)
@@ -124,31 +126,61 @@ def label(mangled: str) -> str:
 
 
 def compile_cubin(src: str, include: str, out: str) -> None:
-    done = subprocess.run(["nvcc", *NVCC_FLAGS, f"-I{include}", "-cubin", "-o", out, src],
+    partial = out + ".partial"  # (a cached cubin appears only once complete)
+    done = subprocess.run(["nvcc", *NVCC_FLAGS, f"-I{include}", "-cubin", "-o", partial, src],
                           capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"nvcc failed on {src}:\n{done.stderr}")
+    os.replace(partial, out)
 
 
-def disassemble(units: list[str], ref: str, work: str, cuobjdump: str) -> dict[str, dict[str, str]]:
+def _export(rev: str, dest: str) -> None:
+    """git revision ``rev``'s cpp/ into ``dest``."""
+    os.makedirs(dest, exist_ok=True)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "cpp"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+
+
+def _commit(rev: str) -> str:
+    return subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def disassemble(units: list[str], ref: str, work: str, cuobjdump: str, new: str | None = None,
+                cache: str | None = None) -> dict[str, dict[str, str]]:
     """{unit name: {"ref": SASS, "new": SASS}}: each unit compiled from git revision ``ref``'s
-    cpp/ and from the working tree's (in parallel), then disassembled."""
-    ref_root = os.path.join(work, "ref")
-    os.makedirs(ref_root)
-    archive = subprocess.run(["git", "-C", ROOT, "archive", ref, "cpp"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", ref_root], input=archive, check=True)
+    cpp/ and from the working tree's (or git revision ``new``'s), in parallel, then disassembled.
+    With ``cache``, a revision's cubins are kept in cache/<commit>/ and reused."""
+    roots, cubin_dirs, cached = {}, {}, set()
+    for tree, rev in (("ref", ref), ("new", new)):
+        if rev is None:
+            roots[tree], cubin_dirs[tree] = ROOT, os.path.join(work, tree)
+            continue
+        roots[tree] = os.path.join(work, f"{tree}_src")
+        _export(rev, roots[tree])
+        if cache:
+            cubin_dirs[tree] = os.path.join(os.path.abspath(cache), _commit(rev))
+            cached.add(tree)
+        else:
+            cubin_dirs[tree] = os.path.join(work, tree)
+    for d in cubin_dirs.values():
+        os.makedirs(d, exist_ok=True)
     jobs = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         for unit in units:
             name, rel = os.path.basename(unit)[:-3], os.path.relpath(unit, ROOT)
-            for tree, root in (("ref", ref_root), ("new", ROOT)):
-                out = os.path.join(work, f"{name}.{tree}.cubin")
-                jobs[(name, tree)] = (pool.submit(compile_cubin, os.path.join(root, rel),
-                                                  os.path.join(root, "cpp"), out), out)
+            for tree in ("ref", "new"):
+                out = os.path.join(cubin_dirs[tree], f"{name}.cubin")
+                if tree not in cached or not os.path.exists(out):
+                    future = pool.submit(compile_cubin, os.path.join(roots[tree], rel),
+                                         os.path.join(roots[tree], "cpp"), out)
+                else:
+                    future = None  # (cached)
+                jobs[(name, tree)] = (future, out)
     sass = {}
     for (name, tree), (future, cubin) in jobs.items():
-        future.result()  # (raises RuntimeError with nvcc's message on failure)
+        if future is not None:
+            future.result()  # (raises RuntimeError with nvcc's message on failure)
         sass.setdefault(name, {})[tree] = subprocess.run(
             [cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
     return sass
@@ -242,6 +274,10 @@ def main(argv=None) -> int:
                     help="under each changed loop, the opcodes whose count changed")
     ap.add_argument("--identical", action="store_true",
                     help="compare the whole SASS of every cpp/cuda/*.cu instead of the hot loops")
+    ap.add_argument("--new", default=None,
+                    help="git revision to compile instead of the working tree (with --identical)")
+    ap.add_argument("--cache", default=None,
+                    help="directory that keeps the cubins of git revisions, by commit")
     ap.add_argument("--cuobjdump", default=os.environ.get("CUOBJDUMP", "cuobjdump"))
     args = ap.parse_args(argv)
     if shutil.which(args.cuobjdump) is None and not os.path.exists(args.cuobjdump):
@@ -256,7 +292,7 @@ def main(argv=None) -> int:
                   {f"matmul_{kind}_{n}.cu" for n in names for kind in kinds})
         units = [u for u in units if os.path.basename(u) in wanted]
     with tempfile.TemporaryDirectory() as work:
-        sass = disassemble(units, args.ref, work, args.cuobjdump)
+        sass = disassemble(units, args.ref, work, args.cuobjdump, args.new, args.cache)
     if args.identical:
         return report_identity(sass)
     return report_loops(sass, args.ref, args.max_growth, args.ops)

@@ -37,7 +37,8 @@ void dequantize_columns(const PackedWeight& w, FloatType out_type, int64_t batch
 
 void dequantize(const PackedWeight& w, FloatType out_type, void* out) {
   const WeightShape& s = w.shape;
-  const int threads = thread_count(s.batch * s.k * s.n, (s.n + kTileN - 1) / kTileN);
+  const int threads =
+      thread_count(saturating_product({s.batch, s.k, s.n}), (s.n + kTileN - 1) / kTileN);
   parallel_ranges(s.n, kTileN, threads, [&](int64_t n_begin, int64_t n_end) {
     dispatch_format(s.bits, s.layout, [&](auto bits, auto layout) {
       for (int64_t b = 0; b < s.batch; ++b)

@@ -11,8 +11,8 @@
 // Shapes are validated by the caller (the FFI handlers); the kernels trust them.
 //
 // The kernels are reentrant (no mutable globals) and may split work over std::threads; a thread
-// that cannot be started has its share run on the calling thread. Only matmul allocates (x
-// converted to float32) and so may throw std::bad_alloc; callers catch it.
+// that cannot be started has its share run on the calling thread. Only matmul and ragged_dot
+// allocate (x converted to float32) and so may throw std::bad_alloc; callers catch it.
 #pragma once
 
 #include <cstdint>
@@ -52,5 +52,24 @@ void dequantize(const PackedWeight& w, FloatType out_type, void* out);
 // other than kGluNone, y[b, m, j] = act(sum for n = 2j) * (sum for n = 2j + 1), N / 2 columns.
 void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, int32_t glu,
             void* y);
+
+// The fused product of `m` float32 rows x[m, K] with weight `batch` of w, at columns
+// [n_begin, n_end) (even, with glu), stored (rounded to y_type) into rows [y_row, y_row + m)
+// of y [*, N] (N / 2 with glu): matmul's work for one range of columns, which matmul and
+// ragged_dot split over threads.
+void matmul_rows(const float* x, int64_t m, const PackedWeight& w, int64_t batch, int32_t glu,
+                 FloatType y_type, void* y, int64_t y_row, int64_t n_begin, int64_t n_end);
+
+// The grouped (mixture-of-experts) product. x: [M, K], y: [M, N] (N / 2 with `glu`), no batch
+// axis; w's batch axis B is the G groups (experts) and group_sizes int32[G] the rows of each:
+// group g owns rows [start_g, start_{g+1}) of x, start_0 = 0 and start_{g+1} = min(M, start_g +
+// max(0, group_sizes[g])) (so a negative size counts as 0 and groups end at M at the latest).
+// y[m, n] = sum_k x[m, k] * dequantize(w)[g(m), k, n] with matmul's accumulation, rounding and
+// GLU; rows at or past start_G are zeros. A group with no rows reads none of its weight.
+void ragged_dot(const void* x, FloatType x_type, int64_t m, const PackedWeight& w,
+                const int32_t* group_sizes, int32_t glu, void* y);
+
+// starts[0..groups] as ragged_dot defines them (starts has groups + 1 entries).
+void group_bounds(const int32_t* group_sizes, int64_t groups, int64_t m, int64_t* starts);
 
 }  // namespace kbit::cpu

@@ -115,10 +115,12 @@ inline void store_row(const float* sums, int64_t width, int32_t glu, FloatType y
   store_floats(gated, width / 2, y_type, y, row * y_cols + n0 / 2);
 }
 
-// x: float32 [B, M, K]; computes y[batch, :, n_begin:n_end] (or, with glu, its column pairs).
+// x: float32 [m, K], the rows multiplied by weight `batch`; computes rows [y_row, y_row + m) of
+// y at columns n_begin:n_end (or, with glu, their column pairs).
 template <int kBits, Layout kLayout>
 void matmul_columns(const float* x, int64_t m, const PackedWeight& w, int32_t glu,
-                    FloatType y_type, void* y, int64_t batch, int64_t n_begin, int64_t n_end) {
+                    FloatType y_type, void* y, int64_t y_row, int64_t batch, int64_t n_begin,
+                    int64_t n_end) {
   const WeightShape& s = w.shape;
   const int64_t blocks = s.k / kBlockSize;
   const float* codebook = w.codebook + batch * (int64_t(1) << kBits);
@@ -135,7 +137,7 @@ void matmul_columns(const float* x, int64_t m, const PackedWeight& w, int32_t gl
     for (int64_t m0 = 0; m0 < m; m0 += kTileM) {
       const int64_t tile_rows = std::min(kTileM, m - m0);
       std::memset(acc, 0, sizeof(acc));
-      const float* x_tile = x + (batch * m + m0) * s.k;
+      const float* x_tile = x + m0 * s.k;
       for (int64_t kb0 = 0; kb0 < blocks; kb0 += kChunkBlocks) {
         const int64_t chunk_blocks = std::min(kChunkBlocks, blocks - kb0);
         for (int64_t kb = kb0; kb < kb0 + chunk_blocks; ++kb) {
@@ -157,12 +159,20 @@ void matmul_columns(const float* x, int64_t m, const PackedWeight& w, int32_t gl
         for (; r < tile_rows; ++r) accumulate_1_row(x_chunk + r * s.k, &panel[0][0], rows, acc[r]);
       }
       for (int64_t r = 0; r < tile_rows; ++r)
-        store_row(acc[r], width, glu, y_type, y, batch * m + m0 + r, y_cols, n0);
+        store_row(acc[r], width, glu, y_type, y, y_row + m0 + r, y_cols, n0);
     }
   }
 }
 
 }  // namespace
+
+void matmul_rows(const float* x, int64_t m, const PackedWeight& w, int64_t batch, int32_t glu,
+                 FloatType y_type, void* y, int64_t y_row, int64_t n_begin, int64_t n_end) {
+  dispatch_format(w.shape.bits, w.shape.layout, [&](auto bits, auto layout) {
+    matmul_columns<decltype(bits)::value, decltype(layout)::value>(x, m, w, glu, y_type, y, y_row,
+                                                                  batch, n_begin, n_end);
+  });
+}
 
 void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, int32_t glu,
             void* y) {
@@ -177,14 +187,11 @@ void matmul(const void* x, FloatType x_type, int64_t m, const PackedWeight& w, i
     x_f32 = x_converted.data();
   }
   // Per weight element: one decode plus one multiply-add per x row.
-  const int64_t work = s.batch * s.k * s.n * (m + 4);
+  const int64_t work = saturating_product({s.batch, s.k, s.n, m + 4});
   const int threads = thread_count(work, (s.n + kTileN - 1) / kTileN);
   parallel_ranges(s.n, kTileN, threads, [&](int64_t n_begin, int64_t n_end) {
-    dispatch_format(s.bits, s.layout, [&](auto bits, auto layout) {
-      for (int64_t b = 0; b < s.batch; ++b)
-        matmul_columns<decltype(bits)::value, decltype(layout)::value>(x_f32, m, w, glu, x_type,
-                                                                      y, b, n_begin, n_end);
-    });
+    for (int64_t b = 0; b < s.batch; ++b)
+      matmul_rows(x_f32 + b * m * s.k, m, w, b, glu, x_type, y, b * m, n_begin, n_end);
   });
 }
 

@@ -68,7 +68,7 @@ void quantize_columns(const void* w, FloatType w_type, const float* codebook, fl
       for (int64_t c = 0; c < width; ++c) {
         for (int j = 0; j < kBlockSize; ++j) codes[j] = codes_by_row[j][c];
         const int64_t cell = (batch * blocks + kb) * s.n + n0 + c;
-        scales[cell] = uint8_t(encode_e4m4(absmax[c] / tensor_scale));
+        scales[cell] = uint8_t(block_scale_byte(absmax[c], tensor_scale));
         pack_cell<kBits>(codes, s.layout, planes + cell * kBits);
       }
     }
@@ -81,7 +81,7 @@ void quantize(const void* w, FloatType w_type, const float* codebook, const floa
               const WeightShape& shape, uint32_t* planes, uint8_t* scales) {
   const int entries = 1 << shape.bits;
   // nearest_code scans the codebook: about `entries` operations per element.
-  const int64_t work = shape.batch * shape.k * shape.n * entries;
+  const int64_t work = saturating_product({shape.batch, shape.k, shape.n, entries});
   const int threads = thread_count(work, (shape.n + kTileN - 1) / kTileN);
   parallel_ranges(shape.n, kTileN, threads, [&](int64_t n_begin, int64_t n_end) {
     dispatch_bits(shape.bits, [&](auto bits) {

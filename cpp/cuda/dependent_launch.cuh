@@ -1,7 +1,7 @@
 // Programmatic dependent launch (PDL, sm_90+) for the warp-specialized fused matmul.
 //
-// Why: a small product's kernel spends a third of its time on fixed start and end (session 5
-// timeline, qwen3 q 2048 x 4096 at M = 1: 9.0 us per launch back to back, of which ~2 us pass
+// Why: a small product's kernel spends a third of its time on fixed start and end (Qwen3 q
+// 2048 x 4096 at M = 1: 9.0 us per launch back to back, of which ~2 us pass
 // between one kernel's last CTA exit and the next one's first entry, ~1.1 us in the prologue
 // before the first weight copy is issued and ~1.4 us until it arrives). Launched with the
 // programmatic-stream-serialization attribute, a kernel's CTAs may start while the previous
@@ -9,11 +9,10 @@
 // first weights into L2, and only then wait (griddepcontrol.wait) for the previous kernel to
 // finish and its writes to become visible.
 //
-// Measured on the H200 (benchmarks/results/kernel_pdl_h200.md, launch_overlap_h200.log): back to
-// back on a stream, 0.83x the time at M <= 8, 0.88x at M = 16. Inside JAX programs XLA's command
-// buffers (on by default) record a custom call as a nested graph, which starts its kernel ~0.1 us
-// after the previous one anyway; there the attribute had no effect, so it is not set while a
-// stream is being captured (dependent_launch_enabled).
+// Measured on the H200: back to back on a stream, 0.83x the time at M <= 8, 0.88x at M = 16.
+// Inside JAX programs XLA's command buffers (on by default) record a custom call as a nested
+// graph, which starts its kernel ~0.1 us after the previous one anyway; there the attribute has
+// no effect, so it is not set while a stream is being captured (dependent_launch_enabled).
 //
 // The contract, for every kernel launched with the attribute:
 //  * no thread reads global memory that a previous kernel may write, nor writes global memory
@@ -49,8 +48,8 @@ __device__ __forceinline__ void pdl_allow_dependents() {
 // CUDA graph, and not where the environment has KBIT_JAX_PDL=0 (read once per process; an escape
 // hatch for comparisons and for drivers that mishandle PDL). XLA's command buffers capture each
 // custom call into a graph of its own, where the kernel has no kernel predecessor for the
-// attribute to act on (session 10); launched plainly instead, the kernel knows its inputs are
-// visible at entry and starts its first copies there (Params::inputs_ready; session 17).
+// attribute to act on; launched plainly instead, the kernel knows its inputs are visible at
+// entry and starts its first copies there (Params::inputs_ready).
 inline bool dependent_launch_enabled(cudaStream_t stream) {
   static const bool enabled = [] {
     const char* v = std::getenv("KBIT_JAX_PDL");

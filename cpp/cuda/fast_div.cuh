@@ -1,11 +1,10 @@
 // Division by a launch constant, as a multiply-high, an add and a shift.
 //
 // Why: an integer division by a runtime value compiles to ~20 instructions around a MUFU.RCP. The
-// fused kernels' work walk (matmul_fused.cuh, ItemWalk) divided by the cluster size, the number
-// of clusters, the blocks of M and the column groups before a CTA's first copy could go out:
-// the producer had its first cursor 0.27 us after entry (harness timeline, H200, session 44).
-// The launcher computes each divisor's multiplier once per launch instead (matmul_fused.cuh,
-// WalkDivs).
+// fused kernels' work walk (matmul_fused_walk.cuh, ItemWalk) divides by the cluster size, the
+// number of clusters, the blocks of M and the column groups before a CTA's first copy can go
+// out: with divisions the producer has its first cursor 0.27 us after entry (H200). The launcher
+// computes each divisor's multiplier once per launch instead (WalkDivs).
 //
 // Method (round-up multiplier, as CUTLASS's FastDivmod): with s = ceil(log2 d) and
 // m = floor(2^32 (2^s - d) / d) + 1, n / d = (umulhi(n, m) + n) >> s for 0 <= n < 2^31 (the sum

@@ -20,29 +20,28 @@
 //    receive slot in rank 0's shared memory (st.async; each store completes its bytes on rank
 //    0's `cl_full`, so no fence is needed). Rank 0's leader announces the bytes it expects,
 //    waits, adds the slots in rank order, stores, and arrives on every rank's `cl_empty`, which
-//    rank r's next leader waits on before it sends again. (The first version let rank 0 read
-//    each rank's sum through distributed shared memory after a release-at-cluster-scope arrival:
-//    ptxas turns that arrival, and the release of the cluster barrier at exit, into MEMBAR.GPU,
-//    which waits for every outstanding memory operation of the warp. Harness, H200: the small
-//    k-split products took 0.3-0.8 us longer per launch, benchmarks/results/kernel_end_h200.md.)
+//    rank r's next leader waits on before it sends again. (Rank 0 reading each rank's sum
+//    through distributed shared memory would need a release-at-cluster-scope arrival: ptxas turns
+//    that arrival, and the release of the cluster barrier at exit, into MEMBAR.GPU, which waits
+//    for every outstanding memory operation of the warp; the small k-split products take
+//    0.3-0.8 us longer per launch that way, H200.)
 //    Nothing is left in flight between the CTAs after the last item (it has no `cl_empty`
 //    arrivals: no one would wait for them), so the kernel's exit barrier needs no release.
 //  * The CTA's last item (finish_last_shared): no warp has a next item to go on with, so all of
 //    them share the sum. Each warp owns a round-robin share of the accumulator groups, adds it
 //    over the warps (and, on rank 0, the ranks) in the same order, and stores it; a named
 //    barrier replaces `full`. Most small launches run one item per CTA, so this is their item
-//    end (session 30, below).
+//    end (below).
 //  * chunk-balanced clusters (ItemWalk): an item cut at a rank boundary is summed by its owner
 //    (the rank with its first chunk) from the later ranks' pieces, each sent once per launch
 //    into its own receive slot (finish_piece).
-// What it costs (session 29, H100, harness builds without it; benchmarks/results/item_end_h100_s29.md):
-// an item's end takes 1.3-3.6 us of a 6-16 us Qwen3/GLM product at M = 1..32, even without a
-// cluster; the timeline puts 0.9-1.7 us of it in the leader adding the CTA's warps' sums (one slot
-// after another) while the other warps have nothing left to do. With the last item's sum shared
-// (session 30, benchmarks/results/item_end_shared_h100_s30.md) a one-item CTA's end takes 0.8-1.2
-// us instead of 1.4-2.2 (timeline), and the harness times 120 rows (10 shapes x M = 1, 16, 32 x
-// bits 2-5) at 0.96x (geometric mean; 0.87-0.92x for the 16-row V0 tiling of Qwen3 q/o/down and
-// GLM down at M = 16, which runs in k-split clusters).
+// What it costs (H100, timed against builds without it): an item's end takes 1.3-3.6 us of a
+// 6-16 us Qwen3/GLM product at M = 1..32, even without a cluster; 0.9-1.7 us of it would be the
+// leader adding the CTA's warps' sums (one slot after another) while the other warps have nothing
+// left to do. With the last item's sum shared a one-item CTA's end takes 0.8-1.2 us instead of
+// 1.4-2.2, 0.96x the time over 120 cases (10 shapes x M = 1, 16, 32 x bits 2-5; 0.87-0.92x for
+// the 16-row kWarpKBlock tiling of Qwen3 q/o/down and GLM down at M = 16, which runs in k-split
+// clusters).
 // Phases: a parity wait is only sound if the barrier is within one phase of the waiter. So
 // `full` and `cl_full` exist once per leader warp (phase k of full[L] is the k-th item that L
 // leads; with one shared barrier, a leader could test item seq's parity while item seq - 1's
@@ -54,7 +53,6 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
-#include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"  // mbar_arrive_expect_tx
 
 namespace kbit::cuda::fused {
@@ -158,11 +156,10 @@ struct ItemReducer {
   uint32_t red, recv;
   uint32_t full, empty, cl_full, cl_empty;  // full[NW], empty, cl_full[NW], cl_empty
   int ks, rank;
-  unsigned long long* timeline;  // (timeline builds: milestones of the first item; else unused)
 
-  __device__ ItemReducer(uint32_t base, int k_split, int cluster_rank, unsigned long long* tl = nullptr)
+  __device__ ItemReducer(uint32_t base, int k_split, int cluster_rank)
       : red(base), recv(base + kRedBytes), full(base + kRedBytes + kRecvBytes), empty(full + 8 * NW),
-        cl_full(empty + 8), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank), timeline(tl) {}
+        cl_full(empty + 8), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank) {}
 
   // One thread, before the CTA-wide (or cluster-wide) barrier that publishes the init.
   __device__ void init() const {
@@ -242,7 +239,7 @@ struct ItemReducer {
 
   // The CTA's last item: no warp has a next item to go on with, so instead of one leader adding
   // every warp's sums while the others idle (0.9-1.7 us at 8-16 warps, the largest part of a small
-  // launch's item end: benchmarks/results/item_end_h100_s29.md), warp w owns float4 group w
+  // launch's item end), warp w owns float4 group w
   // (every tiling has at most NW groups). Every warp leaves the groups it does not own in the
   // slots, each group of warp u in slot slot_of(u, owner) (so NW - 1 slots hold all of them);
   // each owner adds its group over all warps in warp order. In a cluster, rank r > 0's owners
@@ -256,8 +253,8 @@ struct ItemReducer {
     static_assert(NACC / 4 <= NW, "at most one float4 group per warp (NACC <= 4 NW in every tiling)");
     // The warp and lane indices pass through a volatile no-op, so that ptxas cannot hoist this
     // path's addresses (one slot per group, from the warp index) out of the chunk loop around it.
-    // Without it the V0/V1 chunk loops grew by 0-15 instructions (tools/sass_loops.py; lane
-    // addresses recomputed inside), with it by -7..+11 (+9/+11: bits 3/2, M <= 8, V1).
+    // Without it the K-split tilings' chunk loops grow by up to 15 instructions (tools/sass_loops.py;
+    // lane addresses recomputed inside).
     asm volatile("mov.b32 %0, %0;\n" : "+r"(warp));
     asm volatile("mov.b32 %0, %0;\n" : "+r"(lane));
     if (seq > 0) mbar_wait(empty, uint32_t(seq - 1) & 1u);  // item seq - 1's leader has read the slots
@@ -267,11 +264,10 @@ struct ItemReducer {
         sts128f(slot_addr(slot_of(warp, e4), e4, lane), acc[4 * e4], acc[4 * e4 + 1], acc[4 * e4 + 2],
                 acc[4 * e4 + 3]);
     asm volatile("bar.sync 2, %0;\n" ::"n"(NW * 32) : "memory");  // every consumer warp's groups are in
-    KBIT_TL_MARK_TO(timeline, kTlSumEntered, seq == 0 && warp == 0 && lane == 0);
     if (warp >= NACC / 4) return;  // (owns no group)
     // From here the warp handles its group e4 = warp alone, as one float4: straight-line selects
-    // instead of a branch around each group's block (harness timeline, H200, session 44: the
-    // owners' sum 0.28 -> 0.19 us), and one group's sends, loads and stores, not every group's
+    // instead of a branch around each group's block (the owners' sum takes 0.19 us instead of
+    // 0.28, H200), and one group's sends, loads and stores, not every group's
     // behind a test of the owner.
     const int e4 = warp;
     float4 own_v = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -286,7 +282,6 @@ struct ItemReducer {
       const float4 q = w == warp ? own_v : ld;
       v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
     }
-    KBIT_TL_MARK_TO(timeline, kTlWarpsSummed, seq == 0 && warp == 0 && lane == 0);
     if (ks > 1) {
       const int leader = seq % NW;  // the barrier (and phase) the leader's path would use
       if (rank > 0) {
@@ -297,7 +292,6 @@ struct ItemReducer {
       }
       if (warp == 0 && lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
       mbar_wait<true>(cl_full + 8 * leader, uint32_t(seq / NW) & 1u);
-      KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && warp == 0 && lane == 0);
       for (int s = 0; s < ks - 1; ++s) {  // ranks 1..ks-1, in rank order
         const float4 q = lds128f(recv_slot_addr(s, e4, lane));
         v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
@@ -323,7 +317,6 @@ struct ItemReducer {
     const uint32_t led = uint32_t(seq / NW) & 1u;      // the leader's phase of cl_full
     float v[NACC];
     if (sum_warps(acc, seq, warp, lane, v)) {
-      KBIT_TL_MARK_TO(timeline, kTlWarpsSummed, seq == 0 && lane == 0);
       if (ks == 1) {
         store(v);
       } else if (rank > 0) {
@@ -332,7 +325,6 @@ struct ItemReducer {
       } else {
         if (lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
         mbar_wait<true>(cl_full + 8 * leader, led);
-        KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && lane == 0);
         add_received(v, ks - 1, lane);  // ranks 1..ks-1
         for (int r = 1; r < ks; ++r) mbar_arrive_rank_cta(cl_empty, r);  // (an item follows)
         store(v);
@@ -369,7 +361,7 @@ struct ItemReducer {
   }
 };
 
-// The item end of the N-split tiling (Config V2), whose consumer warps each own their columns:
+// The item end of the N-split tiling (Tiling::kNSplit), whose consumer warps each own their columns:
 // only the CTAs of a k-split cluster add up, warp by warp. Rank r > 0's warp w leaves its sums in
 // its slot and arrives on rank 0's cl_full[w] (release, cluster scope); rank 0's warp w waits
 // there, adds its own sums and the ranks' in rank order (deterministic), stores, and arrives on
@@ -389,11 +381,9 @@ struct WarpClusterReducer {
 
   uint32_t part, cl_full, cl_empty;  // part[NW], cl_full[NW], cl_empty[NW]
   int ks, rank;
-  unsigned long long* timeline;  // (timeline builds: milestones of the first item; else unused)
 
-  __device__ WarpClusterReducer(uint32_t base, int k_split, int cluster_rank, unsigned long long* tl = nullptr)
-      : part(base), cl_full(base + kPartBytes), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank),
-        timeline(tl) {}
+  __device__ WarpClusterReducer(uint32_t base, int k_split, int cluster_rank)
+      : part(base), cl_full(base + kPartBytes), cl_empty(cl_full + 8 * NW), ks(k_split), rank(cluster_rank) {}
 
   // One thread, before the cluster-wide barrier that publishes the init.
   __device__ void init() const {
@@ -423,7 +413,6 @@ struct WarpClusterReducer {
       mbar_arrive_rank(cl_full + 8 * warp, 0);
     } else {
       mbar_wait<true>(cl_full + 8 * warp, uint32_t(seq) & 1u);
-      KBIT_TL_MARK_TO(timeline, kTlRanksIn, seq == 0 && warp == 0 && lane == 0);
       for (int r = 1; r < ks; ++r) {  // rank order
         const uint32_t rp = map_rank(slot_addr(warp, 0, lane), r);
 #pragma unroll
@@ -435,8 +424,8 @@ struct WarpClusterReducer {
       // "Your slot is free again": the loads from it are complete once the adds have consumed
       // them, which the empty asm pins before the arrivals (asm volatile keeps its order). So
       // the arrivals release at CTA scope: at cluster scope each compiled to a MEMBAR.GPU, and
-      // this tiling forced took 1.07-1.28x today's time on the Qwen3/GLM layers at M = 16-32
-      // (harness "rows", H100, session 41). The last item sends none (nothing waits for them):
+      // this tiling forced takes 1.07-1.28x the time on the Qwen3/GLM layers at M = 16-32
+      // (H100). The last item sends none (nothing waits for them):
       // with rank 0's remote loads complete, nothing is in flight towards another rank at exit,
       // and the kernel's exit barrier is relaxed (a release there was a MEMBAR.GPU that also
       // waited for rank 0's stores of the sums).

@@ -21,61 +21,23 @@ template <int BITS>
 std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning);
 }  // namespace wgmma
 
-// Rows of x for which bf16 (and, since session 42, fp16) products take the wgmma kernel
-// (matmul_wgmma.cuh) instead of matmul_fused.cuh's; fitted on bf16 products, whose alternatives
-// in matmul_fused.cuh are the faster (fp16 has no scaled-weights N-split path), so fp16 takes
-// the same rows. Measured on an H200 (bits 4, the ten benchmark shapes;
-// benchmarks/results/matmul_wgmma_h200_s22.md): at M = 128 it takes 0.64-0.88x the time of the
-// mma.sync kernels on 9 of 10 shapes (Llama-3-70B gate/up 148 against 231 us), at M = 64 it wins
-// on half of them, and at M = 512 and 4096 dequantize + cuBLAS is faster on most (session 23 made
-// the kernel 0.89-0.97x faster again at M = 128, matmul_wgmma_h200_s23.md). Session 25 (H100,
-// benchmarks/results/wgmma_bm256_h100_s25.md) gave it copies by TMA and a 256-row tile above 128
-// rows: at M = 256 and 512 it then takes 0.52-0.79x the time of dequantize + cuBLAS on the five
-// shapes measured (bits 4; Llama-3-70B gate/up, M = 512: 451 against 570 us), at M = 1024
-// 0.93-0.99x, at M = 4096 1.1-1.2x, so it stops at 512. Session 27 (H100, C++ harness sweep,
-// benchmarks/results/wgmma_tiles_h100_s27.md) gave it a 128-column tile for small layers and
-// timed it against matmul_fused.cuh's own choice at 32, 48 and 64 rows, 13 shapes x bits 2, 4, 5:
-// on N >= 4096 it takes a median 0.87x the time at 48 rows (slower on 7 of 39, at most 1.14x:
-// Qwen3 gate/up) and 0.86x at 64 (slower on 2, 1.03x), but 1.18x at 32 (the N-split tiling's
-// 32-row block); on N = 2048-2560 (Qwen3 down and o, GLM-4.7 down, Llama-3-70B qkv at TP 4)
-// it is slower on 7 of 12 at 48 rows and 5 of 12 at 64 (up to 1.29x), except at bits 5, where
-// it is faster on all four (0.79-0.94x; matmul_fused.cuh's 128 KiB bits-5 table leaves its
-// N-split tiling few stages). So bf16 products of N >= 4096, and of bits 5, take it from 33
-// rows, others from 65. Session 32 (H200, bench_matmul.py, benchmarks/results/
-// wgmma_split_last_h200_s32.md) split its last round of tiles, after which at M = 768 and 1024
-// it takes 0.67-0.98x the time of dequantize + dense dot at bits 2 and 4 on all ten shapes (at
-// 2048: 0.85-1.15x, slower on 10 of 20), but 0.81-1.19x at bits 5, slower on 11 of 20 (then on
-// the 128-row tile; session 33's 256-row tile for bits 5 read 0.89-1.17x, slower on 7 of 12:
-// benchmarks/results/bits5_tables_h200_s33.md). So bits 2-4 take it up to 1024 rows, bits 5 up
-// to 512. Session 37 (H200, harness "rows" without PDL, M = 17..64, both kernels timed on every
-// case: the 10 benchmark shapes and Llama-3-70B's per-device layers at TP 2 and 4, bits 2-5;
-// benchmarks/results/wgmma_dispatch_h200_s37.md): after sessions 34 and 36 sped up its cluster sum
-// and its start, the wgmma kernel was the faster one at every M >= 40 (N = 2048 layers at bits
-// 2-4 included: GLM-4.7 down, M = 40, bits 2: 17.3 against 21.1 us; Llama-3-70B q/k/v at TP 4,
-// M = 64: 1.68x faster), and at 17..32 on the wide layers of at most ~50 M weights (Qwen3 gate/up
-// at bits 2, M = 17: 9.5 against 15.1 us, where the fused kernel's 16-row blocks leave 160 items
-// for 132 SMs; Llama-3-70B q/k/v and o at TP 2) and at bits 5 from N = 2560. Elsewhere at 17..32
-// the fused kernel was (up to 1.31x faster: GLM-4.7 down at bits 4; the Llama gate/up and down
-// layers by 1.05-1.18x). The rule below is within 0.26 % of the faster kernel on (geometric)
-// average over those 448 cases and 22 % at worst (Llama-3-70B q/k/v at TP 4, bits 2, M = 17..32);
-// the previous one (from 33 where N >= 4096 or bits 5, else 65) was 4.2 % and 68 % off.
-// Session 38 (H200, harness "rows" without PDL, both kernels timed on the ten shapes and
-// Llama-3-70B's layers at TP 2 and 4, bits 2-5, M = 17..64: 408 cases; benchmarks/results/
-// wgmma_pairs_h200_s38.md) split the 64-row, 128-column tile's chunks over two warpgroup pairs
-// (WgConfig::kGroups): 0.81-0.90x the time (geometric means) on the Llama-3-70B down, o and
-// q/k/v layers at M = 17..64. Now the wgmma kernel wins at 17..32 on every N of 2560..8192 (the
-// Llama-3-70B layers at TP 1-4: 0.62-0.98x the fused kernel's time) but Llama-3-8B down (K
-// 14336, N 4096) at bits 3-4 (1.15x), at bits 5 on every N (N = 2048: 0.88-0.98x), and still on
-// the wide layers of at most 48 Mi weights; the fused kernel keeps the Llama gate/up layers
-// (N >= 14336, by 1.04-1.12x) and N = 2048 at bits 2-4 (by up to 1.10x). The rule below is
-// within 0.15 % of the faster kernel on (geometric) average over those cases and 9 % at worst
-// (Qwen3 down, bits 2, M = 17); session 37's rule was 2.0 % and 61 % off on the same data
-// (Llama-3-70B q/k/v at TP 4, bits 2), and taking every N of 2560..8192 from 17 rows 0.37 % and
-// 17 % (Llama-3-8B down at bits 3; benchmarks/results/wgmma_pairs_s38_fit.py).
-// Session 48 re-scored it on that session's kernels (H200, harness "rows" graph-timed with PDL, as
-// JAX runs them, both kernels on every case; benchmarks/results/dispatch_s48_check.py): 0.48 % off
-// the faster kernel on average over 168 cases at M = 17..32, 8.3 % at worst (Qwen3 q, bits 2), and
-// the wgmma kernel the faster on every case at 48 and 64. Left as it is.
+// Rows of x for which bf16 and fp16 products take the wgmma kernel (matmul_wgmma.cuh) instead of
+// matmul_fused.cuh's. The rule is fitted on bf16 products, whose alternatives in matmul_fused.cuh
+// are the faster (fp16 has no scaled-weights N-split path), so fp16 takes the same rows. Timed
+// with both kernels on every case (H200, the ten benchmark shapes and Llama-3-70B's per-device
+// layers at TP 2 and 4, bits 2-5, M = 17..64, launched as JAX runs them):
+//  * From 40 rows the wgmma kernel is the faster on every case (the N = 2048 layers at bits 2-4
+//    included), so every product takes it from kWgmmaMinRows.
+//  * At 17..32 it wins on every N of 2560..8192 (the Llama-3-70B layers at TP 1-4: 0.62-0.98x
+//    the fused kernel's time) but Llama-3-8B down (K 14336, N 4096) at bits 3-4, at bits 5 on
+//    every N, and on the wide layers of at most 48 Mi weights (Qwen3 gate/up at bits 2, M = 17:
+//    9.5 against 15.1 us, where the fused kernel's 16-row blocks leave 160 items for 132 SMs);
+//    the fused kernel keeps the Llama gate/up layers (N >= 14336, by 1.04-1.12x) and N = 2048 at
+//    bits 2-4 (by up to 1.10x). The rule below (kWgmmaEarly*) is within 0.5 % of the faster
+//    kernel on (geometric) average over those cases, 8.3 % at worst (Qwen3 q, bits 2).
+//  * Up to 1024 rows at bits 2-4 it takes 0.67-0.98x the time of dequantize + dense dot on the
+//    ten shapes (at 2048: 0.85-1.15x, slower on half); at bits 5, 0.81-1.19x at M = 768..1024,
+//    so bits 5 stops at 512.
 // The environment overrides the range for every N and bits (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read
 // once per process; MIN_M=0: never).
 constexpr int kWgmmaMinRows = 33, kWgmmaEarlyMinRows = 17, kWgmmaMaxRows = 1024, kWgmmaWideBitsMaxRows = 512;

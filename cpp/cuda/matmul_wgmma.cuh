@@ -22,11 +22,11 @@
 //    cost model, WgLauncher::cost). BM = 256 (M > 128, where that model prefers it to BM = 128,
 //    e.g. not at M = 384 on small layers) takes J = 1 (BN = 128): the same 128 accumulators per
 //    thread, and each decoded weight feeds 256 rows instead of 128, so the decode per flop halves
-//    (it costs ~30 % of the BM = 128 kernel's time, matmul_wgmma_h200_s23.md); x's L2 traffic per
-//    flop doubles, which cost nothing measurable at BM = 128 (ibid.). Bits 5's 128 KiB table left
+//    (it costs ~30 % of the BM = 128 kernel's time); x's L2 traffic per flop doubles, which costs
+//    nothing measurable at BM = 128. Bits 5's 128 KiB table left
 //    room for two 38 KiB stages only (1.13-2.44x the time of BM = 128), so at BM = 256 bits 5
 //    decodes from a 64 KiB table of 16 lane copies (WgWeightPath) and keeps four stages:
-//    0.84-0.91x the time of BM = 128 in 48 of 52 cases at M >= 512 (session 33).
+//    0.84-0.91x the time of BM = 128 in 48 of 52 cases at M >= 512.
 //  * Copies: a kStages-deep ring of chunks (KCH = 2 k-blocks), each slot with a "full" and an
 //    "empty" mbarrier; warp 0 issues every copy of a chunk from one lane: x by one TMA tensor
 //    copy, as wgmma's K-major operand with the 128-byte swizzle (each row of x holds the
@@ -34,8 +34,8 @@
 //    1024 bytes apart), and the chunk's weight cells and scale bytes by one TMA tensor copy each
 //    (see the launcher's maps). The tensor cores read x through the async proxy, which TMA
 //    writes: cp.async writes would need a fence.proxy.async in each writing thread, which
-//    compiles to MEMBAR.ALL.CTA and emptied the ring every chunk (a first version). Weights by
-//    per-thread cp.async were a fifth of the compute warps' instructions.
+//    compiles to MEMBAR.ALL.CTA and empties the ring every chunk. Weights by per-thread cp.async
+//    would be a fifth of the compute warps' instructions.
 //  * Two A register sets, even and odd k-blocks: each k-block's decode runs while the previous
 //    k-block's products are on the tensor cores (see the main loop).
 //  * K is split across the CTAs of a thread-block cluster (ks ranks, each a k-range) where the
@@ -49,89 +49,15 @@
 //    accumulator stores are conflict-free), then each thread writes 8 consecutive outputs (16
 //    bytes): coalesced rows of y. A GLU gates there, on the f32 sums (glu.h, accurate form).
 //
-// ---- Where it stands (H200, bench_matmul.py, bits 4; benchmarks/results/matmul_wgmma_h200_s2{2,3}.md) ----
-//  M = 128: Llama-3-70B gate/up 137 us (the session-22 version 147 in the same run, the
-//  mma.sync kernels ~231, the dense bf16 dot 131-135), 8B gate/up 42.5 (dense 38), hence
-//  the dispatch at M = 65..128. The tensor cores are busy ~57 % of the time on the active
-//  SMs: a k-block's decode (~100 instructions per warp, two warps per scheduler, bound by
-//  dependent latencies) takes longer than the products it runs under (without it: 0.70x the
-//  time), the weight copies cost ~12 %, and 112-tile shapes leave 20 SMs idle.
-//  Session 25 (H100, benchmarks/results/wgmma_bm256_h100_s25.md): copies by TMA tensor maps
-//  (0.90-0.99x at M = 128) and BM = 256 above 128 rows (0.80-0.84x at M = 256 and 512), which
-//  moved matmul.cu's dispatch to M = 65..512; there it is still 0.80-0.98x as fast as the dense
-//  dot on the Llama shapes (bits 4). Session 27 (H100, benchmarks/results/wgmma_tiles_h100_s27.md):
-//  the 128-column tile at M <= 128 where WgLauncher::cost prefers it (Qwen3 q, M = 128: 15.1
-//  against 18.4 us), and products of N >= 4096 or bits 5 from 33 rows. A timeline (KBIT_TIMELINE)
-//  of small layers puts ~half the launch in the epilogue, 4-6.5 us in the cluster sum's remote
-//  shared-memory reads (batching the loads did not help). Session 28 (H100): the sum by bulk
-//  copies into the owning rank ran no faster (benchmarks/results/wgmma_push_sum_s27.md): pulled or
-//  pushed, a rank receives its rows at 10-12 GB/s, the rate of distributed shared memory with
-//  every SM moving its tile at once; and one CTA per SM (kOneCtaPerSmBytes: bits 3 at BM = 64 had
-//  paired two on an SM), 0.82x the time of Llama down layers at M = 48..64, bits 3
-//  (wgmma_one_cta_ab_h100_s28.md). Next: a sum through fewer bytes (fewer ranks, or L2), a
-//  shorter decode per k-block or warpgroups specialised by role (setmaxnreg), then a persistent
-//  grid or stream-K (M = 512's waves of tiles).
-//  Session 32 (H200, harness "split", benchmarks/results/wgmma_split_last_h200_s32.md): the last
-//  round of tiles split over 2-CTA clusters where it fills half the GPU or less: 0.73-0.94x the
-//  time (geometric mean 0.845) on the 55 such cases of M = 384..2048, 13 shapes x bits 2-5
-//  (Llama-3-70B gate/up at M = 512: 0.86-0.91x; its down at M = 768: 0.73-0.76x); the 205 cases
-//  it leaves unsplit 1.001x. The plan had counted half the SMs for launches without clusters (the
-//  cluster occupancy query does not describe them). That changed no choice of tile at M <= 128 (an
-//  offline replica of the plan), but it made the split look cheap at bits 5.
-//  Session 33 (H200, benchmarks/results/bits5_tables_h200_s33.md): bits 5 on the 256-row tile with
-//  the 16-copy table (WgWeightPath): the 128-row tile takes 1.10-1.19x its time in 48 of 52 cases
-//  at M >= 512; at M = 384 (1.5 tiles of 256 rows) the 128-row tile is faster on 8 of 13 shapes.
-//  So the row tile above 128 rows is now WgLauncher::cost's choice (wgmma_row_tile_h200_s33.md):
-//  at M = 320 0.87x the time of always 256 rows (geometric mean, 0.64x at best), at M = 384 0.90x.
-//  Session 34 (H200, benchmarks/results/wgmma_push_h200_s34.md): the decode's lane constants
-//  pinned in registers (the main loop 13-24 % shorter), and the cluster sum pushed to each row's
-//  owner instead of pulled by it (no remote loads, no cluster barrier at exit). Harness against
-//  session 33, same call: M = 33..128 0.906x the time (geometric mean, 0.76-1.02), M = 192..1024
-//  0.912x (0.79-1.06); Qwen3 down and o at M = 128 0.81-0.83x, Llama-3-70B gate/up at M = 512
-//  0.88-0.91x. Slower: N = 2048 layers at M = 192..256 (up to 1.10x), which pulled.
-//  Session 35 (H200, benchmarks/results/wgmma_pull_cost_h200_s35.md): those plans (256-row tiles
-//  over 6-CTA clusters) pulled with every rank's loads before the first add; a pull from more
-//  than 3 ranks now adds rank by rank (0.93-0.94x the time at 5-8 ranks), and WgLauncher::cost
-//  charges a pull, so 128-row tiles that push win there (Qwen3 o at M = 256: 0.78x the time).
-//  Session 36 (H200, benchmarks/results/wgmma_early_copies_h200_s36.md): the first chunks' copies
-//  go out before the table is built, and the table is built by entry: the first chunk arrives at
-//  1.3 us instead of 1.9 (bits 4) / 3.0 (bits 5); harness M = 16..128 0.94-0.99x the time. ncu at
-//  M = 512 (Llama-3-70B down, bits 4): ~94 % of the tensor cores' rate, as the dense dot; at
-//  M = 128 on Llama-3-8B down, 36 SMs idle (16 tiles of 256 columns x 6 ranks) and ~17 % of the
-//  samples in the pull's remote adds.
-//  Sessions 38-40 (H200, H100; benchmarks/results/wgmma_pairs_h200_s38.md,
-//  wgmma_pairs128_h100_s39.md, wgmma_tails_s40.md): the 128-column tile on two warpgroup pairs
-//  (WgConfig::kGroups) at 64 rows, and at 128 (bits 5 from session 40, with the 64 KiB table): the
-//  64-row main loop takes 0.68x the time, the 128-row tile 0.86x (M = 96..128), and above 128
-//  rows the launcher now picks it for about half the cases.
-//  Session 40 (H100 and H200, benchmarks/results/wgmma_tails_s40.md): a partial last row tile
-//  copies only its rows of x (TMA's zero fill of a box's missing rows was slow) over zeros written
-//  once. With bits 5's pairs, harness picks against the session's start: 0.975x the time over 676
-//  cases on both GPUs; M = 65 at bits 4 0.93x, M = 300 at bits 5 0.90x.
-//  Session 41 (H100, benchmarks/results/epilogue_s41.md): the push path's cluster barrier is
-//  relaxed (cluster.sync()'s release was a MEMBAR.GPU) and a partial tile at J = 1 stages only
-//  its rows: harness picks 0.98x the time at M = 33..256, 0.96-0.98x on the Qwen3 layers. What
-//  is left of a small layer's epilogue (Qwen3 o, M = 64: 3.3 of 7.8 us) is the push itself at
-//  the rate of distributed shared memory (1.55 us), and 0.7 us from "own rows in" to the first
-//  store: 0.66 us of it in thread 0's first item's 12 LDS.128 and adds (timeline marks
-//  kTlSumEntered, kTlSumAdded), not understood. Loads of 4 columns a thread (conflict-free) took
-//  0.47 us, but ptxas reordered every main loop: 1.000x overall, reverted.
-//  Session 47 (H100, benchmarks/results/wgmma64_h100_s47.md): the 64-column tile at BM = 64
-//  (WG = 1, four warpgroups over a rank's chunks) and each group's own staged tile. Harness picks
-//  against the session's start: Llama-3-8B down at M = 17..64 0.84x the time (64 tiles over
-//  2-CTA clusters), Qwen3 q 0.92x, the rest 0.98-1.01x. On N = 2048 layers, for which it was
-//  meant, fewer than 32 4-CTA clusters fit, so it gets 3 ranks, and a rank's push of 11 KiB took
-//  as long as the 6-rank tile's 27 KiB (~1.2 us): that cluster sum is not bound by its bytes.
-//  Then (H200, benchmarks/results/fastdiv_h200_s47.md) its divisions by the cluster size and the
-//  tile counts became multipliers from the launcher (WgParams::ks_div ...): 0.55 us had passed
-//  from the tiles staged to thread 0's first send. Harness picks 0.973x the time: the Qwen3 and
-//  GLM-4.7 layers 0.95-0.98x (Qwen3 q at M <= 64 0.90x), the Llama layers 0.96-1.00x.
-//  Session 48 (H200, benchmarks/results/cluster_sum_h200_s48.md): the push path's final add rank
-//  by rank in a short loop, its pieces in a swizzled order, and no pull code where every cluster
-//  size pushes: thread 0's first item 0.73-1.13 -> 0.48-0.55 us; harness picks 0.988x the time
-//  (Qwen3 0.96-0.97x), 0.965x with a GLU. What is left of the sum is its sends (~27 KiB a rank
-//  at ~23 GB/s per SM: a build that sent nothing ran 0.9 us shorter, Qwen3 o at M = 64); loading
-//  a batch of rows before sending them did not shorten it.
+// ---- What limits it (H200, bits 4) ----
+//  M = 128: the tensor cores are busy ~57 % of the time on the active SMs: a k-block's decode
+//  (~100 instructions per warp, bound by dependent latencies) takes longer than the products it
+//  runs under (without the decode: 0.70x the time), which the paired 64- and 128-row tiles
+//  (WgConfig::kGroups) answer with more warps per scheduler. At M = 512 it runs at ~94 % of the
+//  tensor cores' rate, as the dense dot. Small layers at M <= 64 are set by the cluster sum:
+//  pushed or pulled, a rank receives its rows at the rate of distributed shared memory with
+//  every SM moving its tile at once (~23 GB/s per SM), which the 64-column tile (WG = 1) and
+//  smaller clusters shorten.
 //
 // ---- Limits ----
 //  bf16 or fp16 activations, the fragment layout, N % 16 == 0 (16-byte rows of weights and scale
@@ -147,7 +73,6 @@
 #include "cuda/common.cuh"
 #include "cuda/fast_div.cuh"
 #include "cuda/item_reduce.cuh"  // mbar_init, mbar_wait
-#include "cuda/timeline.cuh"
 #include "cuda/tma.cuh"
 #include "cuda/weight_path.cuh"
 #include "cuda/wgmma.cuh"
@@ -178,20 +103,18 @@ struct WgConfig {
   // k-range; the epilogue adds the groups' tiles. At BM = 64, J = 1 a chunk's
   // decode (~100 instructions per warp and k-block) outlasts its products 3-4x, with two warps
   // per scheduler to hide its latencies: 0.41 us per chunk on Qwen3 down at M = 32 and 64 alike
-  // (H200 timeline, session 38). With two pairs (four warps per scheduler) the main loop takes
-  // 0.68x the time there, and the products 0.81-0.90x (geometric means) on Llama-3-70B's down, o
-  // and TP-4 q/k/v layers at M = 17..64 (benchmarks/results/wgmma_pairs_h200_s38.md). The
-  // 128-row tile gains less (each decoded weight feeds twice the rows): 0.90x its time at M = 128
-  // (H200, session 38); above 128 rows the launcher now picks it for about half the products
-  // (wgmma_pairs128_h100_s39.md). 512 threads cap the registers at 128: the 32 (BM = 64) and 64
+  // (H200). With two pairs (four warps per scheduler) the main loop takes 0.68x the time there,
+  // and the products 0.81-0.90x (geometric means) on Llama-3-70B's down, o and TP-4 q/k/v layers
+  // at M = 17..64. The 128-row tile gains less (each decoded weight feeds twice the rows): 0.90x
+  // its time at M = 128; above 128 rows the launcher picks it for about half the products.
+  // 512 threads cap the registers at 128: the 32 (BM = 64) and 64
   // (BM = 128) accumulators per thread of the 128-column tile leave room (ptxas: 114, no
   // spills); the 128 of 128 x 256 and 256 x 128 do not, nor 64 x 256 (177 registers). Bits 5 at
   // BM = 128 takes the 64 KiB table (WgWeightPath) for its 3 stages per pair: 0.94-0.95x the
-  // time of one pair with the 128 KiB table and 4 stages at M = 96..128 (H100, session 40,
-  // wgmma_tails_s40.md).
+  // time of one pair with the 128 KiB table and 4 stages at M = 96..128 (H100).
   // The 64-column tile (WG = 1) is for small layers at M <= 64 (N = 2048: 16 tiles of 128
   // columns, which the launcher splits over 6-CTA clusters to fill the GPU, and whose cluster sum
-  // then took 2.6-3.4 us of a 8-9 us launch, benchmarks/results/small_m32_64_h100_s46.md): twice
+  // takes 2.6-3.4 us of a 8-9 us launch, H100): twice
   // the tiles over 4-CTA clusters send 3/4 of a 16 KiB tile to the other ranks instead of 5/6 of
   // 32 KiB, and each rank decodes 3/4 of the weights. Its four warpgroups decode 16 columns a
   // warp each, as the pairs do, but read x once per 64 columns instead of per 128.
@@ -232,8 +155,8 @@ struct WgConfig {
   // One CTA per SM: the launcher's plan (cluster sizes, waves) counts SMs, and two CTAs on one SM
   // share its decode and tensor-core rate while other SMs idle. Bits 3's 8 KiB table leaves BM =
   // 64 at ~99 KiB (and 104-125 registers per thread), so two fit an SM's 228 KiB; the
-  // reservation is padded past half of it. (Session 27's table: at M = 64 bits 3 took 1.1-1.4x
-  // the time of bits 2 and 4 on the Llama layers, e.g. Llama-3-70B down 161 against 114-117 us.)
+  // reservation is padded past half of it. (Two CTAs per SM: at M = 64 bits 3 took 1.1-1.4x the
+  // time of bits 2 and 4 on the Llama layers, e.g. Llama-3-70B down 161 against 114-117 us.)
   static constexpr int kOneCtaPerSmBytes = 116 * 1024;
   // + a "full" and an "empty" mbarrier per stage, and the receive barrier of the cluster sum at the
   // very end (past everything the main loop uses, so it can be initialized at the start)
@@ -284,13 +207,10 @@ struct WgParams {
   int glu;
   // The kernel's divisions by launch constants (fast_div.cuh): ~20 instructions around a MUFU.RCP
   // each otherwise, on the way to a CTA's first copies and, in the cluster sum, to its first send
-  // (harness timeline, H200, session 47: 0.55 us from the tiles staged to thread 0's first send).
+  // (with divisions, 0.55 us passed from the tiles staged to thread 0's first send, H200).
   FastDiv ks_div, m_tiles_div, n_tiles_div;  // by ks, m_tiles, n_tiles
   int slot_rows;           // ceil(BM / ks): the rows of a receive slot (the most any rank owns)
   int push_step_q, push_step_r;  // the push's row step (kThreads / (BN / 4) rows) / ks and % ks
-#ifdef KBIT_TIMELINE
-  unsigned long long* timeline;  // timeline.cuh: per-CTA milestone clocks, or null (thread 0's view)
-#endif
 };
 
 __device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
@@ -384,9 +304,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   const int nch = kbE > kbA ? (kbE - kbA + KCH - 1) / KCH : 0;
   const bool copier = P == 1 ? warp == 0 : warp % GW == 0;  // the group's warp 0: it copies the group's chunks
 
-  KBIT_TL_MARK(p, kTlEntry, tid == 0);
-  KBIT_TL_GLOBAL(p, kTlGlobalEntry, tid == 0);
-  KBIT_TL_VALUE(p, kTlChunks, nch, tid == 0);
   const uint32_t s_lut = smem_u32(smem), s_full = s_lut + Cfg::kBarOffset, s_empty = s_full + 8 * S;
   const uint32_t s_ring = (s_lut + Cfg::kLutBytes + 1023u) & ~1023u;  // 1024-byte aligned stages
   // (each group's copying lane initializes its group's barriers: it copies onto them before the
@@ -440,11 +357,11 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   // on; the other threads wait on them only after the __syncthreads below; the table and the ring
   // do not overlap). Issued after the whole CTA had built the table, they went out 1.5 us (bits 4)
   // to 2.3 us (bits 5, a 128 KiB table) after entry, and the first chunk arrived at 1.9-3.0 us
-  // (Llama-3-8B down at M = 128, benchmarks/results/wgmma_early_copies_h200_s36.md).
+  // (Llama-3-8B down at M = 128).
   // With groups, each group's warp 0 (which builds no part of the table) issues its first kEarly
   // chunks here and the rest of its first SP - 1 after the barrier: with all eight here, the
-  // first chunk arrived 0.3 us later than the five of one warpgroup pair (Qwen3 down at M = 32,
-  // harness timeline), and with one warp issuing all eight the barrier waited 0.4 us more. (The
+  // first chunk arrived 0.3 us later than the five of one warpgroup pair (Qwen3 down at M = 32),
+  // and with one warp issuing all eight the barrier waited 0.4 us more. (The
   // group is a constant here too, by branch rather than by the unrolled loop below: that form of
   // this loop took 9 instructions more in the 256-column tile's main loop.)
   constexpr int kEarly = P == 1 ? SP - 1 : 2;
@@ -469,8 +386,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
       // A partial tile's rows of x past its own, which xmap_tail's copies never write: zeros in
       // every stage, as TMA's fill brought them before. Their products are never stored, but
       // stale data there costs the tensor cores power: Llama-3-70B gate/up (128 x 256 tiles) took
-      // 1.07-1.10x the time at M = 72..96 and 300, bits 4-5, against the zero fill (H100, session
-      // 40). A fence makes the zeros visible to the async proxy that wgmma reads through.
+      // 1.07-1.10x the time at M = 72..96 and 300, bits 4-5, against the zero fill (H100). A fence makes the zeros visible to the async proxy that wgmma reads through.
       const int pieces = (BM - p.tail_rows) * (Cfg::kXRowBytes / 16);  // 16-byte pieces per stage
       const uint32_t first = s_ring + uint32_t(p.tail_rows * Cfg::kXRowBytes);
       for (int i = worker; i < S * pieces; i += workers) {
@@ -480,10 +396,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
   }
-  KBIT_TL_MARK(p, kTlFirstCopy, tid == 0);
-  KBIT_TL_MARK(p, kTlTable, tid == 32);  // (warp 1's part of the table)
   __syncthreads();  // every thread sees the initialized barriers, and the whole table
-  KBIT_TL_MARK(p, kTlSetup, tid == 0);
   // The E4M4 decode's factor: decode_e4m4_fast's 2^116, times 2^e with fp16 (f16_weight_exponent;
   // e = 0 with bf16), whose inverse the epilogue applies
   int f16_exp = 0;
@@ -498,8 +411,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   // The lane's constants of the decode, each through an identity shuffle (pinned_to_lane): ptxas
   // cannot recompute them from the thread index, as it did inside the main loop, an S2R and 39-65
   // more instructions per chunk at every bits value and tile (13-24 % of the loop; nvcc 13.0,
-  // tools/sass_loops.py). Harness on the H200: 0.95x the time at M = 33..128, 0.94x at 192..1024
-  // (benchmarks/results/wgmma_push_h200_s34.md).
+  // tools/sass_loops.py): 0.95x the time at M = 33..128, 0.94x at 192..1024 (H200).
   const typename WP::Lane L = pinned_to_lane(WP::lane_consts(lane), lane);
   const uint32_t o0 = pinned_to_lane(WP::offset0(g, t), lane), o1 = pinned_to_lane(WP::offset1(g, t), lane);
   const uint32_t g_pinned = pinned_to_lane(uint32_t(g), lane);
@@ -535,9 +447,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   // each k-block's decode runs while the previous k-block's group is on the tensor cores.
   // wgmma_wait<1> before a decode finishes only the group that last read that register set
   // (rewriting registers of a group in flight would make ptxas serialize every wgmma, C7513).
-  // Three sets with wgmma_wait<2> (two groups queued during a decode) were tried: ptxas gave two
-  // of the sets the same physical registers, the forced-wgmma test failed (cause not found),
-  // and it was no faster.
+  // (Three sets with wgmma_wait<2>, two groups queued during a decode, are no faster, and ptxas
+  // gives two of the sets the same physical registers: the forced-wgmma test fails.)
   // Ring: every thread of the group arrives on its chunk c - 1's "empty" barrier once that chunk's
   // wgmma groups are done (early in chunk c); the group's warp 0 waits there, then copies the
   // group's chunk c + SP - 1 into that slot. No CTA-wide barrier in the loop: the groups run on
@@ -555,7 +466,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     uint32_t a_even[J][2][4], a_odd[J][2][4];
     if (nch_group > 0) {
       fused::mbar_wait(full_bar(pr, 0), parity(0));
-      KBIT_TL_MARK(p, kTlFirstChunk, tid == 0);
       decode(a_even, slot(pr, 0), 0);
     }
     for (int c = 0; c < nch_group; ++c) {
@@ -585,7 +495,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < J; ++j) fence_operands(acc[j]);
   }
-  KBIT_TL_MARK(p, kTlFirstItemEnd, tid == 0);  // (the products are done)
   __syncthreads();  // every warp is done with the table and the ring (and every copy has landed): the
                     // tile overlays them
 
@@ -594,7 +503,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   // groups store at once, without a pass that adds one tile into another. At J = 1 only the
   // tile's rows of x (nothing reads the others; at BM = 128 the three passes over the whole tile
   // are ~1,500 shared-memory wavefronts, ~0.8 us); at J = 2 that test made ptxas reorder the main
-  // loop, and Llama-3-70B gate/up took 1.03-1.05x the time (H100, session 41). ----
+  // loop, and Llama-3-70B gate/up took 1.03-1.05x the time (H100). ----
   float* tile_f = reinterpret_cast<float*>(smem);
   constexpr int kTileFloats = Cfg::kTileBytes / 4;
   {
@@ -635,7 +544,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     __syncthreads();
     if (ks > 1) fused::cluster_barrier_relaxed();
   }
-  KBIT_TL_MARK(p, kTlFirstStored, tid == 0);  // (every rank's tile is staged)
 
   // ---- rank q owns every ks-th row from q: it sums it over the ranks (in rank order: the same
   // sums on every run), scales, rounds and stores it. Push (ks <= kPushMaxRanks): every rank sends
@@ -646,9 +554,9 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   // Pull (otherwise): each rank reads its rows from every rank's tile, then a cluster barrier
   // keeps every tile alive until all have read it. On the H200 (benchmarks/cluster_sum_bench.cu,
   // 128 x 128 f32 tiles, every SM at once) the pull took 3.2-5.4 us from staged to stored at 2-8
-  // ranks and 0.7-1.5 us more to the exit; the push 2.6-2.9 us, exit included. In this kernel
-  // (harness, against the pull with the same main loop): 0.95x the time at M = 33..128, 0.97x at
-  // 192..1024 (wgmma_push_h200_s34.md). ----
+  // ranks and 0.7-1.5 us more to the exit; the push 2.6-2.9 us, exit included. In this kernel,
+  // against the pull with the same main loop: 0.95x the time at M = 33..128, 0.97x at
+  // 192..1024. ----
   // (times 2^-e, see f16_weight_exponent)
   const float ts = p.tensor_scale[b] * __uint_as_float(uint32_t(127 - f16_exp) << 23);
   const uint32_t s_recv_bar = s_lut + Cfg::kRecvBarOffset;
@@ -675,10 +583,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
       owner += step_r;
       if (owner >= ks) { owner -= ks; ++rq; }
     }
-    KBIT_TL_LATEST(p, kTlLastWarpItemEnd, lane == 0);  // (every warp has issued its sends)
     fused::mbar_wait<true>(s_recv_bar, 0);
   }
-  KBIT_TL_MARK(p, kTlLastChunk, tid == 0);  // (push: this rank's rows have landed)
 
   // A thread takes E consecutive tile columns of one row (8, or 16 with a GLU: 8 outputs, one
   // 16-byte store); E is a constant, so the item's row and columns are shifts and masks.
@@ -689,7 +595,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   // sw ^ 1, ... (see sum_and_store), scaled into v. The loads from every rank go out before the
   // first add, except from more than kPullBatchMaxRanks ranks: there it adds rank by rank, which
   // took 0.93-0.94x the time of the whole launch at 5-8 ranks (the many remote loads in flight
-  // queue up) and 1.01-1.02x at 2-3 (harness "wgplans", H200, session 35).
+  // queue up) and 1.01-1.02x at 2-3 (H200).
   auto pull_sum = [&](auto e_const, auto& v, int own, int sw) {
     constexpr int E = decltype(e_const)::value;
     // EP columns at a time: all E at 256 threads; 8 at 512, whose 128 registers E = 16's 4 pieces
@@ -738,7 +644,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     // 32.) Its sums are put back in column order before the store (unswizzle_pieces).
     const int sw = tid / (32 / E) % (E / 4);
     const GluLogit logit(p.glu);
-    KBIT_TL_MARK(p, kTlSumEntered, tid == 0);
     for (int it = tid; it < my_rows * kGroups; it += Cfg::kThreads) {
       const int rr = it / kGroups, r = rank + ks * rr, c0 = (it % kGroups) * E;
       if (n0 + c0 >= p.N) continue;
@@ -748,10 +653,10 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
         // This rank's tiles and its receive slots, rank by rank: a short loop. Unrolled over the 8
         // possible ranks, each with its own, pushed and pulled loads (~1,100 instructions from the
         // wait to the first add, 64-128 registers of loads in flight), thread 0's first item took
-        // 0.73-1.13 us, as long in a build that sent nothing; rolled, 0.48-0.55 us (harness
-        // timeline, H200, session 48). Why is not pinned down: not bank conflicts (the piece order
-        // alone changed nothing at E = 8), nor a cold instruction cache (it stays warm from launch
-        // to launch: benchmarks/icache_probe.cu, session 41).
+        // 0.73-1.13 us, as long in a build that sent nothing; rolled, 0.48-0.55 us (H200). Why is
+        // not pinned down: not bank conflicts (the piece order alone changed nothing at E = 8),
+        // nor a cold instruction cache (it stays warm from launch to launch:
+        // benchmarks/icache_probe.cu).
         float4 s[E / 4];
 #pragma unroll
         for (int e4 = 0; e4 < E / 4; ++e4) s[e4] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -772,7 +677,6 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
       }
       unswizzle_pieces<E>(v, sw);
       // (the test on v[0], always true, keeps the mark's clock read behind the adds)
-      KBIT_TL_MARK(p, kTlSumAdded, tid == 0 && it == tid && __float_as_uint(v[0]) != 1u);
       uint32_t packed[4];
 #pragma unroll
       for (int o = 0; o < 4; ++o)
@@ -781,18 +685,13 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
                             : Act::pack2(v[2 * o], v[2 * o + 1]);
       const int col = E == 16 ? (n0 + c0) / 2 : n0 + c0;
       *reinterpret_cast<uint4*>(y + int64_t(r) * n_out + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      KBIT_TL_MARK(p, kTlWarpsSummed, tid == 0 && it == tid);  // (thread 0's first output)
     }
   };
   if (p.glu != kGluNone)
     sum_and_store(std::integral_constant<int, 16>());
   else
     sum_and_store(std::integral_constant<int, 8>());
-  KBIT_TL_MARK(p, kTlLoopEnd, tid == 0);
-  KBIT_TL_LATEST(p, kTlLastWarpStored, lane == 0);
   if (ks > 1 && !push) cluster.sync();  // (pull) no rank leaves while another reads its tile
-  KBIT_TL_MARK(p, kTlExit, tid == 0);
-  KBIT_TL_GLOBAL(p, kTlGlobalExit, tid == 0);
 #endif
 }
 
@@ -888,49 +787,44 @@ struct WgLauncher {
     return w;
   }
 
-  // The plan's time in units of one k-block of a 256-column tile, fitted to the session-27
-  // sweeps (H100, 14 shapes x bits 2, 4, 5 at M = 32, 48, 64, 128; every cluster size of both
-  // tiles; benchmarks/results/wgmma_tiles_h100_s27.md): time = c_J (35 + kps) waves, with c_2 = 1
-  // (0.40 us per k-block at BM = 128, bits 4) and c_1 = 0.7 at BM = 128, 0.8 at BM = 64 (half the
-  // columns, but x is read twice per weight column, a larger share at fewer rows). The 35
-  // k-blocks are the launch's fixed cost (~15 us at J = 2, ~9.5 at J = 1, BM = 128). Picking the
-  // tile by it loses 0-0.3 % on average against the faster tile at its best cluster size (worst
-  // case 7.5 %, at M = 32).
+  // The plan's time in units of one k-block of a 256-column tile, fitted to harness sweeps (H100,
+  // 14 shapes x bits 2, 4, 5 at M = 32, 48, 64, 128; every cluster size of both tiles):
+  // time = c_J (35 + kps) waves, with c_2 = 1 (0.40 us per k-block at BM = 128, bits 4) and
+  // c_1 = 0.7 at BM = 128, 0.8 at BM = 64 (half the columns, but x is read twice per weight
+  // column, a larger share at fewer rows). The 35 k-blocks are the launch's fixed cost (~15 us at
+  // J = 2, ~9.5 at J = 1, BM = 128). Picking the tile by it loses 0-0.3 % on average against the
+  // faster tile at its best cluster size (worst case 7.5 %, at M = 32).
   // A split last round adds its whole rounds at 35 + kb each.
   // BM = 256 (J = 1, a 256 x 128 tile: the area of J = 2 at BM = 128) costs 0.9: each decoded
-  // weight feeds twice the rows. Fitted in session 33 on 247 harness cases (H200, "split" mode's
-  // SPLITR lines: 13 shapes x bits 2, 4, 5 x M 192..2048, both row tiles timed;
-  // benchmarks/results/wgmma_row_tile_h200_s33.md) with an offline replica of the plan, it picks
-  // the row tile within 0.4 % of the faster one on (geometric) average, 13.5 % at worst (N = 2048
-  // layers at M = 640, whose 128-row plan splits K over 3 ranks: the cluster sum is not in the
-  // model). Always taking 256 rows was 3.8 % off on average and 1.55x at worst: at M = 320 and
-  // 384, 256-row tiles pad a third of their rows and can leave part of the GPU idle (Llama-3-70B
-  // q/k/v at TP 2, M = 384: 80 tiles of 256 rows against 120 CTAs of 128).
-  // A k-split sum by pull adds 2 + ks (in the same units, ~0.34 us each on the H200): fitted in
-  // session 35 on harness "wgplans" (13 shapes x bits 2, 4, 5 x M 64..512, every tile timed with
-  // its plan; benchmarks/results/wgmma_pull_cost_h200_s35.md), where a forced pull took 0.5-1.4
-  // us longer than the push at 2-3 ranks and 1.5-2.5 us at 5-8. Without the term the plan took
-  // 256-row tiles that pull over 6 ranks where 128-row tiles push over 3 (Qwen3 o at M = 256:
-  // 22.0 against 18.4 us). With it, the pick is within 0.04 % of the fastest tile on
-  // (geometric) average and 4.3 % at worst, against 0.8 % and 19.7 % without.
+  // weight feeds twice the rows. Fitted on 247 harness cases (H200, 13 shapes x bits 2, 4, 5 x
+  // M 192..2048, both row tiles timed) with an offline replica of the plan, it picks the row tile
+  // within 0.4 % of the faster one on (geometric) average, 13.5 % at worst (N = 2048 layers at
+  // M = 640, whose 128-row plan splits K over 3 ranks: the cluster sum is not in the model).
+  // Always taking 256 rows is 3.8 % off on average and 1.55x at worst: at M = 320 and 384,
+  // 256-row tiles pad a third of their rows and can leave part of the GPU idle (Llama-3-70B q/k/v
+  // at TP 2, M = 384: 80 tiles of 256 rows against 120 CTAs of 128).
+  // A k-split sum by pull adds 2 + ks (in the same units, ~0.34 us each on the H200): fitted on
+  // harness timings (13 shapes x bits 2, 4, 5 x M 64..512, every tile timed with its plan), where
+  // a forced pull takes 0.5-1.4 us longer than the push at 2-3 ranks and 1.5-2.5 us at 5-8.
+  // Without the term the plan takes 256-row tiles that pull over 6 ranks where 128-row tiles push
+  // over 3 (Qwen3 o at M = 256: 22.0 against 18.4 us). With it, the pick is within 0.04 % of the
+  // fastest tile on (geometric) average and 4.3 % at worst, against 0.8 % and 19.7 % without.
   // Warpgroup pairs (WgConfig::kGroups: J = 1 at BM = 64 and 128) take a share of a k-block's
-  // time, the fixed cost unchanged. At BM = 64, kPairKBlock64: fitted on harness
-  // "wgplans" (H200, session 38: 13 shapes x bits 2, 4, 5 x M 17, 32, 48, 64, both tiles timed
-  // with their plans) by an offline replica of the plan, 0.6-0.65 picks the faster tile within
-  // 0.26 % on (geometric) average, 7.9 % at worst (Qwen3 gate/up, bits 4, M = 17); 0.8 is 1.0 %
-  // and 10.7 % off, 0.5 took the 128-column tile on Llama-3-70B q/k/v at TP 2 (1.18x the time),
-  // 0.9 the 256-column one on its down layer (1.33x). At BM = 128, kPairKBlock128: fitted the
-  // same way on H100 "wgplans" (session 39: 13 shapes x bits 2-4 x M 96..512, every tile of 128
-  // and 256 rows timed with its plan; the replica matched the launcher's 234 picks), 0.7-0.75
-  // picks within 0.2 % of the fastest tile on average, 9.1 % at worst; 0.65 took 128 x 128 on
-  // Llama-3-70B down at M = 256 (1.22x the 256-row tile's time), 0.8 128 x 256 on its q/k/v at TP
-  // 2, M = 384 (1.11x) (benchmarks/results/wgmma_pairs128_h100_s39.md).
+  // time, the fixed cost unchanged. At BM = 64, kPairKBlock64: fitted on harness timings (H200,
+  // 13 shapes x bits 2, 4, 5 x M 17, 32, 48, 64, both tiles timed with their plans) by an offline
+  // replica of the plan, 0.6-0.65 picks the faster tile within 0.26 % on (geometric) average,
+  // 7.9 % at worst (Qwen3 gate/up, bits 4, M = 17); 0.8 is 1.0 % and 10.7 % off, 0.5 takes the
+  // 128-column tile on Llama-3-70B q/k/v at TP 2 (1.18x the time), 0.9 the 256-column one on its
+  // down layer (1.33x). At BM = 128, kPairKBlock128: fitted the same way on H100 (13 shapes x
+  // bits 2-4 x M 96..512, every tile of 128 and 256 rows timed with its plan), 0.7-0.75 picks
+  // within 0.2 % of the fastest tile on average, 9.1 % at worst; 0.65 takes 128 x 128 on
+  // Llama-3-70B down at M = 256 (1.22x the 256-row tile's time), 0.8 128 x 256 on its q/k/v at
+  // TP 2, M = 384 (1.11x).
   // The 64-column tile (WG = 1, four single warpgroups): kQuadKBlock64 of a k-block (half the
-  // pairs' columns over twice the groups) and kQuadFixed64 of the fixed cost. On H100 "wgplans"
-  // (session 47: 13 shapes x bits 2-5 x M 17..64, every tile timed with its plan; an offline
-  // replica of the choice, benchmarks/results/wgmma64_s47_fit.py) these pick within 1.2 % of the
-  // fastest tile on (geometric) average, as the best of a grid of both; without the tile that
-  // was 2.6 % (Llama-3-8B down: 1.22x at worst).
+  // pairs' columns over twice the groups) and kQuadFixed64 of the fixed cost. On H100 timings
+  // (13 shapes x bits 2-5 x M 17..64, every tile timed with its plan; an offline replica of the
+  // choice) these pick within 1.2 % of the fastest tile on (geometric) average, as the best of a
+  // grid of both; without the tile 2.6 % (Llama-3-8B down: 1.22x at worst).
   static constexpr double kPairKBlock64 = 0.65, kPairKBlock128 = 0.75;
   static constexpr double kQuadKBlock64 = 0.35, kQuadFixed64 = 35.0;
   static double cost(const WgPlan& w) {
@@ -966,27 +860,25 @@ struct WgLauncher {
     p.push_step_q = Cfg::kPushRowsPerStep / w.ks;
     p.push_step_r = Cfg::kPushRowsPerStep % w.ks;
     p.whole_ctas = static_cast<int>(w.whole_tiles);
-#ifdef KBIT_TIMELINE
-    p.timeline = tuning ? tuning->timeline : nullptr;
-#endif
     if (w.ctas() > 0x7fffffffLL) return "kbit_matmul_wgmma_kernel: too many tiles for " + shape(a);
-    if (tuning) {
-      tuning->launched_k_split = w.ks;
-      tuning->launched_ctas = static_cast<int>(w.ctas());
-      tuning->launched_whole_ctas = static_cast<int>(w.whole_tiles);
-      tuning->launched_balanced = 0;
-      tuning->launched_wg_columns = Cfg::kBN;
-      tuning->launched_variant = 3;
-      tuning->launched_rows = BM;
-      tuning->launched_cluster_sum = w.ks < 2 ? 0 : Cfg::pushes(w.ks) ? kClusterSumPush : kClusterSumPull;
-      tuning->launched_plan_cost = 0;  // (matmul_fused.cuh's plans only)
-      tuning->launched_chunk_price = 0;
+    if (tuning && tuning->report) {
+      MatmulLaunchReport& r = *tuning->report;
+      r.k_split = w.ks;
+      r.ctas = static_cast<int>(w.ctas());
+      r.whole_ctas = static_cast<int>(w.whole_tiles);
+      r.balanced = 0;
+      r.wg_columns = Cfg::kBN;
+      r.variant = 3;
+      r.rows = BM;
+      r.cluster_sum = w.ks < 2 ? 0 : Cfg::pushes(w.ks) ? kClusterSumPush : kClusterSumPull;
+      r.plan_cost = 0;  // (matmul_fused.cuh's plans only)
+      r.chunk_price = 0;
     }
     // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
     // row's 16-byte pieces swizzled by the row's index mod 8 (see the header). Each batch entry's
     // last row tile, where it is partial, loads through a second map whose box has only its rows:
     // TMA's zero fill of the box's rows past B * M is slow. With 63 of 128 rows filled (M = 65,
-    // H100, harness wgplans, session 40) the paired 128-row tile took 1.2-1.3x its time at M = 96
+    // H100) the paired 128-row tile took 1.2-1.3x its time at M = 96
     // on Llama-3-8B gate/up, Llama-3-70B down and o (e.g. 26.6 against 21.2 us), from ~40 filled
     // rows up; with the rows read from memory instead, 65 took no longer than 96.
     CUtensorMap xmap, xmap_tail, wmap, smap;

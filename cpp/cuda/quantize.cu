@@ -1,7 +1,7 @@
 // kbit_quantize on the GPU: one warp per cell (32 consecutive elements along K of one column),
 // lane j holding element j, exactly the format's definition:
 //   absmax = max |w| (float32)            -> one redux.sync.max on the float bit patterns
-//   scale  = encode_e4m4(absmax / ts)     -> format.h, IEEE division (no fast math)
+//   scale  = block_scale_byte(absmax, ts) -> format.h, IEEE division (no fast math)
 //   code   = nearest_code(w / absmax)     -> format.h, codebook in shared memory
 //   planes:   word b = ballot(bit b of code)                     (layout kPlanes)
 //   fragment: word i = OR over lanes of the code shifted to bits*fragment_pos(lane) - 32 i
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kQuantThreads)
       }
     }
     if (lane < BITS) planes[cell * BITS + lane] = word_for_me;
-    if (lane == 0) scales[cell] = static_cast<uint8_t>(kbit::encode_e4m4(absmax / ts));
+    if (lane == 0) scales[cell] = static_cast<uint8_t>(kbit::block_scale_byte(absmax, ts));
   }
 }
 

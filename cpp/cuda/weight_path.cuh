@@ -173,7 +173,7 @@ struct WeightPath<3> {
 //  * 32 (128-byte rows, 128 KiB): lane l reads bank l, one wavefront per lookup;
 //  * 16 (64-byte rows, 64 KiB): lanes l and l + 16 read copy l & 15, so a lookup takes two
 //    wavefronts; it leaves the wgmma kernel's 256-row tile room for four ring stages, where
-//    the 128 KiB table left two (1.13-2.44x the time, wgmma_split_last_h200_s32.md).
+//    the 128 KiB table leaves two (1.13-2.44x the time).
 template <int COPIES>
 struct WeightPathBits5 {
   static_assert(COPIES == 32 || COPIES == 16, "a copy per lane or per half-warp");
@@ -277,14 +277,13 @@ __device__ __forceinline__ void decode_for_scaling(const typename WP::Raw& r, ui
 //    stores spread over all banks (4 wavefronts, the least for 512 bytes; a 64-byte row covers
 //    half the banks, so lanes 2i and 2i + 1 share a rotation). At the wgmma kernel's start, on
 //    the first chunk's path, the bits-5 table (1024 entries, 128 KiB) then took 1.1 us instead
-//    of 1.8 (Llama-3-8B down at M = 128, benchmarks/results/wgmma_early_copies_h200_s36.md); at
-//    the fused kernel's, 1.6 us instead of 2.4 (Llama-3-70B down, M = 1;
-//    fused_early_table_h200_s37.md).
+//    of 1.8 (Llama-3-8B down at M = 128); at the fused kernel's, 1.6 us instead of 2.4
+//    (Llama-3-70B down, M = 1).
 //    The fused kernels' rebuild inside their item loop keeps the order by piece: by entry there,
-//    ptxas built their hot loops 16-36 instructions longer or shorter (tools/sass_loops.py), and
-//    the 16-row N-split tiling took up to 1.09x the time at M = 16 (session 36). The build at
-//    entry leaves the loops' lengths as they were, but not their order (bits 5 at M <= 8 took
-//    1.02-1.04x the time where that build does not run, under PDL).
+//    ptxas builds their hot loops 16-36 instructions longer or shorter (tools/sass_loops.py), and
+//    the 16-row N-split tiling takes up to 1.09x the time at M = 16. The build at entry leaves
+//    the loops' lengths alone, but not their order (bits 5 at M <= 8 takes 1.02-1.04x the time
+//    where that build does not run, under PDL).
 template <class WP, class Act, bool kByEntry = false>
 __device__ __forceinline__ void build_table(uint32_t lut, const float* cb, int tid, int nthreads) {
   constexpr int kPieces = WP::kCopies * WP::kEntryBytes / 16;  // 16-byte stores per row

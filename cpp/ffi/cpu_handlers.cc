@@ -89,6 +89,21 @@ ffi::Error matmul_impl(ffi::AnyBuffer x, ffi::AnyBuffer planes, ffi::AnyBuffer s
   });
 }
 
+ffi::Error ragged_dot_impl(ffi::AnyBuffer x, ffi::AnyBuffer planes, ffi::AnyBuffer scales,
+                           ffi::AnyBuffer codebook, ffi::AnyBuffer tensor_scale,
+                           ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> y,
+                           int32_t layout, int32_t glu) {
+  Problem p;
+  KBIT_RETURN_IF_ERROR(kbit::ffi_check::check_ragged_dot(x, planes, scales, codebook, tensor_scale,
+                                                         group_sizes, *y, layout, glu, p));
+  return run_kernel("kbit_ragged_dot", [&] {
+    kbit::cpu::ragged_dot(x.untyped_data(), float_type(p.dtype), p.m,
+                          packed_weight(planes, scales, codebook, tensor_scale, p),
+                          static_cast<const int32_t*>(group_sizes.untyped_data()), p.glu,
+                          y->untyped_data());
+  });
+}
+
 }  // namespace
 
 // Every operand is an AnyBuffer so that a wrong dtype is reported by our validation, naming
@@ -118,6 +133,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KbitMatmulCpu, matmul_impl,
                                   .Arg<ffi::AnyBuffer>()  // scales
                                   .Arg<ffi::AnyBuffer>()  // codebook
                                   .Arg<ffi::AnyBuffer>()  // tensor_scale
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Attr<int32_t>("layout")
+                                  .Attr<int32_t>("glu"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KbitRaggedDotCpu, ragged_dot_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // planes
+                                  .Arg<ffi::AnyBuffer>()  // scales
+                                  .Arg<ffi::AnyBuffer>()  // codebook
+                                  .Arg<ffi::AnyBuffer>()  // tensor_scale
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
                                   .Ret<ffi::AnyBuffer>()  // y
                                   .Attr<int32_t>("layout")
                                   .Attr<int32_t>("glu"));

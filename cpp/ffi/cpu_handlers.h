@@ -1,5 +1,5 @@
-// XLA FFI handlers for the CPU kernels (targets kbit_quantize, kbit_dequantize, kbit_matmul on
-// platform "cpu"; operands, results and the `layout` attribute as in cpp/README.md).
+// XLA FFI handlers for the CPU kernels (targets kbit_quantize, kbit_dequantize, kbit_matmul,
+// kbit_ragged_dot on platform "cpu"; operands, results and the `layout` attribute as in cpp/README.md).
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
@@ -7,3 +7,4 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KbitQuantizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KbitDequantizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KbitMatmulCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KbitRaggedDotCpu);

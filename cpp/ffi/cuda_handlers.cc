@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cuda/launch.cuh"
+#include "cuda/ragged_dot.cuh"
 #include "ffi/validate.h"
 
 namespace ffi = xla::ffi;
@@ -99,6 +100,42 @@ ffi::Error MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer plan
   return launch_result(kbit::cuda::launch_matmul(a, stream));
 }
 
+// ---- kbit_ragged_dot ----
+ffi::Error RaggedDotImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer planes,
+                         ffi::AnyBuffer scales, ffi::AnyBuffer codebook, ffi::AnyBuffer tensor_scale,
+                         ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> y, int32_t layout,
+                         int32_t glu) {
+  constexpr const char* kT = "kbit_ragged_dot";
+  Problem p;
+  KBIT_RETURN_IF_ERROR(kbit::ffi_check::check_ragged_dot(x, planes, scales, codebook, tensor_scale,
+                                                         group_sizes, *y, layout, glu, p));
+  if (p.batch > kbit::cuda::kRaggedDotMaxGroups)
+    return kbit::ffi_check::invalid(kT, "the CUDA kernels take at most " +
+                                            std::to_string(kbit::cuda::kRaggedDotMaxGroups) +
+                                            " groups, got G=" + std::to_string(p.batch));
+  if (p.m > 0x3fffffff || p.k / 32 * p.n > 0x7fffffff / 8)  // rows, k-blocks and columns in 32 bits
+    return kbit::ffi_check::invalid(kT, "the CUDA path needs M < 2^30 and K/32 * N < 2^28, got M=" +
+                                            std::to_string(p.m) + " K=" + std::to_string(p.k) +
+                                            " N=" + std::to_string(p.n));
+  kbit::cuda::RaggedDotArgs a;
+  a.dtype = cuda_dtype(p.dtype);
+  a.x = x.untyped_data();
+  a.planes = static_cast<const uint32_t*>(planes.untyped_data());
+  a.scales = static_cast<const uint8_t*>(scales.untyped_data());
+  a.codebook = static_cast<const float*>(codebook.untyped_data());
+  a.tensor_scale = static_cast<const float*>(tensor_scale.untyped_data());
+  a.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
+  a.y = y->untyped_data();
+  a.m = p.m;
+  a.k = p.k;
+  a.n = p.n;
+  a.groups = p.batch;
+  a.bits = p.bits;
+  a.layout = p.layout;
+  a.glu = p.glu;
+  return launch_result(kbit::cuda::launch_ragged_dot(a, stream));
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KbitQuantizeCuda, QuantizeImpl,
@@ -131,6 +168,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KbitMatmulCuda, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()  // scales
                                   .Arg<ffi::AnyBuffer>()  // codebook
                                   .Arg<ffi::AnyBuffer>()  // tensor_scale
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Attr<int32_t>("layout")
+                                  .Attr<int32_t>("glu"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Command-buffer compatible: the launcher reads group_sizes on the device only, allocates
+// nothing and never synchronizes.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KbitRaggedDotCuda, RaggedDotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // planes
+                                  .Arg<ffi::AnyBuffer>()  // scales
+                                  .Arg<ffi::AnyBuffer>()  // codebook
+                                  .Arg<ffi::AnyBuffer>()  // tensor_scale
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
                                   .Ret<ffi::AnyBuffer>()  // y
                                   .Attr<int32_t>("layout")
                                   .Attr<int32_t>("glu"),

@@ -1,7 +1,7 @@
 // XLA FFI handlers of the CUDA kernels (platform "CUDA"): kbit_quantize, kbit_dequantize,
-// kbit_matmul. Each decodes its buffers and the `layout` attribute, validates shapes and dtypes
-// (errors name the target, the operand and the expected vs actual value), and calls the
-// launcher in cpp/cuda. All three are declared command-buffer compatible: they allocate
+// kbit_matmul, kbit_ragged_dot. Each decodes its buffers and the `layout` attribute, validates
+// shapes and dtypes (errors name the target, the operand and the expected vs actual value), and
+// calls the launcher in cpp/cuda. All are declared command-buffer compatible: they allocate
 // nothing, never synchronize, and read no device memory on the host.
 #pragma once
 
@@ -11,4 +11,5 @@ extern "C" {
 XLA_FFI_Error* KbitQuantizeCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KbitDequantizeCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* KbitMatmulCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* KbitRaggedDotCuda(XLA_FFI_CallFrame* call_frame);
 }

@@ -30,9 +30,9 @@ KernelFloat to_kernel_float(Float dtype) {
 
 // What a call's operands say, once they are known to be consistent.
 struct Problem {
-  int64_t batch = 0, m = 0, k = 0, n = 0;  // m only for matmul; n is the weight's N
+  int64_t batch = 0, m = 0, k = 0, n = 0;  // m only for matmul and ragged_dot; n is the weight's N
   int bits = 0;
-  int32_t glu = kGluNone;  // matmul only (glu.h): y has N / 2 columns when set
+  int32_t glu = kGluNone;  // matmul and ragged_dot only (glu.h): y has N / 2 columns when set
   Layout layout = kPlanes;
   Float dtype = Float::kF32;  // w (quantize), the result (dequantize) or x and y (matmul)
 };
@@ -45,16 +45,39 @@ inline std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
   return out.str();
 }
 
+// NumPy's name for a dtype (what a JAX user writes), not XLA's ("S32", "F64").
 inline std::string dtype_string(ffi::DataType dtype) {
   switch (dtype) {
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S2: return "int2";
+    case ffi::DataType::S4: return "int4";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U2: return "uint2";
+    case ffi::DataType::U4: return "uint4";
     case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::C64: return "complex64";
+    case ffi::DataType::C128: return "complex128";
+    case ffi::DataType::TOKEN: return "token";
+    case ffi::DataType::F8E5M2: return "float8_e5m2";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::F8E4M3: return "float8_e4m3";
+    case ffi::DataType::F8E3M4: return "float8_e3m4";
+    case ffi::DataType::F8E4M3B11FNUZ: return "float8_e4m3b11fnuz";
+    case ffi::DataType::F8E5M2FNUZ: return "float8_e5m2fnuz";
+    case ffi::DataType::F8E4M3FNUZ: return "float8_e4m3fnuz";
     default: {
       std::ostringstream out;
-      out << dtype;
+      out << "XLA type " << dtype;
       return out.str();
     }
   }
@@ -196,6 +219,38 @@ inline ffi::Error check_matmul(const ffi::AnyBuffer& x, const ffi::AnyBuffer& pl
   if (glu != kGluNone)
     return check_shape(kTarget, "y (result)", y, "[B, M, N/2]", {p.batch, p.m, p.n / 2});
   return check_shape(kTarget, "y (result)", y, "[B, M, N]", {p.batch, p.m, p.n});
+}
+
+// kbit_ragged_dot(x [M, K], planes [G, K/32, N, bits], scales, codebook, tensor_scale,
+// group_sizes int32 [G]) -> y [M, N], x's dtype; with the glu attribute set, y [M, N / 2]
+// (N even). The weight's batch axis is the G groups (p.batch = G); x and y have no batch axis.
+inline ffi::Error check_ragged_dot(const ffi::AnyBuffer& x, const ffi::AnyBuffer& planes,
+                                   const ffi::AnyBuffer& scales, const ffi::AnyBuffer& codebook,
+                                   const ffi::AnyBuffer& tensor_scale,
+                                   const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& y,
+                                   int32_t layout, int32_t glu, Problem& p) {
+  constexpr const char* kTarget = "kbit_ragged_dot";
+  KBIT_RETURN_IF_ERROR(check_weight(kTarget, planes, scales, codebook, tensor_scale, layout, p));
+  if (glu < kGluNone || glu > kGluLast)
+    return invalid(kTarget, "attribute glu must be 0 (none), 1 (silu) or 2 (gelu_tanh), got " +
+                                std::to_string(glu));
+  if (glu != kGluNone && p.n % 2 != 0)
+    return invalid(kTarget, "attribute glu pairs gate and up columns and needs an even N, got N=" +
+                                std::to_string(p.n));
+  p.glu = glu;
+  KBIT_RETURN_IF_ERROR(check_dtype(kTarget, "group_sizes", group_sizes, ffi::DataType::S32));
+  KBIT_RETURN_IF_ERROR(check_shape(kTarget, "group_sizes", group_sizes, "[G] with G = planes.shape[0]",
+                                   {p.batch}));
+  KBIT_RETURN_IF_ERROR(check_float(kTarget, "x", x, p.dtype));
+  KBIT_RETURN_IF_ERROR(check_rank(kTarget, "x", x, "[M, K]", 2));
+  p.m = x.dimensions()[0];
+  KBIT_RETURN_IF_ERROR(
+      check_shape(kTarget, "x", x, "[M, K] with K = 32 * planes.shape[1]", {p.m, p.k}));
+  if (y.element_type() != x.element_type())
+    return invalid(kTarget, "y (result) must have x's dtype " + dtype_string(x.element_type()) +
+                                ", got " + dtype_string(y.element_type()));
+  if (glu != kGluNone) return check_shape(kTarget, "y (result)", y, "[M, N/2]", {p.m, p.n / 2});
+  return check_shape(kTarget, "y (result)", y, "[M, N]", {p.m, p.n});
 }
 
 }  // namespace kbit::ffi_check

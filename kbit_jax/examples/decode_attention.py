@@ -3,7 +3,7 @@
 At one new token per step XLA compiles the example decoder's attention core into five small
 kernels (the q.k dot, the softmax's max, sum and normalize fusions, the p.v dot), each bound
 by its launch: ~9 us per layer on an H200 at Llama-3-70B tensor-parallel-2 sizes, ~0.7 ms of
-an 11 ms step (``benchmarks/results/README.md``, session-16 profile). This kernel does the
+an 11 ms step (a profiled decode, ``bench_decode.py --profile``). This kernel does the
 same work in one launch: a program per (batch row, kv head, split of the positions) streams
 its keys and values once, ``block_s`` positions at a time, with an online softmax (running
 max and sum) in f32; where there are several splits, a small XLA fusion combines them

@@ -4,7 +4,7 @@ A pre-norm decoder adds each sublayer's output to the residual stream and normal
 for the next sublayer: ``x = x + delta; h = rms_norm(x) * scale``. XLA compiles that into two
 kernels, a reduction (the add and the sum of squares) and an elementwise pass (normalize,
 scale, round), ~3.4 us per norm with the gap between them at Llama-3-70B tensor-parallel-2
-sizes, two norms per layer (``benchmarks/results/README.md``, session-19 profile). Here one
+sizes, two norms per layer (a profiled decode, ``bench_decode.py --profile``). Here one
 program per row keeps the row in registers and writes both results:
 
     x, h = add_rms_norm(x, delta, scale, eps)   # x, delta [..., D]; scale [D]

@@ -9,5 +9,6 @@ into M). ``kbit_jax.ops`` adds and removes that axis.
 from .dequantize import dequantize_p
 from .matmul import matmul_p
 from .quantize import quantize_p
+from .ragged_dot import ragged_dot_p
 
-__all__ = ["dequantize_p", "matmul_p", "quantize_p"]
+__all__ = ["dequantize_p", "matmul_p", "quantize_p", "ragged_dot_p"]

@@ -8,9 +8,9 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
-from .. import _ext
+from .. import _ext, reference
 
 
 def _varying_axes(aval) -> frozenset:
@@ -25,7 +25,7 @@ def out_aval(shape, dtype, avals_in: Sequence) -> jax.core.ShapedArray:
 
     Inside ``shard_map`` a plain ``ShapedArray`` would drop that information: gradients
     would then come out wrong by the mesh size and some out_specs would silently return one
-    device's data (DESIGN.md §4). So the result is derived from the most-varying input.
+    device's data (docs/design/jax_integration.md). So the result is derived from the most-varying input.
     """
     vma = frozenset().union(*map(_varying_axes, avals_in))
     if not vma:
@@ -166,3 +166,25 @@ def fold_batch_into_leading_axis(prim, args, dims, **params):
 def layout_attr(layout: str) -> np.int32:
     from ..format import LAYOUT_IDS
     return np.int32(LAYOUT_IDS[layout])
+
+
+# -- differentiation ---------------------------------------------------------------------------
+def weight_tangent(planes, scales, codebook, tensor_scale, t_codebook, t_tensor_scale, *, layout):
+    """dW[B, K, N] (float32) for tangents of the codebook and tensor_scale (``ad.Zero`` or
+    arrays), or None when both are zero. W = codebook[code] * decode(scale) * tensor_scale is
+    linear in each of the two for fixed codes and scales, so dW is the reference's dense W with
+    the tangent in their place, which JAX transposes itself (the gather over the codebook
+    becomes a scatter-add)."""
+    parts = []
+    if type(t_codebook) is not ad.Zero:
+        parts.append(reference.dequantize(planes, scales, t_codebook, tensor_scale, layout=layout))
+    if type(t_tensor_scale) is not ad.Zero:
+        parts.append(reference.dequantize(planes, scales, codebook, t_tensor_scale, layout=layout))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+def zero_tangent(y):
+    """The symbolic zero tangent of ``y`` (float0 for integer ``y``)."""
+    return ad.Zero(jax.typeof(y).to_tangent_aval())

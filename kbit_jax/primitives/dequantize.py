@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax.extend.core import Primitive
+from jax.interpreters import ad
 
 from .. import reference
 from ..format import BLOCK
 from ..sharding import FactorRule
-from ._common import define, layout_attr, out_aval
+from ._common import define, layout_attr, out_aval, weight_tangent, zero_tangent
 
 dequantize_p = Primitive("kbit_dequantize")
 
@@ -30,3 +31,14 @@ SHARDING_RULE = FactorRule("b k n j, b k n, b c, b -> b (k i) n", replicated=("i
 dequantize_kernel_p = define(dequantize_p, abstract_eval=_abstract_eval, reference=_reference,
                              ffi_attrs=lambda *, layout, dtype: {"layout": layout_attr(layout)},
                              rule=SHARDING_RULE)
+
+
+def _jvp(primals, tangents, *, layout, dtype):
+    """w is linear in the codebook and in tensor_scale; codes and scales are integers."""
+    planes, scales, codebook, tensor_scale = primals
+    w = dequantize_p.bind(*primals, layout=layout, dtype=dtype)
+    dw = weight_tangent(*primals, tangents[2], tangents[3], layout=layout)
+    return w, zero_tangent(w) if dw is None else dw.astype(dtype)
+
+
+ad.primitive_jvps[dequantize_p] = _jvp

@@ -19,14 +19,15 @@ from jax.interpreters import ad, batching, mlir
 from .. import _ext, reference
 from ..format import BLOCK
 from ..sharding import FactorRule
-from ._common import _varying_axes, define, fold_batch_into_leading_axis, layout_attr, out_aval
+from ._common import (_varying_axes, define, fold_batch_into_leading_axis, layout_attr, out_aval,
+                      weight_tangent, zero_tangent)
 from .dequantize import dequantize_kernel_p, dequantize_p
 
 matmul_p = Primitive("kbit_matmul")
 METHODS = ("auto", "fused", "dequantize")
 
 #: On CUDA, "auto" uses the fused kernel up to this many rows (M) and dequantize + dense dot
-#: above it. Measured on an H200 (bits 4, ten shapes; benchmarks/results/kernel_rows_h200.md):
+#: above it. Measured on an H200 (bits 4, ten shapes):
 #: above 16 rows the warp-specialized kernel runs (it needs N % 16 == 0), in blocks of 16 rows
 #: or, where its launcher expects that to be faster, in N-split blocks of 32 or 64 rows that
 #: decode each weight once per block. At M = 128 those take 0.65-0.75x the time of dequantize +
@@ -66,8 +67,8 @@ def wgmma_rows(n: int = 0, bits: int = 0, k: int = 0) -> tuple[int, int]:
 #: above, its plain product is gated by XLA (one elementwise fusion; "fused" keeps the gate in the
 #: kernel at any M), except in the wgmma kernel (`wgmma_rows`), whose epilogue gates. In the other
 #: kernels the gate runs on the warp that ends each work item while it holds its ring stages, and
-#: its work grows with the item's rows. Measured on an H200 (bits 4, `bench_matmul.py --glu silu`;
-#: benchmarks/results/matmul_glu_h200_s21.md), fused gate against kernel + XLA gate: at M = 1
+#: its work grows with the item's rows. Measured on an H200 (bits 4, `bench_matmul.py --glu silu`),
+#: fused gate against kernel + XLA gate: at M = 1
 #: 0.6-5.3 us less on the Qwen3, GLM-4.7 and Llama-3 gate/up shapes; at M = 4 and 8 less on the
 #: small shapes but 3.5-4.2 us more on Llama-3-70B's (8192 x 28672: 49.5 against 46.0 us at M = 4);
 #: at M = 16 mixed.
@@ -183,19 +184,31 @@ matmul_kernel_p = define(matmul_p, abstract_eval=_abstract_eval, reference=_refe
                          rule=_sharding_rule, split_at_reduction=_split_at_reduction)
 
 
-# -- differentiation: y is linear in x; the quantized weight is a constant -------------------
+# -- differentiation ---------------------------------------------------------------------------
+# y is linear in x and, for fixed codes and scales, in the codebook and tensor_scale
+# (`_common.weight_tangent`); codes and scales are integers, with float0 zero tangents.
 def _jvp(primals, tangents, *, layout, method, glu):
-    x, *weight = primals
-    tx = tangents[0]
-    if type(tx) is ad.Zero:
+    x, planes, scales, codebook, tensor_scale = primals
+    tx, _, _, t_codebook, t_tensor_scale = tangents
+    weight = (planes, scales, codebook, tensor_scale)
+    dw = weight_tangent(*weight, t_codebook, t_tensor_scale, layout=layout)
+    if type(tx) is ad.Zero and dw is None:
         y = matmul_p.bind(x, *weight, layout=layout, method=method, glu=glu)
-        return y, ad.Zero.from_primal_value(y)
+        return y, zero_tangent(y)
     plain = lambda a: matmul_p.bind(a, *weight, layout=layout, method=method, glu=None)  # noqa: E731
+    y_plain = plain(x)
+    t_plain = None
+    if type(tx) is not ad.Zero:
+        t_plain = plain(tx)
+    if dw is not None:
+        t_w = jnp.einsum("bmk,bkn->bmn", x.astype(jnp.float32), dw,
+                         precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        t_plain = t_w if t_plain is None else t_plain + t_w
     if glu is None:
-        return plain(x), plain(tx)
+        return y_plain, t_plain
     # A GLU gates the two halves of the linear product: JAX differentiates the gate; the
-    # product and its tangent (linear in tx) run without it.
-    return jax.jvp(lambda y: reference.apply_glu(y, glu), (plain(x),), (plain(tx),))
+    # product and its tangent run without it.
+    return jax.jvp(lambda y: reference.apply_glu(y, glu), (y_plain,), (t_plain,))
 
 
 def _transpose(ct, x, planes, scales, codebook, tensor_scale, *, layout, method, glu):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax.extend.core import Primitive
+from jax.interpreters import ad
 
 from .. import reference
 from ..format import BLOCK
 from ..sharding import FactorRule
-from ._common import define, layout_attr, out_aval
+from ._common import define, layout_attr, out_aval, zero_tangent
 
 quantize_p = Primitive("kbit_quantize")
 quantize_p.multiple_results = True
@@ -32,3 +33,12 @@ SHARDING_RULE = FactorRule("b (k i) n, b c, b -> b k n j, b k n", replicated=("i
 quantize_kernel_p = define(quantize_p, abstract_eval=_abstract_eval, reference=_reference,
                            ffi_attrs=lambda *, layout: {"layout": layout_attr(layout)},
                            rule=SHARDING_RULE)
+
+
+def _jvp(primals, tangents, *, layout):
+    """Codes and scales are integers: their tangents are float0 zeros."""
+    outs = quantize_p.bind(*primals, layout=layout)
+    return outs, [zero_tangent(o) for o in outs]
+
+
+ad.primitive_jvps[quantize_p] = _jvp

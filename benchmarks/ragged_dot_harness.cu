@@ -1,0 +1,350 @@
+// Standalone harness of the grouped expert product's CUDA kernels (cpp/cuda/ragged_dot.cu),
+// without JAX:
+//   check: every bits, dtype, layout and GLU on group sizes with zeros, empty ends, one group,
+//          sum < M and row blocks of several items, against a float64 host reference; exits 1
+//          on a mismatch.
+//   time:  the routed-expert shapes of three MoE models at T tokens with uniform top-k routing,
+//          cold weights (L2 flushed before each launch), the kernel's device time by CUDA events
+//          against the copy bandwidth measured in the same run.
+// Build: nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -Icpp
+//        benchmarks/ragged_dot_harness.cu cpp/cuda/ragged_dot.cu cpp/cuda/matmul.cu ... (see below)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/codes.cuh"
+#include "cuda/ragged_dot.cuh"
+#include "format.h"
+#include "glu.h"
+
+using namespace kbit::cuda;
+
+#define CK(x)                                                                     \
+  do {                                                                            \
+    cudaError_t e_ = (x);                                                         \
+    if (e_ != cudaSuccess) {                                                      \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(2);                                                               \
+    }                                                                             \
+  } while (0)
+
+namespace kbit::cuda {
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::kF32: return "float32";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+  }
+  return "?";
+}
+}  // namespace kbit::cuda
+
+static uint32_t host_code(const uint32_t* w, int bits, int layout, int k) {
+  if (layout == kbit::kPlanes) {
+    uint32_t c = 0;
+    for (int b = 0; b < bits; ++b) c |= ((w[b] >> k) & 1u) << b;
+    return c;
+  }
+  const int bit = bits * fragment_pos(k), wi = bit >> 5, sh = bit & 31;
+  uint64_t v = w[wi];
+  if (wi + 1 < bits) v |= uint64_t(w[wi + 1]) << 32;
+  return uint32_t(v >> sh) & ((1u << bits) - 1u);
+}
+
+static void store(std::vector<uint8_t>& buf, DType d, size_t i, float v) {
+  if (d == DType::kBF16) reinterpret_cast<__nv_bfloat16*>(buf.data())[i] = __float2bfloat16_rn(v);
+  else if (d == DType::kF16) reinterpret_cast<__half*>(buf.data())[i] = __float2half_rn(v);
+  else reinterpret_cast<float*>(buf.data())[i] = v;
+}
+static float load(const std::vector<uint8_t>& buf, DType d, size_t i) {
+  if (d == DType::kBF16) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(buf.data())[i]);
+  if (d == DType::kF16) return __half2float(reinterpret_cast<const __half*>(buf.data())[i]);
+  return reinterpret_cast<const float*>(buf.data())[i];
+}
+static size_t dsize(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+struct Case {
+  int64_t m, k, n;
+  std::vector<int> sizes;
+  int bits, layout, glu;
+  DType dtype;
+  bool force_generic;
+};
+
+static std::mt19937 rng(1234);
+
+static bool run_case(const Case& c) {
+  const int64_t G = c.sizes.size(), KB = c.k / 32, C = 1 << c.bits;
+  const int64_t n_out = c.glu ? c.n / 2 : c.n;
+  std::uniform_int_distribution<uint32_t> u32;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> ud(-1.f, 1.f);
+  std::vector<uint32_t> planes(size_t(G * KB * c.n * c.bits));
+  for (auto& w : planes) w = u32(rng);
+  std::vector<uint8_t> scales(size_t(G * KB * c.n));
+  for (auto& s : scales) s = uint8_t(0x80 + (u32(rng) % 0x40));  // 2^-3 .. 2^0 range
+  std::vector<float> cb(size_t(G * C)), ts(G);
+  for (auto& v : cb) v = ud(rng);
+  for (auto& v : ts) v = 0.5f + 0.5f * (ud(rng) + 1.f);
+  std::vector<uint8_t> x(size_t(c.m * c.k * dsize(c.dtype)));
+  for (int64_t i = 0; i < c.m * c.k; ++i) store(x, c.dtype, i, nd(rng));
+  std::vector<int32_t> gs(c.sizes.begin(), c.sizes.end());
+
+  uint32_t* d_planes; uint8_t* d_scales; float *d_cb, *d_ts; int32_t* d_gs; void *d_x, *d_y;
+  CK(cudaMalloc(&d_planes, std::max<size_t>(4, planes.size() * 4)));
+  CK(cudaMalloc(&d_scales, std::max<size_t>(1, scales.size())));
+  CK(cudaMalloc(&d_cb, std::max<size_t>(4, cb.size() * 4)));
+  CK(cudaMalloc(&d_ts, std::max<size_t>(4, ts.size() * 4)));
+  CK(cudaMalloc(&d_gs, std::max<size_t>(4, gs.size() * 4)));
+  CK(cudaMalloc(&d_x, std::max<size_t>(16, x.size())));
+  const size_t ybytes = size_t(c.m * n_out * dsize(c.dtype));
+  CK(cudaMalloc(&d_y, std::max<size_t>(16, ybytes)));
+  CK(cudaMemcpy(d_planes, planes.data(), planes.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_scales, scales.data(), scales.size(), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_cb, cb.data(), cb.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_ts, ts.data(), ts.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_gs, gs.data(), gs.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_x, x.data(), x.size(), cudaMemcpyHostToDevice));
+  CK(cudaMemset(d_y, 0xff, std::max<size_t>(16, ybytes)));  // NaN everywhere: unwritten rows show
+
+  RaggedDotArgs a;
+  a.x = d_x; a.dtype = c.dtype; a.planes = d_planes; a.scales = d_scales; a.codebook = d_cb;
+  a.tensor_scale = d_ts; a.group_sizes = d_gs; a.y = d_y;
+  a.m = c.m; a.k = c.k; a.n = c.n; a.groups = G; a.bits = c.bits; a.layout = c.layout; a.glu = c.glu;
+  RaggedDotTuning tune;
+  tune.force_generic = c.force_generic;
+  const std::string path = c.force_generic ? "generic (forced)" : ragged_dot_path(a);
+  const std::string err = launch_ragged_dot(a, nullptr, &tune);
+  if (!err.empty()) { std::printf("launch error: %s\n", err.c_str()); return false; }
+  CK(cudaDeviceSynchronize());
+  std::vector<uint8_t> y(ybytes);
+  CK(cudaMemcpy(y.data(), d_y, ybytes, cudaMemcpyDeviceToHost));
+
+  // Reference: float64 sums of x * (codebook[code] * scale * tensor_scale).
+  const double tol = c.dtype == DType::kF32 ? 2e-5 : 1.2e-2;
+  int64_t bad = 0, row = 0;
+  double worst = 0;
+  std::vector<double> acc(c.n), mag(c.n);
+  const kbit::GluLogit logit(c.glu);
+  for (int64_t g = 0; g <= G; ++g) {
+    const int64_t rows = g < G ? std::max(0, c.sizes[g]) : c.m;
+    for (int64_t r = 0; r < rows && row < c.m; ++r, ++row) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      std::fill(mag.begin(), mag.end(), 0.0);
+      if (g < G) {
+        for (int64_t kb = 0; kb < KB; ++kb)
+          for (int64_t n = 0; n < c.n; ++n) {
+            const int64_t cell = (g * KB + kb) * c.n + n;
+            const uint32_t* w = &planes[cell * c.bits];
+            const double s = kbit::decode_e4m4(scales[cell]) * double(ts[g]);
+            for (int k = 0; k < 32; ++k) {
+              const double wv = double(cb[g * C + host_code(w, c.bits, c.layout, k)]) * s;
+              const double xv = load(x, c.dtype, row * c.k + kb * 32 + k);
+              acc[n] += xv * wv;
+              mag[n] += std::fabs(xv * wv);
+            }
+          }
+      }
+      for (int64_t j = 0; j < n_out; ++j) {
+        double ref, scale;
+        if (c.glu) {
+          const double gte = acc[2 * j], up = acc[2 * j + 1];
+          ref = double(kbit::glu_apply(logit, float(gte), float(up)));
+          scale = (mag[2 * j] + std::fabs(gte)) * (std::fabs(up) + mag[2 * j + 1]) + 1e-30;
+        } else {
+          ref = acc[j];
+          scale = mag[j] + 1e-30;
+        }
+        const double got = load(y, c.dtype, row * n_out + j);
+        const double e = std::fabs(got - ref) / scale;
+        if (!(e <= tol) || (g == G && got != 0.0)) {
+          if (bad < 3)
+            std::printf("  mismatch row %lld col %lld (group %lld): got %g want %g\n", (long long)row,
+                        (long long)j, (long long)g, got, ref);
+          ++bad;
+        }
+        if (e > worst && g < G) worst = e;
+      }
+    }
+    if (row >= c.m) break;
+  }
+  std::string sz;
+  for (size_t i = 0; i < c.sizes.size() && i < 8; ++i) sz += std::to_string(c.sizes[i]) + ",";
+  std::printf("%s M=%lld K=%lld N=%lld G=%lld sizes=%s bits=%d layout=%d glu=%d %s [%s]: worst %.2e\n",
+              bad ? "FAIL" : "ok  ", (long long)c.m, (long long)c.k, (long long)c.n, (long long)G, sz.c_str(),
+              c.bits, c.layout, c.glu, dtype_name(c.dtype), path.c_str(), worst);
+  cudaFree(d_planes); cudaFree(d_scales); cudaFree(d_cb); cudaFree(d_ts); cudaFree(d_gs); cudaFree(d_x); cudaFree(d_y);
+  return bad == 0;
+}
+
+static int check() {
+  int fails = 0, total = 0;
+  const std::vector<std::vector<int>> sizes = {
+      {3, 0, 9, 1, 0, 16},  // zeros inside, sum 29
+      {0, 0, 40, 0},        // one group, empty ends, several row blocks of 32
+      {0, 5, 0, 0},         // sum < M
+      {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
+      {-3, 70, 0},          // a negative size counts as 0
+  };
+  for (int bits = 2; bits <= 5; ++bits)
+    for (DType d : {DType::kBF16, DType::kF16, DType::kF32})
+      for (int glu = 0; glu <= 2; ++glu)
+        for (size_t si = 0; si < sizes.size(); ++si) {
+          int64_t m = 0;
+          for (int s : sizes[si]) m += std::max(0, s);
+          m += (si == 2) ? 7 : 0;
+          if (si == 4) m = 66;  // sum (70) above M: rows clamp to M
+          for (int layout : {1, 0}) {
+            if (layout == 0 && (glu == 2 || si % 2)) continue;
+            Case c{m, int64_t(128 + 64 * (si % 2)), glu ? 256 : 192, sizes[si], bits, layout, glu, d, false};
+            ++total;
+            fails += !run_case(c);
+          }
+        }
+  // Larger K (fewer staged rows per item), N not a multiple of 64, forced generic, G = 0.
+  for (int bits : {2, 4, 5}) {
+    Case c{100, 2048, 128, {30, 0, 33, 37}, bits, 1, 1, DType::kBF16, false};
+    ++total; fails += !run_case(c);
+    Case c2{20, 96, 96, {5, 15}, bits, 1, 0, DType::kBF16, false};
+    ++total; fails += !run_case(c2);
+    Case c3{29, 128, 128, {3, 0, 9, 1, 0, 16}, bits, 1, 1, DType::kBF16, true};
+    ++total; fails += !run_case(c3);
+  }
+  Case c0{9, 64, 64, {}, 4, 1, 0, DType::kBF16, false};
+  ++total; fails += !run_case(c0);
+  std::printf("check: %d of %d cases failed\n", fails, total);
+  return fails ? 1 : 0;
+}
+
+// ---- timing ------------------------------------------------------------------------------
+__global__ void fill_random(uint32_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t v = uint32_t(i) * 2654435761u ^ seed;
+    v ^= v >> 13; v *= 0x5bd1e995u; v ^= v >> 15;
+    p[i] = v;
+  }
+}
+__global__ void fill_scales(uint8_t* p, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = uint8_t(0x90 + (i * 7) % 16);
+}
+__global__ void fill_bf16(__nv_bfloat16* p, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16(float(int(i % 17) - 8) * 0.05f);
+}
+
+static int time_mode(int reps) {
+  struct Shape { const char* name; int64_t k, n; int g, topk, glu; };
+  const Shape shapes[] = {
+      {"qwen3-next gate_up", 2048, 1024, 512, 10, 1}, {"qwen3-next down", 512, 2048, 512, 10, 0},
+      {"qwen3-30b gate_up", 2048, 1536, 128, 8, 1},   {"qwen3-30b down", 768, 2048, 128, 8, 0},
+      {"glm4.7-flash gate_up", 2048, 3072, 64, 4, 1}, {"glm4.7-flash down", 1536, 2048, 64, 4, 0},
+  };
+  const size_t flush_bytes = size_t(512) << 20;
+  void* flush;
+  CK(cudaMalloc(&flush, flush_bytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  // Copy bandwidth: device-to-device copy of 1 GiB (read + write).
+  {
+    void *a, *b;
+    const size_t bytes = size_t(1) << 30;
+    CK(cudaMalloc(&a, bytes)); CK(cudaMalloc(&b, bytes));
+    float best = 1e9;
+    for (int r = 0; r < 5; ++r) {
+      CK(cudaEventRecord(e0)); CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); best = std::min(best, ms);
+    }
+    const double bw = 2.0 * bytes / (best * 1e-3);
+    std::printf("copy bandwidth %.0f GB/s\n", bw / 1e9);
+    CK(cudaFree(a)); CK(cudaFree(b));
+    setenv("KBIT_COPY_BW", std::to_string(bw).c_str(), 1);
+  }
+  const double bw = std::atof(std::getenv("KBIT_COPY_BW"));
+  std::printf("%-22s %5s %4s %5s %6s %9s %9s %7s %9s\n", "shape", "T", "bits", "M", "active", "us", "MB read", "%copy",
+              "bf16floor");
+  for (const Shape& s : shapes)
+    for (int bits : {4, 2, 3, 5}) {
+      const int64_t KB = s.k / 32;
+      const size_t words = size_t(s.g) * KB * s.n * bits, cells = size_t(s.g) * KB * s.n;
+      uint32_t* planes; uint8_t* scales; float *cb, *ts; int32_t* gs; __nv_bfloat16 *x, *y;
+      CK(cudaMalloc(&planes, words * 4)); CK(cudaMalloc(&scales, cells));
+      fill_random<<<1024, 256>>>(planes, words, 17u);
+      fill_scales<<<1024, 256>>>(scales, cells);
+      std::vector<float> hcb(size_t(s.g) << bits), hts(s.g, 1.f);
+      for (size_t i = 0; i < hcb.size(); ++i) hcb[i] = float(int(i % (1 << bits)) - (1 << (bits - 1))) / (1 << bits);
+      CK(cudaMalloc(&cb, hcb.size() * 4)); CK(cudaMalloc(&ts, s.g * 4)); CK(cudaMalloc(&gs, s.g * 4));
+      CK(cudaMemcpy(cb, hcb.data(), hcb.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(ts, hts.data(), s.g * 4, cudaMemcpyHostToDevice));
+      const int max_t = bits == 4 ? 4096 : 64;
+      CK(cudaMalloc(&x, size_t(max_t) * s.topk * s.k * 2));
+      CK(cudaMalloc(&y, size_t(max_t) * s.topk * s.n * 2));
+      fill_bf16<<<1024, 256>>>(x, size_t(max_t) * s.topk * s.k);
+      for (int run = 0; run < 8; ++run) {
+        const int T = run < 6 ? std::array<int, 6>{1, 4, 16, 64, 256, 4096}[run] : (run == 6 ? 16 : 64);
+        const bool skewed = run >= 6;  // expert of popularity rank r drawn with weight (r + 1)^-1.2
+        if (T > max_t || (skewed && bits != 4)) continue;
+        const int64_t M = int64_t(T) * s.topk;
+        std::vector<int32_t> hg(s.g, 0);
+        std::mt19937 r2(T * 31 + bits);
+        std::vector<double> pop(s.g);
+        for (int e = 0; e < s.g; ++e) pop[e] = skewed ? std::pow(double(e + 1), -1.2) : 1.0;
+        std::shuffle(pop.begin(), pop.end(), r2);
+        std::discrete_distribution<int> draw(pop.begin(), pop.end());
+        for (int t = 0; t < T; ++t) {  // top-k distinct experts per token
+          std::vector<int> pick;
+          while (int(pick.size()) < s.topk) {
+            const int e = draw(r2);
+            if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+          }
+          for (int e : pick) ++hg[e];
+        }
+        int active = 0;
+        for (int v : hg) active += v > 0;
+        CK(cudaMemcpy(gs, hg.data(), s.g * 4, cudaMemcpyHostToDevice));
+        RaggedDotArgs a;
+        a.x = x; a.dtype = DType::kBF16; a.planes = planes; a.scales = scales; a.codebook = cb; a.tensor_scale = ts;
+        a.group_sizes = gs; a.y = y; a.m = M; a.k = s.k; a.n = s.n; a.groups = s.g; a.bits = bits;
+        a.layout = 1; a.glu = s.glu;
+        std::vector<float> times;
+        for (int rep = 0; rep < reps; ++rep) {
+          CK(cudaMemsetAsync(flush, rep & 0xff, flush_bytes));
+          CK(cudaEventRecord(e0));
+          const std::string err = launch_ragged_dot(a, nullptr);
+          CK(cudaEventRecord(e1));
+          if (!err.empty()) { std::printf("launch error %s\n", err.c_str()); return 1; }
+          CK(cudaEventSynchronize(e1));
+          float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); times.push_back(ms * 1e3f);
+        }
+        std::sort(times.begin(), times.end());
+        const double us = times[times.size() / 2];
+        const double wbytes = double(active) * KB * s.n * (bits * 4 + 1);
+        const double bytes = wbytes + M * s.k * 2.0 + M * (s.glu ? s.n / 2 : s.n) * 2.0;
+        const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
+        std::printf("%-22s %5d %4d %5lld %6d %9.1f %9.2f %6.1f%% %9.1f %s\n", s.name, T, bits, (long long)M, active, us,
+                    bytes / 1e6, 100.0 * bytes / (us * 1e-6) / bw, floor_us, skewed ? "skewed" : "uniform");
+      }
+      cudaFree(planes); cudaFree(scales); cudaFree(cb); cudaFree(ts); cudaFree(gs); cudaFree(x); cudaFree(y);
+    }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "check";
+  if (mode == "check") return check();
+  if (mode == "time") return time_mode(argc > 2 ? std::atoi(argv[2]) : 20);
+  std::printf("usage: %s check|time [reps]\n", argv[0]);
+  return 2;
+}

@@ -1,0 +1,220 @@
+// Host planning of a fused-matmul launch for one tiling: the shared memory it reserves, the
+// cluster size (k-split) and chunk-balanced clusters, the ring depth, and the critical path's
+// estimated length in the tilings' common unit, which launch_fused_bits (matmul_fused.cuh)
+// compares to choose the tiling. Per-device facts and per-(kernel, device) settings are cached
+// (see common.cuh's device_sm_count) in the class template, so each kernel instantiation has
+// its own.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+
+#include "cuda/common.cuh"
+#include "cuda/matmul_fused_config.cuh"
+#include "cuda/matmul_fused_cp_async.cuh"
+#include "cuda/matmul_fused_ws.cuh"
+
+namespace kbit::cuda::fused {
+
+// n8 tiles along M for a problem with M rows (blocks of 64 rows above that).
+inline int m_tiles(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
+
+// The launcher's limits on chunk-balanced clusters (Planner::plan): the largest cluster, and the
+// critical path it must have against the uniform k-split's.
+constexpr int kBalancedMaxRanks = 4;
+constexpr double kBalancedGain = 0.9;
+// Whether the launcher may choose chunk-balanced clusters (ItemWalk): yes unless the environment
+// has KBIT_JAX_BALANCE=0 (read once per process; for comparisons).
+inline bool balanced_clusters_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KBIT_JAX_BALANCE");
+    return v == nullptr || v[0] != '0';
+  }();
+  return enabled;
+}
+
+// How a launch covers the problem: shared memory, cluster size (k-split) and clusters, and the
+// critical path's estimated length in chunk times of the kWarpKBlock tiling of its MT (`cost`),
+// which launch_fused_bits compares between the tilings. `error` is set if the shared memory
+// cannot be reserved. (Planner::plan makes it.)
+struct LaunchPlan {
+  size_t smem = 0;
+  int x_rows = 0, KB = 0, ks = 1, kps = 1, stages = 0;
+  bool balanced = false;  // chunk-balanced clusters (ItemWalk) instead of a uniform k-split
+  int64_t col_groups = 0, m_blocks = 0, items = 0, ncl = 0;
+  double price = 0;  // the plan's chunk in kWarpKBlock chunks (Planner::chunk_price), the unit of `cost`
+  double cost = 0;
+  std::string error;
+};
+
+template <int BITS, class Act, int MT, int V, bool WS>
+struct Planner {
+  using Cfg = Config<BITS, MT, V>;
+  static constexpr auto kernel = [] {  // instantiates only the kernel it launches
+    if constexpr (WS) return &kbit_matmul_ws_kernel<BITS, Act, MT, V>;
+    else return &kbit_matmul_fused_kernel<BITS, Act, MT, V>;
+  }();
+  static constexpr int kThreads = std::conditional_t<WS, WsConfig<BITS, MT, V>, Cfg>::kThreads;
+  static std::atomic<int>& smem_set(int dev) {
+    static std::atomic<int> v[kMaxDevices];
+    return v[dev];
+  }
+  // Resident clusters of `ks` CTAs at `smem` bytes (cached per device and ks, keyed by smem).
+  static int max_clusters(int dev, int ks, size_t smem) {
+    static std::atomic<int64_t> cache[kMaxDevices][9];
+    std::atomic<int64_t>& slot = cache[dev][ks];
+    const int64_t c = slot.load(std::memory_order_relaxed);
+    if (c > 0 && (c >> 32) == int64_t(smem)) return int(c & 0xffffffff);
+    const int n = query_max_active_clusters(kernel, kThreads, smem, ks, dev);
+    slot.store((int64_t(smem) << 32) | int64_t(n), std::memory_order_relaxed);
+    return n;
+  }
+
+  static const char* name() { return WS ? "kbit_matmul_ws_kernel" : "kbit_matmul_fused_kernel"; }
+  static std::string shape(const MatmulArgs& a) {
+    return "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" + std::to_string(a.k) +
+           " N=" + std::to_string(a.n) + " bits=" + std::to_string(BITS) + " dtype=" + Act::kName +
+           " MT=" + std::to_string(MT) + " tiling=" + std::to_string(V) + " glu=" + std::to_string(a.glu);
+  }
+
+  // A chunk's time in kWarpKBlock chunks of this MT (Config::chunk_cost, by the activations' dtype).
+  // (`one_block_of_rows`: the launch's M fits one block of 8 MT rows)
+  static constexpr double chunk_price(bool one_block_of_rows) {
+    return Cfg::chunk_cost(std::is_same_v<Act, ActBF16>, one_block_of_rows);
+  }
+
+  using Plan = LaunchPlan;
+  static Plan plan(const MatmulArgs& a, const MatmulTuning* tuning) {
+    Plan pl;
+    pl.price = chunk_price(a.m <= 8 * MT);  // (also on a plan that fails: callers report it)
+    pl.KB = static_cast<int>(a.k / 32);
+    // (kNSplit reads all 8 MT rows of its block without a bound check: the box always has them)
+    pl.x_rows = V == Tiling::kNSplit ? 8 * MT : static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
+    if constexpr (WS) pl.smem = WsConfig<BITS, MT, V>::smem_bytes(pl.x_rows);
+    else pl.smem = Cfg::smem_bytes(pl.x_rows);
+    const int dev = current_device();
+    if (smem_set(dev).load(std::memory_order_relaxed) < int(pl.smem)) {
+      const cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pl.smem));
+      if (err != cudaSuccess) {
+        pl.error = std::string(name()) + ": cannot reserve " + std::to_string(pl.smem) +
+                   " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape(a) + ")";
+        return pl;
+      }
+      smem_set(dev).store(int(pl.smem), std::memory_order_relaxed);
+    }
+    pl.col_groups = (a.n + Cfg::kCols - 1) / Cfg::kCols;
+    pl.m_blocks = (a.m + 8 * MT - 1) / (8 * MT);
+    pl.items = pl.col_groups * pl.m_blocks * a.batch;
+    if (pl.items > 0x7fffffffLL) {
+      pl.error = std::string(name()) + ": too many work items for " + shape(a);
+      return pl;
+    }
+    const int KB = pl.KB;
+    // k-blocks per cluster rank at cluster size ks; whole chunks in the warp-specialized kernel,
+    // whose copies zero-fill only the k-blocks past K (see its header)
+    auto split_len = [&](int ks) {
+      const int kps = (KB + ks - 1) / ks;
+      return WS ? (kps + Cfg::kKCH - 1) / Cfg::kKCH * Cfg::kKCH : kps;
+    };
+    // Choose the cluster size (k-split) that minimizes the critical path: the most items a
+    // cluster processes times (the chunks per item + the item's end, in chunk times). In a
+    // cluster, rank 0 waits for, reads and adds every rank's sum, so in the warp-specialized
+    // kernel an item's end grows with the cluster size: 1 + ks / 2 chunks, fitted to every
+    // cluster size timed (17 shapes x bits 2, 4, 5 x M 1, 16, cluster sizes 1..8): it picks sizes
+    // within 0.04 % of the best on (geometric) average, 3.2 % at worst (a flat 1 chunk: 2.0 % and
+    // 1.41x). The cp.async kernel keeps the flat cost.
+    double best_cost = 1e30;
+    int ks_cap = kMaxKSplit;  // (the warp-specialized kernel: as many ranks as its reducer takes)
+    if constexpr (WS) ks_cap = WsConfig<BITS, MT, V>::Reducer::kMaxRanks;
+    const int ks_max = std::min(ks_cap, std::max(KB, 1));
+    // clusters launched at cluster size ks, the items each processes (items > 0: launch_matmul
+    // returns before planning an empty product), and the chunks of an item's k-range
+    auto clusters = [&](int ks) { return std::min<int64_t>(pl.items, max_clusters(dev, ks, pl.smem)); };
+    auto items_per_cluster = [&](int64_t ncl) { return (pl.items + ncl - 1) / ncl; };
+    auto chunks_per_item = [&](int kps) { return (kps + Cfg::kKCH - 1) / Cfg::kKCH; };
+    // (a cluster size the caller forces, tuning->k_split, excludes the others)
+    auto size_allowed = [&](int ks) {
+      return !(tuning && tuning->k_split > 0) || ks == std::min(tuning->k_split, ks_max);
+    };
+    for (int ks = 1; ks <= ks_max; ++ks) {
+      if (!size_allowed(ks)) continue;
+      const int kps = split_len(ks);
+      if ((KB + kps - 1) / kps != ks) continue;  // would leave a rank empty
+      const int64_t per_cluster = items_per_cluster(clusters(ks));
+      const double chunks = double(chunks_per_item(kps));
+      // (the N-split tiling's item end per cluster rank: at 32 rows rank 0 reads every rank's 32
+      // accumulators per lane through distributed shared memory, ~6 us at 5 ranks on Qwen3
+      // gate/up; at 64 rows twice as many: 2.5 per rank. At 0.5 the plan takes one 64-row block
+      // over 8-CTA clusters for Llama-3-70B q/k/v at TP 4 (K 8192, N 2560) at M = 56 and 64,
+      // 1.11-1.24x the time of 16-row blocks. At 16 rows 1.0, fitted with the prices
+      // (Config::chunk_cost): at 0.5 the same layer at M = 9..16 runs in 8-CTA clusters,
+      // 1.26-1.31x the time of kWarpKPair.)
+      const double nsplit_rank_end = V != Tiling::kNSplit ? 0.5 : MT == 2 ? 1.0 : MT == 4 ? 1.25 : 2.5;
+      const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + nsplit_rank_end * ks : 1.0;
+      const double cost = per_cluster * (chunks + item_end) * pl.price;
+      if (cost < best_cost - 1e-9) { best_cost = cost; pl.ks = ks; }
+    }
+    pl.cost = best_cost;
+    pl.kps = split_len(pl.ks);
+    pl.ncl = clusters(pl.ks);
+    int64_t chunks_per_cta = items_per_cluster(pl.ncl) * chunks_per_item(pl.kps);
+    // Chunk-balanced clusters (ItemWalk; the warp-specialized kernel's K-split tilings, whose reducer has
+    // receive slots): every rank of a cluster streams the same number of chunks of the cluster's
+    // items, so an item count that the clusters do not divide costs no idle ranks. Its critical
+    // path: a rank's chunks, its pieces' ends (0.5 each, as a whole item's) and the owner's wait
+    // for the ranks that share its item (0.5 each). The launcher takes it at clusters of at most
+    // kBalancedMaxRanks where that path is at most kBalancedGain of the uniform split's. Both
+    // splits timed on the ten shapes and a Llama-3-70B layer, without those limits: 0.85-0.95x
+    // the time where the uniform split leaves the last round of items on under half the SMs
+    // (Llama-3-70B gate/up: 56 chunks per CTA instead of 64), but 1.02-1.09x where its path is
+    // only 7-9 % shorter (GLM-4.7 gate/up with 32-column groups: the uniform split's last round,
+    // on 56 of 132 SMs, runs faster per chunk than the path counts) and 1.03-1.09x at 8-CTA
+    // clusters (120 CTAs; Llama-3-70B q/k/v and gate/up at TP 4).
+    if constexpr (WS && V != Tiling::kNSplit) {
+      const int want = tuning && tuning->balance >= 0 ? tuning->balance : balanced_clusters_enabled() ? -1 : 0;
+      constexpr int kRecv = WsConfig<BITS, MT, V>::Reducer::kMaxRanks - 1;
+      const int nchi = chunks_per_item(KB);
+      double best_bal = want == 1 ? 1e30 : kBalancedGain * best_cost;
+      const int ks_top = want == 1 ? ks_max : std::min(ks_max, kBalancedMaxRanks);
+      for (int ks = 2; want != 0 && ks <= ks_top; ++ks) {
+        if (!size_allowed(ks)) continue;
+        const int64_t ncl = clusters(ks), t_hi = items_per_cluster(ncl) * nchi, t_lo = pl.items / ncl * nchi;
+        if (t_lo < ks || t_hi * ks >= (int64_t(1) << 31)) continue;  // a rank without chunks; 32-bit walk
+        const int64_t per_rank = (t_hi + ks - 1) / ks, fewest = t_lo / ks;
+        const int64_t senders = (nchi - 1 + fewest - 1) / fewest;  // most later ranks that share an item
+        if (senders > kRecv) continue;
+        const double pieces = double((per_rank + nchi - 1) / nchi + 1);
+        const double cost = (double(per_rank) + 0.5 * pieces + 0.5 * double(senders)) * pl.price;
+        if (cost < best_bal - 1e-9) {
+          best_bal = cost;
+          pl.balanced = true;
+          pl.ks = ks;
+          pl.ncl = ncl;
+          chunks_per_cta = per_rank;
+        }
+      }
+      if (pl.balanced) {
+        pl.cost = best_bal;
+        pl.kps = KB;
+      }
+    }
+    if constexpr (WS) {
+      // The ring as deep as the launch's rows allow (pl.smem has room for it) where each CTA
+      // streams many chunks; where it streams few, the shallower depth of 8 MT rows, since more
+      // copies in flight at the start delay the first chunk (bits 5, M = 1, 6 stages instead of
+      // 4: Llama-3-70B gate/up 0.96x the time, but Qwen3 down, ~5 chunks per CTA, 1.04x).
+      using WC = WsConfig<BITS, MT, V>;
+      // (kWideBits5 at MT = 1: 3 stages against 2, one more copy in flight, at any chunk count)
+      const bool deep = chunks_per_cta >= kDeepRingMinChunks || (Cfg::kWide5 && MT == 1);
+      pl.stages = deep ? WC::stages(pl.x_rows) : WC::stages(8 * MT);
+    }
+    return pl;
+  }
+};
+
+}  // namespace kbit::cuda::fused

@@ -1,0 +1,47 @@
+// Host-side entry point of the grouped k-bit expert product (kbit_ragged_dot) on CUDA: plain C++
+// (no device code), so the FFI handler and standalone test programs can call it. Like the
+// launchers in launch.cuh it validates no shapes (the FFI handler does), never allocates,
+// synchronizes or reads device memory on the host (so it is safe inside CUDA-graph capture),
+// checks every launch and returns "" or a message naming the kernel, the shape and the error.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/launch.cuh"
+
+namespace kbit::cuda {
+
+struct RaggedDotArgs {
+  const void* x = nullptr;  // [M, K] of dtype, rows sorted by group
+  DType dtype = DType::kBF16;
+  const uint32_t* planes = nullptr;      // [G, K/32, N, bits]
+  const uint8_t* scales = nullptr;       // [G, K/32, N]
+  const float* codebook = nullptr;       // [G, 2^bits]
+  const float* tensor_scale = nullptr;   // [G]
+  const int32_t* group_sizes = nullptr;  // [G], on the device
+  void* y = nullptr;                     // [M, N] of dtype ([M, N / 2] with glu)
+  int64_t m = 0, k = 0, n = 0, groups = 0;
+  int bits = 0, layout = 0;
+  int glu = 0;  // kbit::Glu (glu.h)
+};
+
+// Knobs for tests and benchmarks; the defaults mean "let the launcher decide".
+struct RaggedDotTuning {
+  bool force_generic = false;  // the SIMT kernel even where the tensor-core kernel applies
+  int ctas = 0;                // persistent CTAs to launch (0: as many as fit on the device)
+};
+
+// The kernel launch_ragged_dot uses for these arguments, for logs and tests: "mma" or
+// "generic (<reason>)".
+std::string ragged_dot_path(const RaggedDotArgs& a);
+
+// Largest G either kernel takes (their schedule keeps per-group prefix sums in shared memory).
+constexpr int64_t kRaggedDotMaxGroups = 8192;
+
+std::string launch_ragged_dot(const RaggedDotArgs& a, cudaStream_t stream,
+                              const RaggedDotTuning* tuning = nullptr);
+
+}  // namespace kbit::cuda
