@@ -17,7 +17,8 @@ from flax import nnx
 pytest.importorskip("safetensors")
 from safetensors.numpy import save_file  # noqa: E402
 
-import kbit_jax.nn as knn  # noqa: E402
+import kbit_jax
+import kbit_jax.flax as kflax  # noqa: E402
 from kbit_jax import models  # noqa: E402
 from kbit_jax.models import config as mconfig  # noqa: E402
 from kbit_jax.models import decoder, loader  # noqa: E402
@@ -214,15 +215,15 @@ def test_quantized_load_is_quantize_of_the_weights(tmp_path, rng):
     dense = models.load(path, dtype=jnp.float32, progress=False)
     q = models.load(path, bits=3, dtype=jnp.float32, progress=False)
     dense_layers = dict(nnx.iter_modules(dense))
-    quantized = [(p, m) for p, m in nnx.iter_modules(q) if isinstance(m, knn.KbitLinear)]
+    quantized = [(p, m) for p, m in nnx.iter_modules(q) if isinstance(m, kflax.KbitLinear)]
     assert len(quantized) == 4 * LLAMA["num_hidden_layers"]
     for p, m in quantized:
-        want = knn.quantize(dense_layers[p].kernel.get_value(), 3)
+        want = kbit_jax.quantize(dense_layers[p].kernel.get_value(), 3)
         for a, b in zip(jax.tree.leaves(m.weight), jax.tree.leaves(want)):
             np.testing.assert_array_equal(a, b)
     assert isinstance(q.lm_head, nnx.Linear)
     head = models.load(path, bits=3, quantize_head=True, progress=False)
-    assert isinstance(head.lm_head, knn.KbitLinear) and head.lm_head.bits == 3
+    assert isinstance(head.lm_head, kflax.KbitLinear) and head.lm_head.bits == 3
 
 
 def test_tied_quantized_head(tmp_path, rng):
@@ -233,7 +234,7 @@ def test_tied_quantized_head(tmp_path, rng):
     assert tied.lm_head is None
     head = models.load(path, bits=4, dtype=jnp.float32, quantize_head=True, progress=False)
     table = head.embed.embedding.get_value()
-    for a, b in zip(jax.tree.leaves(head.lm_head.weight), jax.tree.leaves(knn.quantize(table.T, 4))):
+    for a, b in zip(jax.tree.leaves(head.lm_head.weight), jax.tree.leaves(kbit_jax.quantize(table.T, 4))):
         np.testing.assert_array_equal(a, b)
     # the heads differ by the head's quantization only: relative error of K=4 weights (~0.1)
     assert 0 < rel_err(head(tokens), tied(tokens)) < 0.3
@@ -258,8 +259,8 @@ def test_sharded_load_equals_single_device(hf, bits, quantize_head, tmp_path, rn
         np.testing.assert_array_equal(a, b)
     placed = 0
     for path_, module in nnx.iter_modules(sharded):
-        if isinstance(module, (nnx.Linear, knn.KbitLinear)) and path_[-1] in decoder.TP_LAYOUT:
-            big = module.kernel.planes if isinstance(module, knn.KbitLinear) else module.kernel
+        if isinstance(module, (nnx.Linear, kflax.KbitLinear)) and path_[-1] in decoder.TP_LAYOUT:
+            big = module.kernel.planes if isinstance(module, kflax.KbitLinear) else module.kernel
             x = big.get_value()
             assert len(x.sharding.device_set) == 8
             assert all(s.data.size * 8 == x.size for s in x.addressable_shards), path_
@@ -281,7 +282,7 @@ def test_save_load_round_trip(tmp_path, rng):
     saved = models.save(model, tmp_path / "k4")
     assert loader.is_saved_model(saved)
     back = models.load(saved, progress=False)
-    assert isinstance(back.lm_head, knn.KbitLinear)
+    assert isinstance(back.lm_head, kflax.KbitLinear)
     assert jax.tree.structure(nnx.state(back)) == jax.tree.structure(nnx.state(model))
     for a, b in zip(leaves(model), leaves(back)):
         assert a.dtype == b.dtype

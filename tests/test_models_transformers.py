@@ -20,7 +20,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import kbit_jax.nn as knn  # noqa: E402
+import kbit_jax
+import kbit_jax.flax as kflax  # noqa: E402
 from kbit_jax import models  # noqa: E402
 from kbit_jax.models import config as mconfig  # noqa: E402
 from kbit_jax.models import decoder  # noqa: E402
@@ -146,7 +147,7 @@ def test_quantized_k5(kind, tmp_path, rng):
     dense_layers = dict(nnx.iter_modules(dense))
     errors = []
     for path, layer in nnx.iter_modules(model):
-        if isinstance(layer, knn.KbitLinear):
+        if isinstance(layer, kflax.KbitLinear):
             w = np.asarray(dense_layers[path].kernel.get_value())
             errors.append(np.linalg.norm(np.asarray(layer.dequantized_kernel(jnp.float32)) - w)
                           / np.linalg.norm(w))

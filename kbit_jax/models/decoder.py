@@ -41,7 +41,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .. import nn as knn
+from .. import flax as kflax
+from ..flax.convert import _nbytes, _progress
+from ..flax.layers import _LEAVES
 from ..examples import decode_attention as _decode
 from ..examples import fused_norm as _norm
 from ..ops import interleave_glu, quantize
@@ -256,7 +258,7 @@ class MLP(nnx.Module):
         self.gate = gate
 
     def __call__(self, x):
-        if self.gate == "auto" and isinstance(self.gate_up_proj, knn.KbitLinear):
+        if self.gate == "auto" and isinstance(self.gate_up_proj, kflax.KbitLinear):
             h = self.gate_up_proj(x, glu="silu")
         else:
             gate_up = self.gate_up_proj(x)
@@ -410,17 +412,17 @@ def variable_shardings(model, mesh, axis: str = "tp") -> dict:
     tp = _tp_size(mesh, axis)
     out = {}
     for path, module in nnx.iter_modules(model):
-        if not isinstance(module, (nnx.Linear, knn.KbitLinear)) or not path:
+        if not isinstance(module, (nnx.Linear, kflax.KbitLinear)) or not path:
             continue
         spec = linear_spec(path[-1], module.in_features, module.out_features, axis, tp)
         if spec is None:
             continue
         if module.bias is not None:
             raise NotImplementedError("shard_model: layers with a bias")
-        if isinstance(module, knn.KbitLinear):
+        if isinstance(module, kflax.KbitLinear):
             shardings = weight_shardings(module.weight, mesh, spec)   # refuses cut blocks
-            names = knn.leaf_sharding(tuple(spec))
-            for leaf in knn._LEAVES:
+            names = kflax.leaf_sharding(tuple(spec))
+            for leaf in _LEAVES:
                 var = getattr(module.kernel, leaf)
                 out[id(var)] = (var, getattr(shardings, leaf), names[leaf])
         else:
@@ -468,11 +470,11 @@ def shard_model(model, mesh, axis: str = "tp"):
     return model
 
 
-def quantized_tied_head(embed: nnx.Embed, bits: int, codebook: Any = "nf") -> knn.KbitLinear:
+def quantized_tied_head(embed: nnx.Embed, bits: int, codebook: Any = "nf") -> kflax.KbitLinear:
     """A quantized output projection made from a tied embedding ``[vocab, dim]`` (its
     transpose, ``[dim, vocab]``); the embedding itself stays dense for the token lookup."""
     table = embed.embedding.get_value()
-    return knn.KbitLinear.from_weight(quantize(table.T, bits, codebook), param_dtype=table.dtype)
+    return kflax.KbitLinear.from_weight(quantize(table.T, bits, codebook), param_dtype=table.dtype)
 
 
 def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
@@ -507,12 +509,12 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
         model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), **modes,
                       block_hook=lambda block: shard_model(block, mesh, axis))
         return shard_model(model, mesh, axis), None
-    report = knn.QuantizeReport(bits=bits, codebook=codebook)
-    ticks = iter(knn._progress(range(cfg.n_layers), cfg.n_layers, progress, "build + quantize"))
+    report = kflax.QuantizeReport(bits=bits, codebook=codebook)
+    ticks = iter(_progress(range(cfg.n_layers), cfg.n_layers, progress, "build + quantize"))
 
     def hook(block):
         i = next(ticks)
-        r = knn.quantize_model(block, bits, codebook, progress=False)
+        r = kflax.quantize_model(block, bits, codebook, progress=False)
         if mesh is not None:
             shard_model(block, mesh, axis)
         report.replaced += [f"layers/{i}/{p}" for p in r.replaced]
@@ -522,13 +524,13 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
         report.replaced_bytes_after += r.replaced_bytes_after
 
     model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), block_hook=hook, **modes)
-    report.bytes_before += knn._nbytes(nnx.state(model)) - knn._nbytes(nnx.state(model.layers))
+    report.bytes_before += _nbytes(nnx.state(model)) - _nbytes(nnx.state(model.layers))
     if quantize_head and model.lm_head is None:
         model.lm_head = quantized_tied_head(model.embed, bits, codebook)
         report.replaced.append("lm_head")
-        report.replaced_bytes_after += knn._nbytes(model.lm_head.weight)
+        report.replaced_bytes_after += _nbytes(model.lm_head.weight)
     elif quantize_head:
-        r = knn.quantize_model(model, bits, codebook, filter=lambda path, _: path == ("lm_head",),
+        r = kflax.quantize_model(model, bits, codebook, filter=lambda path, _: path == ("lm_head",),
                                progress=False)
         report.replaced += r.replaced
         report.replaced_bytes_before += r.replaced_bytes_before
@@ -537,7 +539,7 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
         report.skipped.append(("lm_head", "excluded by the default filter"))
     if mesh is not None:
         shard_model(model, mesh, axis)
-    report.bytes_after = knn._nbytes(nnx.state(model))
+    report.bytes_after = _nbytes(nnx.state(model))
     return model, report
 
 

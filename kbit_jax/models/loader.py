@@ -24,8 +24,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .. import nn as knn
-from ..codebooks import check_bits
+from .. import flax as kflax
+from ..flax.convert import _progress
+from ..flax.layers import _check_quant_config
 from ..ops import quantize
 from ..sharding import shard_weight
 from . import decoder
@@ -225,7 +226,7 @@ class _Filler:
             w = quantize(kernel, self.bits, self.codebook)
             if self.mesh is not None:
                 w = shard_weight(w, self.mesh, spec or P())
-            setattr(parent, key, knn.KbitLinear.from_weight(w, param_dtype=self.dtype))
+            setattr(parent, key, kflax.KbitLinear.from_weight(w, param_dtype=self.dtype))
         else:
             getattr(parent, key).kernel.set_value(
                 jax.device_put(kernel.astype(self.dtype), self._sharding(spec)))
@@ -233,7 +234,7 @@ class _Filler:
 
 def _check_args(bits, codebook, dtype, mesh, axis):
     if bits is not None:
-        knn._check_quant_config(bits, codebook)
+        _check_quant_config(bits, codebook)
     try:
         dtype = jnp.dtype(dtype)
     except TypeError:
@@ -289,7 +290,7 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
     device = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     fill = _Filler(dtype, bits, codebook, device, mesh, axis)
     quantized = bits is not None
-    steps = knn._progress(range(cfg.n_layers + 2), cfg.n_layers + 2, progress,
+    steps = _progress(range(cfg.n_layers + 2), cfg.n_layers + 2, progress,
                           "load" + ("" if bits is None else f" + quantize to {bits} bits"))
     steps = iter(steps)
 
@@ -344,13 +345,13 @@ def _check_filled(model) -> None:
 # -- the package's own format --------------------------------------------------------------------
 def _quantized_layers(model) -> list[dict]:
     return [{"path": list(path), "bits": module.bits, "layout": module.kernel.layout}
-            for path, module in nnx.iter_modules(model) if isinstance(module, knn.KbitLinear)]
+            for path, module in nnx.iter_modules(model) if isinstance(module, kflax.KbitLinear)]
 
 
 def save(model: decoder.Llama, path, *, overwrite: bool = False) -> str:
     """Write ``model`` (dense or quantized, on one device or sharded) to the directory ``path``:
     ``kbit_jax_model.json`` (its config, dtype and which layers are quantized) and ``state/``
-    (``kbit_jax.nn.save_checkpoint``, Orbax). `load` restores it exactly, without quantizing
+    (``kbit_jax.flax.save_checkpoint``, Orbax). `load` restores it exactly, without quantizing
     again. Returns the absolute path. Tokenizer files are not model state: see
     `copy_side_files`."""
     if not isinstance(model, decoder.Llama):
@@ -360,7 +361,7 @@ def save(model: decoder.Llama, path, *, overwrite: bool = False) -> str:
     if os.path.exists(meta_file) and not overwrite:
         raise ValueError(f"{path} already holds a saved model; pass overwrite=True to replace it")
     os.makedirs(path, exist_ok=True)
-    knn.save_checkpoint(os.path.join(path, "state"), model, overwrite=overwrite)
+    kflax.save_checkpoint(os.path.join(path, "state"), model, overwrite=overwrite)
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "config": model.config.to_dict(),
             "dtype": jnp.dtype(model.embed.embedding.get_value().dtype).name,
             "quantized": _quantized_layers(model)}
@@ -395,7 +396,7 @@ def _skeleton(cfg: DecoderConfig, dtype, quantized: list[dict], modes: dict) -> 
         kernel = (model.embed.embedding.get_value().T if layer is None and key == "lm_head"
                   else layer.kernel.get_value())
         w = quantize(kernel, entry["bits"], layout=entry["layout"])
-        setattr(parent, key, knn.KbitLinear.from_weight(w, param_dtype=dtype))
+        setattr(parent, key, kflax.KbitLinear.from_weight(w, param_dtype=dtype))
     return model
 
 
@@ -417,13 +418,24 @@ def _restore(path, *, bits, dtype, mesh, axis, modes) -> decoder.Llama:
         placement = {i: s for i, (_, s, _) in decoder.variable_shardings(model, mesh, axis).items()}
     else:
         placement = {}
+    # Dense leaves are restored in the dtype they were saved in (the checkpoint verifies each
+    # array's checksum), then cast to ``dtype``.
+    saved_dtype = jnp.dtype(meta["dtype"])
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    recast = []
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.ShapeDtypeStruct):
             x = node.get_value()
-            node.set_value(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement.get(id(node), default)))
-    restored = knn.restore_checkpoint(os.path.join(path, "state"), nnx.state(model))
+            stored = x.dtype
+            if x.dtype == dtype and not isinstance(node, kflax.QuantizedWeight):
+                stored = saved_dtype
+                recast.append(node)
+            node.set_value(jax.ShapeDtypeStruct(x.shape, stored, sharding=placement.get(id(node), default)))
+    restored = kflax.restore_checkpoint(os.path.join(path, "state"), nnx.state(model))
     nnx.update(model, restored)
+    if saved_dtype != dtype:
+        for node in recast:
+            node.set_value(node.get_value().astype(dtype))
     _check_filled(model)
     if mesh is not None:
         decoder.shard_model(model, mesh, axis)
