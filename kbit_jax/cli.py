@@ -1,7 +1,7 @@
 """Command line: ``python -m kbit_jax <command> [options]`` (``--help`` after a command for its options).
 
     demo        quantize one layer, run the fused matmul, print its error and speed
-    generate    generate text from a Hugging Face Llama-3 / Qwen3 directory, dense or quantized
+    generate    generate text from a Hugging Face Llama-3 / Qwen3 / Qwen3-MoE directory
     perplexity  a model's perplexity on a text file (sliding window), to measure what bits cost
     quantize    quantize a Hugging Face directory once and save it (``load`` reads it back as is)
 """

@@ -10,6 +10,9 @@ transformers (torch on the CPU), loaded by kbit_jax.models.load.
 Skipped when torch or transformers is missing (``pip install -e ".[test]"`` brings them).
 """
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 
@@ -20,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import kbit_jax
+import kbit_jax  # noqa: E402
 import kbit_jax.flax as kflax  # noqa: E402
 from kbit_jax import models  # noqa: E402
 from kbit_jax.models import config as mconfig  # noqa: E402
@@ -39,6 +42,10 @@ KINDS = {
         **COMMON, rms_norm_eps=1e-5, tie_word_embeddings=True)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         **COMMON, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # 8 experts, 2 per token; the middle layer keeps a dense MLP (mlp_only_layers)
+    "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=32, rms_norm_eps=1e-6, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1])),
 }
 
 
@@ -81,6 +88,7 @@ def test_rope_frequencies_match_transformers():
     pytest.param("llama", True, torch.float32, id="llama-sharded-f32"),
     pytest.param("llama-tied", False, torch.bfloat16, id="llama-tied-bf16"),
     pytest.param("qwen3", False, torch.float32, id="qwen3-f32"),
+    pytest.param("qwen3-moe", True, torch.float32, id="qwen3-moe-sharded-f32"),
 ])
 def test_matches_transformers(kind, shard, dtype, tmp_path, rng):
     """float32 logits within 1e-4 relative; the same greedy continuation as generate()."""
@@ -95,33 +103,47 @@ def test_matches_transformers(kind, shard, dtype, tmp_path, rng):
     np.testing.assert_array_equal(decoder.generate(model, tokens, 8), want)
 
 
-def dequantized_state_dict(model: decoder.Llama, state: dict) -> dict:
-    """transformers' state dict with every quantized kernel of ``model`` replaced by its
-    dequantized values, split back into q/k/v and gate/up and transposed to [out, in]."""
-    cfg, state = model.config, dict(state)
+def write_dequantized(model: decoder.Llama, src, dst) -> None:
+    """A copy of the Hugging Face directory ``src`` in ``dst`` with every quantized weight of
+    ``model`` replaced by its dequantized values, split back into q/k/v, gate/up and the
+    experts and transposed to transformers' ``[out, in]``."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = model.config
+    tensors = {}
+    for file in sorted(os.listdir(src)):
+        if file.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, file)))
     g = cfg.n_heads // cfg.n_kv_heads
 
-    def dense(layer):
-        return np.asarray(layer.dequantized_kernel(jnp.float32))
-
     def put(name, w):
-        state[name] = torch.tensor(np.ascontiguousarray(w.T))
+        tensors[name] = np.ascontiguousarray(np.swapaxes(np.asarray(w, np.float32), -1, -2))
 
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}."
-        qkv = dense(layer.attn.qkv_proj).reshape(cfg.dim, cfg.n_kv_heads, g + 2, cfg.head_dim)
+        qkv = np.asarray(layer.attn.qkv_proj.dequantized_kernel(jnp.float32))
+        qkv = qkv.reshape(cfg.dim, cfg.n_kv_heads, g + 2, cfg.head_dim)
         put(pre + "self_attn.q_proj.weight", qkv[:, :, :g].reshape(cfg.dim, -1))
         put(pre + "self_attn.k_proj.weight", qkv[:, :, g].reshape(cfg.dim, -1))
         put(pre + "self_attn.v_proj.weight", qkv[:, :, g + 1].reshape(cfg.dim, -1))
-        put(pre + "self_attn.o_proj.weight", dense(layer.attn.o_proj))
-        gate_up = dense(layer.mlp.gate_up_proj)
+        put(pre + "self_attn.o_proj.weight", layer.attn.o_proj.dequantized_kernel(jnp.float32))
+        if isinstance(layer.mlp, kflax.KbitMoE):
+            gate_up, down = (kbit_jax.dequantize(w) for w in layer.mlp.weights)
+            for j in range(cfg.n_experts):
+                put(pre + f"mlp.experts.{j}.gate_proj.weight", gate_up[j, :, 0::2])
+                put(pre + f"mlp.experts.{j}.up_proj.weight", gate_up[j, :, 1::2])
+                put(pre + f"mlp.experts.{j}.down_proj.weight", down[j])
+            continue
+        gate_up = np.asarray(layer.mlp.gate_up_proj.dequantized_kernel(jnp.float32))
         put(pre + "mlp.gate_proj.weight", gate_up[:, 0::2])
         put(pre + "mlp.up_proj.weight", gate_up[:, 1::2])
-        put(pre + "mlp.down_proj.weight", dense(layer.mlp.down_proj))
-    return state
+        put(pre + "mlp.down_proj.weight", layer.mlp.down_proj.dequantized_kernel(jnp.float32))
+    os.makedirs(dst)
+    shutil.copyfile(os.path.join(src, "config.json"), os.path.join(dst, "config.json"))
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3-moe"])
 def test_quantized_k5(kind, tmp_path, rng):
     """K=5 (float32 activations).
 
@@ -132,8 +154,11 @@ def test_quantized_k5(kind, tmp_path, rng):
     output by about ``e_j = ||E_j||_F / ||W_j||_F`` relative (for inputs not aligned with
     ``E_j``); the residual stream adds the sublayers' perturbations, and the norms, softmax and
     SiLU have gain <= 1 at these scales, so to first order the logits move by at most the sum
-    of the ``e_j`` (Frobenius norm, relative). Measured on these models: K=5 gives
-    ``e_j ~ 0.05`` each, sum ~ 0.4 over the 8 matrices, logit error ~ 0.14-0.17."""
+    of the ``e_j`` along one path (Frobenius norm, relative): per layer at most 7 matrices
+    (q, k, v, o and the MLP's or each chosen expert's gate, up, down), so at most the sum of
+    the 7 x layers largest ``e_j``. Measured on these models: K=5 gives ``e_j ~ 0.05`` each,
+    a bound of 0.4 (dense, 2 layers of fused q/k/v, o, gate/up, down) to ~1 (MoE, 3 layers),
+    logit errors 0.14-0.17."""
     hf = hf_model(kind, rng, tmp_path)
     tokens = rng.integers(0, 256, (2, 12)).astype(np.int32)
     want = hf_logits(hf, tokens)
@@ -141,15 +166,28 @@ def test_quantized_k5(kind, tmp_path, rng):
     model = models.load(tmp_path, bits=5, dtype=jnp.float32, progress=False)
     got = np.asarray(model(tokens))
 
-    hf.load_state_dict(dequantized_state_dict(model, hf.state_dict()))
-    assert rel_err(got, hf_logits(hf, tokens)) < 1e-4
+    write_dequantized(model, tmp_path, tmp_path / "dequantized")
+    hf_dequantized = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "dequantized", dtype=torch.float32).eval()
+    assert rel_err(got, hf_logits(hf_dequantized, tokens)) < 1e-4
 
     dense_layers = dict(nnx.iter_modules(dense))
     errors = []
     for path, layer in nnx.iter_modules(model):
         if isinstance(layer, kflax.KbitLinear):
-            w = np.asarray(dense_layers[path].kernel.get_value())
-            errors.append(np.linalg.norm(np.asarray(layer.dequantized_kernel(jnp.float32)) - w)
-                          / np.linalg.norm(w))
-    assert len(errors) == 8 and max(errors) < 0.08          # K=5: ~0.05 per matrix
-    assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) <= sum(errors)
+            pairs = [(layer.dequantized_kernel(jnp.float32), dense_layers[path].kernel.get_value())]
+        elif isinstance(layer, kflax.KbitMoE):     # the experts, each matrix on its own
+            moe = dense_layers[path]
+            gate_up, down = (kbit_jax.dequantize(w) for w in layer.weights)
+            pairs = [(gate_up[:, :, 0::2], moe.gate[...]), (gate_up[:, :, 1::2], moe.up[...]),
+                     (down, moe.down[...])]
+            pairs = [(q[j], w[j]) for q, w in pairs for j in range(q.shape[0])]
+        else:
+            continue
+        errors += [np.linalg.norm(np.asarray(q) - np.asarray(w)) / np.linalg.norm(np.asarray(w))
+                   for q, w in pairs]
+    assert max(errors) < 0.08                                # K=5: ~0.05 per matrix
+    # one path through the network: per layer q/k/v, o, and gate/up/down of the MLP or of
+    # the top-k experts; the sum over all matrices bounds that from above
+    path_errors = sum(sorted(errors, reverse=True)[:7 * model.config.n_layers])
+    assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) <= path_errors

@@ -1,5 +1,5 @@
-"""Supported decoder models: Llama-3 and Qwen3 checkpoints in Hugging Face layout, loaded dense
-or quantized to k bits as they are read, on one device or tensor-parallel.
+"""Supported decoder models: Llama-3, Qwen3 and Qwen3-MoE checkpoints in Hugging Face layout,
+loaded dense or quantized to k bits as they are read, on one device or tensor-parallel.
 
     from kbit_jax import models
     model = models.load("/path/to/Llama-3.1-8B", bits=4)      # config.json + *.safetensors

@@ -6,9 +6,11 @@ Supported architectures (the ``architectures`` entry of ``config.json``):
 - ``LlamaForCausalLM``: Llama 3.0-3.3 (GQA, RoPE with the "llama3" frequency scaling of 3.1+,
   tied or untied embeddings);
 - ``Qwen3ForCausalLM``: Qwen3 dense (as Llama, plus an RMSNorm over each query and key head
-  before the rotary embedding, and a head_dim that need not be hidden_size / heads).
+  before the rotary embedding, and a head_dim that need not be hidden_size / heads);
+- ``Qwen3MoeForCausalLM``: Qwen3-MoE (as Qwen3, with mixture-of-experts MLPs: softmax top-k
+  routing over ``num_experts`` SwiGLU experts, ``kbit_jax.flax.MoE`` / ``KbitMoE``).
 
-Anything else raises ValueError naming the architecture (Qwen3-MoE: NotImplementedError).
+Anything else raises ValueError naming the architecture.
 """
 
 from __future__ import annotations
@@ -25,12 +27,8 @@ __all__ = ["DecoderConfig", "LlamaConfig", "RopeScaling", "SUPPORTED_ARCHITECTUR
            "read_hf_config", "rope_frequencies", "LLAMA3_8B", "LLAMA3_70B", "TINY", "TINY_TP", "CONFIGS"]
 
 #: ``config.json`` architectures this package builds, and the model_type each has.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
-#: Architectures recognised but not built yet, with the reason.
-PLANNED_ARCHITECTURES = {
-    "Qwen3MoeForCausalLM": "Qwen3-MoE needs the mixture-of-experts block, which the decoder does "
-                           "not have yet",
-}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+                           "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +51,10 @@ class DecoderConfig:
     ``head_dim`` 0 means ``dim // n_heads`` (Llama); Qwen3 sets it explicitly. ``qk_norm``:
     RMSNorm over each query and key head before RoPE (Qwen3). ``tie_embeddings``: the output
     projection is the embedding matrix transposed (no separate lm_head weight).
+
+    Mixture of experts (Qwen3-MoE): the layers in ``moe_layers`` have ``n_experts`` SwiGLU
+    experts of width ``moe_hidden_dim`` instead of the dense MLP, ``experts_per_token`` of
+    them per token (softmax top-k, renormalized when ``norm_topk_prob``).
     """
 
     vocab_size: int
@@ -68,19 +70,28 @@ class DecoderConfig:
     tie_embeddings: bool = False
     rope_scaling: RopeScaling | None = None
     architecture: str = "LlamaForCausalLM"
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_hidden_dim: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
 
     def num_params(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.dim * self.hidden_dim
+        moe = self.n_experts * (self.dim + 3 * self.dim * self.moe_hidden_dim)
         norms = 2 * self.dim + (2 * self.head_dim if self.qk_norm else 0)
         embeddings = (1 if self.tie_embeddings else 2) * self.vocab_size * self.dim
-        return self.n_layers * (attn + mlp + norms) + embeddings + self.dim
+        n_moe = len(self.moe_layers)
+        return (self.n_layers * (attn + norms) + (self.n_layers - n_moe) * mlp + n_moe * moe
+                + embeddings + self.dim)
 
     def to_dict(self) -> dict:
         """A JSON-able dict; ``DecoderConfig(**d)`` rebuilds the config."""
@@ -163,12 +174,9 @@ def from_hf_config(hf: Mapping[str, Any]) -> DecoderConfig:
 
     Raises ValueError for an unsupported architecture (naming it), or a feature of a
     supported one that the decoder does not implement (biases, sliding-window attention,
-    activations other than silu, other RoPE scalings); NotImplementedError for Qwen3-MoE.
+    activations other than silu, other RoPE scalings).
     """
     arch = _architecture(hf)
-    if arch in PLANNED_ARCHITECTURES:
-        raise NotImplementedError(f"config.json: architecture {arch!r} is not supported yet: "
-                                  f"{PLANNED_ARCHITECTURES[arch]}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"config.json: architecture {arch!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -180,18 +188,28 @@ def from_hf_config(hf: Mapping[str, Any]) -> DecoderConfig:
             problems.append(f"{key}=true")
     if problems:
         raise ValueError(f"config.json ({arch}): not supported: {', '.join(problems)}")
+    kind = SUPPORTED_ARCHITECTURES[arch]
     try:
         n_heads = int(hf["num_attention_heads"])
         theta, scaling = _rope(hf)
+        moe = {}
+        if kind == "qwen3_moe":
+            n_experts = int(hf.get("num_experts") or hf["num_local_experts"])
+            step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
+            moe = dict(n_experts=n_experts, experts_per_token=int(hf["num_experts_per_tok"]),
+                       moe_hidden_dim=int(hf["moe_intermediate_size"]),
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                       moe_layers=tuple(i for i in range(int(hf["num_hidden_layers"]))
+                                        if i not in dense and n_experts > 0 and (i + 1) % step == 0))
         return DecoderConfig(
             vocab_size=int(hf["vocab_size"]), dim=int(hf["hidden_size"]),
             n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
             hidden_dim=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, head_dim=int(hf.get("head_dim") or 0),
-            qk_norm=SUPPORTED_ARCHITECTURES[arch] == "qwen3",
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_scaling=scaling, architecture=arch)
+            rope_scaling=scaling, architecture=arch, **moe)
     except KeyError as e:
         raise ValueError(f"config.json ({arch}) lacks {e.args[0]!r}") from None
 

@@ -1,5 +1,6 @@
-"""The Llama-3 / Qwen3 decoder in Flax NNX, dense or with k-bit weights: RMSNorm, RoPE, GQA,
-SwiGLU, KV cache, greedy decoding, Megatron tensor parallelism.
+"""The Llama-3 / Qwen3 / Qwen3-MoE decoder in Flax NNX, dense or with k-bit weights: RMSNorm,
+RoPE, GQA, SwiGLU or mixture-of-experts MLPs, KV cache, greedy decoding, Megatron tensor
+parallelism.
 
 Real checkpoints come in through ``kbit_jax.models.load`` (a Hugging Face directory, quantized
 as it is read); `build_model` makes a randomly initialized one of any `DecoderConfig`:
@@ -44,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .. import flax as kflax
 from ..flax.convert import _nbytes, _progress
 from ..flax.layers import _LEAVES
+from ..flax.moe import MoE
 from ..examples import decode_attention as _decode
 from ..examples import fused_norm as _norm
 from ..ops import interleave_glu, quantize
@@ -285,12 +287,20 @@ fuse_gate_up = interleave_glu
 
 
 class Block(nnx.Module):
+    """Attention and MLP, each after an RMSNorm, on the residual stream. With ``moe`` the MLP is
+    a mixture of experts (``kbit_jax.flax.MoE``; `build_model` and ``kbit_jax.models.load``
+    quantize it into a ``KbitMoE``)."""
+
     def __init__(self, cfg: DecoderConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto",
-                 norm: str = "auto", mlp_gate: str = "auto"):
+                 norm: str = "auto", mlp_gate: str = "auto", moe: bool = False):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         self.attn = Attention(cfg, param_dtype, rngs, attention=attention)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
-        self.mlp = MLP(cfg, param_dtype, rngs, gate=mlp_gate)
+        if moe:
+            self.mlp = MoE(cfg.dim, cfg.moe_hidden_dim, cfg.n_experts, cfg.experts_per_token,
+                           norm_topk_prob=cfg.norm_topk_prob, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, param_dtype, rngs, gate=mlp_gate)
 
     def __call__(self, x, cache_k, cache_v, pos):
         x, mlp_out, cache_k, cache_v = self.step(x, None, cache_k, cache_v, pos)
@@ -323,7 +333,8 @@ class Llama(nnx.Module):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, param_dtype=param_dtype, rngs=rngs)
         blocks = []
         for _ in range(cfg.n_layers):
-            blocks.append(Block(cfg, param_dtype, rngs, attention=attention, norm=norm, mlp_gate=mlp_gate))
+            blocks.append(Block(cfg, param_dtype, rngs, attention=attention, norm=norm, mlp_gate=mlp_gate,
+                                moe=len(blocks) in cfg.moe_layers))
             if block_hook is not None:
                 block_hook(blocks[-1])
         self.layers = nnx.List(blocks)

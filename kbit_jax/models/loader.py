@@ -172,9 +172,17 @@ def expected_tensors(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
             pre + "self_attn.q_proj.weight": (cfg.n_heads * hd, d),
             pre + "self_attn.k_proj.weight": (cfg.n_kv_heads * hd, d),
             pre + "self_attn.v_proj.weight": (cfg.n_kv_heads * hd, d),
-            pre + "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
-            pre + "mlp.gate_proj.weight": (f, d), pre + "mlp.up_proj.weight": (f, d),
-            pre + "mlp.down_proj.weight": (d, f)})
+            pre + "self_attn.o_proj.weight": (d, cfg.n_heads * hd)})
+        if i in cfg.moe_layers:
+            e = cfg.moe_hidden_dim
+            out[pre + "mlp.gate.weight"] = (cfg.n_experts, d)
+            for j in range(cfg.n_experts):
+                out.update({pre + f"mlp.experts.{j}.gate_proj.weight": (e, d),
+                            pre + f"mlp.experts.{j}.up_proj.weight": (e, d),
+                            pre + f"mlp.experts.{j}.down_proj.weight": (d, e)})
+        else:
+            out.update({pre + "mlp.gate_proj.weight": (f, d), pre + "mlp.up_proj.weight": (f, d),
+                        pre + "mlp.down_proj.weight": (d, f)})
         if cfg.qk_norm:
             out.update({pre + "self_attn.q_norm.weight": (hd,), pre + "self_attn.k_norm.weight": (hd,)})
     if not cfg.tie_embeddings:
@@ -198,6 +206,16 @@ def _kernel(w):
     return w.T
 
 
+@jax.jit
+def _experts_gate_up(gate, up):
+    return decoder.fuse_gate_up(jnp.swapaxes(gate, 1, 2), jnp.swapaxes(up, 1, 2))
+
+
+@jax.jit
+def _experts_kernel(w):
+    return jnp.swapaxes(w, 1, 2)
+
+
 class _Filler:
     """Puts checkpoint tensors into an abstract model (from ``nnx.eval_shape``): dense in
     ``dtype`` or quantized, on ``device`` or at their tensor-parallel shards."""
@@ -216,6 +234,21 @@ class _Filler:
     def set_array(self, var: nnx.Variable, array) -> None:
         """A replicated variable (embedding, norm scale)."""
         var.set_value(jax.device_put(jnp.asarray(self.to_device(array), self.dtype), self._sharding(None)))
+
+    def set_moe(self, block, router, gate, up, down, cfg: DecoderConfig, quantized: bool) -> None:
+        """``block.mlp`` (an abstract MoE) gets the router ``[experts, dim]`` and the experts'
+        stacked ``[experts, out, in]`` gate, up and down (device arrays), as a KbitMoE when
+        ``quantized``. Experts are stored ``[experts, in, out]``, gate and up interleaved."""
+        moe = block.mlp
+        moe.router.kernel.set_value(jax.device_put(_kernel(router).astype(self.dtype), self.device))
+        if quantized:
+            gate_up = quantize(_experts_gate_up(gate, up), self.bits, self.codebook)
+            down = quantize(_experts_kernel(down), self.bits, self.codebook)
+            block.mlp = kflax.KbitMoE(moe.router, gate_up, down, top_k=cfg.experts_per_token,
+                                      norm_topk_prob=cfg.norm_topk_prob)
+        else:
+            for var, w in ((moe.gate, gate), (moe.up, up), (moe.down, down)):
+                var.set_value(_experts_kernel(w).astype(self.dtype))
 
     def set_linear(self, parent, key: str, kernel, quantized: bool) -> None:
         """``parent.key`` (an nnx.Linear) gets ``kernel [K, N]`` (a device array), quantized
@@ -244,6 +277,15 @@ def _check_args(bits, codebook, dtype, mesh, axis):
     if mesh is not None and axis not in mesh.axis_names:
         raise ValueError(f"mesh has no axis {axis!r} (axes {tuple(mesh.axis_names)})")
     return dtype
+
+
+def _check_mesh(cfg: DecoderConfig, mesh, axis: str) -> None:
+    if mesh is None:
+        return
+    if cfg.moe_layers:
+        raise NotImplementedError(f"{cfg.architecture}: loading onto a mesh is not supported for "
+                                  f"mixture-of-experts models yet (mesh={mesh}); load on one device")
+    decoder.check_tp(cfg, int(mesh.shape[axis]))
 
 
 def is_saved_model(path) -> bool:
@@ -281,8 +323,7 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
     if is_saved_model(path):
         return _restore(path, bits=bits, dtype=dtype, mesh=mesh, axis=axis, modes=modes)
     cfg = from_hf_config(read_hf_config(path))
-    if mesh is not None:
-        decoder.check_tp(cfg, int(mesh.shape[axis]))
+    _check_mesh(cfg, mesh, axis)
     ckpt = SafetensorsCheckpoint(path)
     ckpt.check(expected_tensors(cfg))
 
@@ -296,6 +337,9 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
 
     def read(name):
         return fill.to_device(ckpt.read(name))
+
+    def read_stacked(pattern, n):       # the experts' tensors as one [n, ...] device array
+        return fill.to_device(np.stack([ckpt.read(pattern.format(j)) for j in range(n)]))
 
     next(steps)
     embedding = ckpt.read("model.embed_tokens.weight")
@@ -317,6 +361,12 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
         if cfg.qk_norm:
             fill.set_array(attn.q_norm.scale, ckpt.read(pre + "self_attn.q_norm.weight"))
             fill.set_array(attn.k_norm.scale, ckpt.read(pre + "self_attn.k_norm.weight"))
+        if i in cfg.moe_layers:
+            experts = [read_stacked(pre + f"mlp.experts.{{}}.{p}_proj.weight", cfg.n_experts)
+                       for p in ("gate", "up", "down")]
+            fill.set_moe(layer, read(pre + "mlp.gate.weight"), *experts, cfg, quantized)
+            del experts
+            continue
         gate_up = _gate_up_kernel(read(pre + "mlp.gate_proj.weight"), read(pre + "mlp.up_proj.weight"))
         fill.set_linear(layer.mlp, "gate_up_proj", gate_up, quantized)
         del gate_up
@@ -344,8 +394,24 @@ def _check_filled(model) -> None:
 
 # -- the package's own format --------------------------------------------------------------------
 def _quantized_layers(model) -> list[dict]:
-    return [{"path": list(path), "bits": module.bits, "layout": module.kernel.layout}
-            for path, module in nnx.iter_modules(model) if isinstance(module, kflax.KbitLinear)]
+    """Where ``model`` holds quantized layers (KbitLinear) and expert blocks (KbitMoE)."""
+    out = []
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, kflax.KbitMoE):
+            gate_up, _ = module.weights
+            out.append({"path": list(path), "kind": "moe", "bits": gate_up.bits, "layout": gate_up.layout})
+        elif isinstance(module, kflax.KbitLinear) and not any(isinstance(m, kflax.KbitMoE) for m in
+                                                              _parents(model, path)):
+            out.append({"path": list(path), "kind": "linear", "bits": module.bits,
+                        "layout": module.kernel.layout})
+    return out
+
+
+def _parents(model, path):
+    node = model
+    for key in path[:-1]:
+        node = _get(node, key)
+        yield node
 
 
 def save(model: decoder.Llama, path, *, overwrite: bool = False) -> str:
@@ -393,6 +459,9 @@ def _skeleton(cfg: DecoderConfig, dtype, quantized: list[dict], modes: dict) -> 
         *parents, key = entry["path"]
         parent = functools.reduce(_get, parents, model)
         layer = _get(parent, key)
+        if entry.get("kind") == "moe":
+            setattr(parent, key, kflax.KbitMoE.from_dense(layer, entry["bits"]))
+            continue
         kernel = (model.embed.embedding.get_value().T if layer is None and key == "lm_head"
                   else layer.kernel.get_value())
         w = quantize(kernel, entry["bits"], layout=entry["layout"])
@@ -411,8 +480,7 @@ def _restore(path, *, bits, dtype, mesh, axis, modes) -> decoder.Llama:
         raise ValueError(f"{path} holds a model saved with bits={saved_bits or None}; load it "
                          f"with bits=None, or quantize the original checkpoint with bits={bits}")
     cfg = DecoderConfig(**meta["config"])
-    if mesh is not None:
-        decoder.check_tp(cfg, int(mesh.shape[axis]))
+    _check_mesh(cfg, mesh, axis)
     model = nnx.eval_shape(lambda: _skeleton(cfg, dtype, meta["quantized"], modes))
     if mesh is not None:
         placement = {i: s for i, (_, s, _) in decoder.variable_shardings(model, mesh, axis).items()}
