@@ -494,7 +494,7 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
                 mlp_gate: str = "auto"):
     """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
 
-    With ``bits``, each block goes through ``kbit_jax.nn.quantize_model`` as soon as it is
+    With ``bits``, each block goes through ``kbit_jax.flax.quantize_model`` as soon as it is
     built, so peak memory is the quantized model plus one dense block (a 70B model at K=4
     builds on one GPU although its bf16 weights would not fit). Embedding and lm_head stay
     dense (the default filter) unless ``quantize_head`` (a tied embedding gets a quantized
