@@ -3,7 +3,7 @@
 Each (config, weights) pair runs in its own subprocess so that peak GPU memory is per model
 and an out-of-memory failure costs one row, not the run. Inside a worker the model is built
 once (randomly initialized; kbit models are quantized block by block as they are built, see
-``kbit_jax.examples.llama.build_model``), then for each batch size: prefill the prompt
+``kbit_jax.models.decoder.build_model``), then for each batch size: prefill the prompt
 (jitted), then greedy-decode ``new_tokens - 1`` steps in one jitted ``fori_loop``, so the
 timed region has one dispatch and wall time equals device time to within a dispatch.
 Median of ``--reps`` repetitions after a warm-up (compile) run.
@@ -21,7 +21,7 @@ CPU smoke test (slow; the tiny config):
         --prompt 16 --new-tokens 8 --reps 1 --out /tmp/decode
 
 Tensor parallelism (``--tp``, a comma list of sizes: each runs over the first N devices, with
-``kbit_jax.examples.llama``'s Megatron layout: fused q/k/v and gate/up column-parallel, o/down
+``kbit_jax.models.decoder``'s Megatron layout: fused q/k/v and gate/up column-parallel, o/down
 row-parallel, lm_head over the vocabulary, KV cache over kv heads; two all-reduces per layer).
 Llama-3-70B on a 2-GPU and a 4-GPU H200 machine:
     python benchmarks/bench_decode.py --configs llama3-70b --weights bf16,4,2 --tp 2 \\
@@ -76,9 +76,9 @@ RESULT = "RESULT "  # prefix of the worker's stdout line carrying its rows as JS
 #: does not fit one H200 (141 GB of weights); it is attempted and reported as not fitting.
 DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tiny": "bf16,2,3,4,5",
                    "tiny-tp": "bf16,2,3,4,5"}
-#: The example decoder's kernel choices (`llama.build_model` keywords) and their values; each
+#: The decoder's kernel choices (`decoder.build_model` keywords) and their values; each
 #: flag takes a comma list, and every combination is a row. Spelled out here: the driver parses
-#: its arguments before importing jax and flax (the example module would pull them in).
+#: its arguments before importing jax and flax (the decoder module would pull them in).
 MODES = {"attention": ("auto", "xla", "pallas"), "norm": ("auto", "xla", "pallas"),
          "mlp_gate": ("auto", "xla")}
 
@@ -116,7 +116,7 @@ def run_worker(args) -> list[dict]:
     from flax import nnx
 
     import kbit_jax
-    from kbit_jax.examples import llama
+    from kbit_jax.models import decoder
 
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -126,7 +126,7 @@ def run_worker(args) -> list[dict]:
         # per-process pointer in the program; it only matters while partitioning, so it must
         # not make every process's key different.
         jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
-    cfg = llama.CONFIGS[args.config]
+    cfg = decoder.CONFIGS[args.config]
     bits = None if args.weights == "bf16" else int(args.weights)
     tp = args.tp
     base = {"config": args.config, "weights": args.weights, "bits": bits, "tp": tp,
@@ -138,7 +138,7 @@ def run_worker(args) -> list[dict]:
     if tp > len(jax.devices()):
         return [{**base, "status": f"needs {tp} devices, found {len(jax.devices())}"}]
     try:
-        llama.check_tp(cfg, tp)
+        decoder.check_tp(cfg, tp)
     except ValueError as e:
         return [{**base, "status": f"cannot split: {e}"}]
     devices = jax.devices()[:tp]
@@ -163,7 +163,7 @@ def run_worker(args) -> list[dict]:
         mesh = jax.make_mesh((tp,), ("tp",), axis_types=(axis_type,), devices=devices)
         base["axis_type"] = args.axis_type
     t0 = time.perf_counter()
-    model, report = llama.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
+    model, report = decoder.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
                                       param_dtype=jnp.bfloat16, quantize_head=args.quantize_head,
                                       progress=args.progress, mesh=mesh,
                                       **{m: getattr(args, m) for m in MODES})
@@ -178,7 +178,7 @@ def run_worker(args) -> list[dict]:
         cache_sharding = prompt_sharding = None
         context = contextlib.nullcontext
     else:
-        cache_sharding = llama.cache_sharding(mesh)
+        cache_sharding = decoder.cache_sharding(mesh)
         prompt_sharding = NamedSharding(mesh, P())
         context = functools.partial(jax.set_mesh, mesh)
 
@@ -195,7 +195,7 @@ def run_worker(args) -> list[dict]:
     prompts = {batch: jax.device_put(rng.integers(0, cfg.vocab_size, (batch, args.prompt)).astype(np.int32),
                                      prompt_sharding) for batch in args.batches}
     t0 = time.perf_counter()
-    compiled = in_mesh(_compile_all)(llama, graphdef, state, cfg, prompts, max_len, steps,
+    compiled = in_mesh(_compile_all)(decoder, graphdef, state, cfg, prompts, max_len, steps,
                                      args.prompt, cache_sharding, prompt_sharding)
     compile_all_s = time.perf_counter() - t0
     for batch in args.batches:
@@ -203,10 +203,10 @@ def run_worker(args) -> list[dict]:
 
         @in_mesh
         def once(trace_dir=None):
-            cache = llama.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding)
+            cache = decoder.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding)
             jax.block_until_ready(cache)
             t0 = time.perf_counter()
-            logits, cache = llama.prefill(graphdef, state, prompt, cache)
+            logits, cache = decoder.prefill(graphdef, state, prompt, cache)
             # (placed like the prompt: the decode loop then runs the program compiled ahead)
             first = jax.device_put(jnp.argmax(logits, axis=-1).astype(jnp.int32), prompt_sharding)
             first.block_until_ready()
@@ -214,7 +214,7 @@ def run_worker(args) -> list[dict]:
             # Only the decode loop is traced (the perfetto JSON is what profile_summary reads).
             with (jax.profiler.trace(trace_dir, create_perfetto_trace=True) if trace_dir
                   else contextlib.nullcontext()):
-                out, cache = llama.decode(graphdef, state, first, cache, args.prompt, steps)
+                out, cache = decoder.decode(graphdef, state, first, cache, args.prompt, steps)
                 out.block_until_ready()
             t2 = time.perf_counter()
             return t1 - t0, t2 - t1, np.asarray(out)
@@ -267,7 +267,7 @@ def run_worker(args) -> list[dict]:
     return rows
 
 
-def _compile_all(llama, graphdef, state, cfg, prompts, max_len, steps, pos, cache_sharding,
+def _compile_all(decoder, graphdef, state, cfg, prompts, max_len, steps, pos, cache_sharding,
                  prompt_sharding) -> dict:
     """Compile the prefill and decode programs of every batch size at once: traced one after
     the other, compiled in parallel threads (XLA releases the GIL), so a worker waits about
@@ -279,10 +279,10 @@ def _compile_all(llama, graphdef, state, cfg, prompts, max_len, steps, pos, cach
     import numpy as np
     lowered = {}
     for batch, prompt in prompts.items():
-        cache = llama.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding)
+        cache = decoder.init_cache(cfg, batch, max_len, jnp.bfloat16, sharding=cache_sharding)
         token = jax.device_put(np.zeros(batch, np.int32), prompt_sharding)
-        lowered[("prefill", batch)] = llama.prefill.lower(graphdef, state, prompt, cache)
-        lowered[("decode", batch)] = llama.decode.lower(graphdef, state, token, cache, pos, steps)
+        lowered[("prefill", batch)] = decoder.prefill.lower(graphdef, state, prompt, cache)
+        lowered[("decode", batch)] = decoder.decode.lower(graphdef, state, token, cache, pos, steps)
         del cache
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
         done = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
@@ -465,7 +465,7 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"{args.codebook!r}; lm_head {'quantized' if args.quantize_head else 'bf16'}; median of {args.reps}. "
         f"Peak GiB is the worker process's device peak, model building included (with tp > 1: "
         f"the largest over its devices). tp = tensor-parallel devices ({args.axis_type} mesh "
-        f"axis); attention: the single-token attention (`llama.ATTENTION_MODES`; auto = the "
+        f"axis); attention: the single-token attention (`decoder.ATTENTION_MODES`; auto = the "
         f"Pallas kernel on a GPU); norm: the residual add + RMSNorm (auto = its Pallas kernel on "
         f"a GPU); mlp gate: where silu(gate) * up runs (auto = inside the kbit gate/up kernel); "
         f"vs bf16 compares with bf16 at the same tp and modes; "

@@ -1,0 +1,615 @@
+"""The Llama-3 / Qwen3 / Qwen3-MoE decoder in Flax NNX, dense or with k-bit weights: RMSNorm,
+RoPE, GQA, SwiGLU or mixture-of-experts MLPs, KV cache, greedy decoding, Megatron tensor
+parallelism.
+
+Real checkpoints come in through ``kbit_jax.models.load`` (a Hugging Face directory, quantized
+as it is read); `build_model` makes a randomly initialized one of any `DecoderConfig`:
+
+    from kbit_jax.models import decoder
+    model, report = decoder.build_model(decoder.TINY, bits=4)      # quantized as it is built
+    logits = model(tokens)                                         # tokens int32[B, T] -> [B, T, vocab]
+    new = decoder.generate(model, prompt, max_new_tokens=16)       # greedy, prompt: int32[B, T]
+
+Without a cache ``model(tokens)`` runs the positions ``0 .. T-1`` causally and returns the
+logits. With one the model is functional in its KV cache: ``model(tokens, cache, pos)``
+writes the keys and values of ``tokens`` (``[B, T]``, at positions ``pos .. pos+T-1``, the same
+for every row) into ``cache`` and returns ``(logits, cache)``. ``prefill``, ``decode_step`` and
+``decode`` are jitted over ``(graphdef, state)`` from ``nnx.split(model)``, so a decode step
+costs one dispatch and ``decode`` runs a whole greedy loop in one.
+
+Tensor parallelism (Megatron style) over a mesh axis, bf16 or quantized alike:
+
+    mesh = jax.make_mesh((2,), ("tp",))                               # Explicit or Auto axes
+    model, _ = decoder.build_model(decoder.TINY, bits=4, mesh=mesh)   # or decoder.shard_model(model, mesh)
+    new = decoder.generate(model, prompt, max_new_tokens=16)          # runs under jax.set_mesh(mesh)
+
+The fused q/k/v and gate/up projections are column-parallel (N over "tp": whole kv-head
+groups and matching gate/up features per device), o and down row-parallel (K over "tp":
+one all-reduce each, so two per layer), lm_head column-parallel over the vocabulary, the
+embedding and norms replicated (a tied output projection too: it is the embedding), and the
+KV cache sharded over its kv-head axis. Each device holds its heads' slice of every weight;
+quantized weights are placed with ``kbit_jax.shard_weight`` and multiplied shard by shard
+(never gathered).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .. import flax as kflax
+from ..flax.convert import _nbytes, _progress
+from ..flax.layers import _LEAVES
+from ..flax.moe import MoE
+from ..examples import decode_attention as _decode
+from ..examples import fused_norm as _norm
+from ..ops import interleave_glu, quantize
+from ..sharding import weight_shardings
+from .config import (CONFIGS, LLAMA3_70B, LLAMA3_8B, TINY, TINY_TP, DecoderConfig, LlamaConfig,
+                     RopeScaling, rope_frequencies)
+
+__all__ = [
+    "ATTENTION_MODES", "Attention", "Block", "CONFIGS", "Cache", "DecoderConfig", "KERNEL_MODES",
+    "LLAMA3_70B", "LLAMA3_8B", "Llama", "LlamaConfig", "MLP", "MLP_GATE_MODES", "RMSNorm",
+    "RopeScaling", "TINY", "TINY_TP", "TP_LAYOUT", "attend", "build_model", "cache_sharding",
+    "check_tp", "decode", "decode_step", "fuse_gate_up", "fuse_qkv", "generate", "init_cache",
+    "linear_spec", "prefill", "quantized_tied_head", "variable_shardings", "rope", "rope_tables", "shard_model",
+]
+
+#: ``attention=`` values: "xla" (jnp rotary embedding, cache update, einsums and softmax),
+#: "pallas" (single-token steps through ``decode_attention.decode_attention_step``, one kernel
+#: for all of it; interpreted off the GPU), "auto" (that kernel on a GPU for single-token steps
+#: whose shapes and dtypes it takes, XLA otherwise).
+ATTENTION_MODES = ("auto", "xla", "pallas")
+#: ``norm=`` values, the same three: the residual add and RMSNorm through XLA (two kernels per
+#: norm), or through ``fused_norm.add_rms_norm`` (one; "auto": on a GPU).
+KERNEL_MODES = ATTENTION_MODES
+#: ``mlp_gate=`` values: "auto" (silu(gate) * up inside the kbit gate/up kernel,
+#: ``KbitLinear(x, glu="silu")``, where that projection is quantized; XLA otherwise), "xla".
+MLP_GATE_MODES = ("auto", "xla")
+
+
+Cache = list  # [(k, v)] per layer, each [B, max_len, n_kv_heads, head_dim]
+
+
+def _takes_kernel(mode: str, flag: str, why_not) -> bool:
+    """Whether a layer in `KERNEL_MODES` ``mode`` runs its Pallas kernel: never with "xla";
+    always with "pallas", raising ValueError (naming ``flag``) where ``why_not()`` says why the
+    kernel does not take the inputs; with "auto" on a GPU where it takes them."""
+    if mode == "xla":
+        return False
+    why = why_not()
+    if mode == "pallas":
+        if why:
+            raise ValueError(f"{flag}='pallas': {why}")
+        return True
+    return why is None and jax.default_backend() == "gpu"
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis. ``kernel`` (`KERNEL_MODES`): `add_and_norm` through
+    ``fused_norm.add_rms_norm``'s Pallas kernel ("pallas"; "auto": on a GPU where it takes the
+    shape) or through XLA ("xla")."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, *, kernel: str = "xla"):
+        if kernel not in KERNEL_MODES:
+            raise ValueError(f"norm={kernel!r}: expected one of {KERNEL_MODES}")
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.kernel = kernel
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+    def add_and_norm(self, x, delta):
+        """``(x + delta, self(x + delta))``, or ``(x, self(x))`` when delta is None: the residual
+        stream with a sublayer's output added, and its norm (one kernel with "pallas")."""
+        if not _takes_kernel(self.kernel, "norm", lambda: _norm.supported(x.shape, x.dtype)):
+            if delta is not None:
+                x = x + delta
+            return x, self(x)
+        norm = functools.partial(_norm.add_rms_norm, eps=self.eps)
+        scale = self.scale[...]
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty:   # replicated over the mesh (after an all-reduce): every device the same rows
+            norm = jax.shard_map(norm, mesh=mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
+                                 check_vma=False)
+        return norm(x, delta, scale)
+
+
+def rope_tables(positions, head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """cos and sin [T, head_dim / 2] (f32) of the rotary angles at positions[T]
+    (`rope_frequencies`: the base ``theta`` and the checkpoint's scaling, if any)."""
+    freqs = jnp.asarray(rope_frequencies(head_dim, theta, scaling))               # [D/2]
+    angles = positions.astype(jnp.float32)[:, None] * freqs                       # [T, D/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope(x, positions, theta: float, scaling: RopeScaling | None = None):
+    """Rotary embedding (rotate-half convention) of x[B, T, H, D] at positions[T]."""
+    cos, sin = rope_tables(positions, x.shape[-1], theta, scaling)
+    cos, sin = cos[:, None, :], sin[:, None, :]                                # [T, 1, D/2]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _linear(din, dout, param_dtype, rngs):
+    return nnx.Linear(din, dout, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+
+
+def _row_parallel_out(x):
+    """``out_sharding`` for a row-parallel layer applied to ``x``: under Explicit mesh axes with
+    x's features sharded, x's sharding with the features replicated (the sharded contraction
+    is all-reduced; jnp's dot wants this spelled out). None otherwise (Auto axes, no mesh)."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except TypeError:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    if sharding.mesh.empty or spec[-1] is None:
+        return None
+    return P(*spec[:-1], None)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with one fused q/k/v projection.
+
+    ``qkv_proj``'s output columns are grouped by kv head: for kv head j, the ``G = n_heads /
+    n_kv_heads`` query heads that share it, then k_j, then v_j (``(G + 2) * head_dim`` columns
+    per group). One projection instead of three is one kernel launch instead of three for the
+    small k and v matrices, and splitting its columns over a tensor-parallel axis gives every
+    device whole groups (q, k and v of the same heads). `fuse_qkv` builds this kernel from a
+    checkpoint's separate q/k/v kernels.
+
+    With ``cfg.qk_norm`` (Qwen3), ``q_norm`` and ``k_norm`` (RMSNorm over head_dim, one scale
+    shared by all heads) normalize each query and key head before the rotary embedding.
+    """
+
+    def __init__(self, cfg: DecoderConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto"):
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_MODES}")
+        hd = cfg.head_dim
+        self.qkv_proj = _linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, param_dtype, rngs)
+        self.o_proj = _linear(cfg.n_heads * hd, cfg.dim, param_dtype, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, param_dtype)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.attention = attention
+        self.tp_axis = None   # the mesh axis over kv heads, once placed by shard_model
+
+    def _attend_one(self, qkv, cache_k, cache_v, pos, cos, sin):
+        """decode_attention_step on qkv [B, KVH, G + 2, D]; per device over the kv-head axis
+        when the model is tensor-parallel (a Pallas kernel has no partitioning rule of its own)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if self.tp_axis is None or mesh.empty or self.tp_axis not in mesh.axis_names:
+            return _decode.decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin)
+        heads, cache = P(None, self.tp_axis, None, None), P(None, None, self.tp_axis, None)
+        return jax.shard_map(_decode.decode_attention_step, mesh=mesh,
+                             in_specs=(heads, cache, cache, P(), P(), P()),
+                             out_specs=(heads, cache, cache), check_vma=False)(
+                                 qkv, cache_k, cache_v, pos, cos, sin)
+
+    def __call__(self, x, cache_k, cache_v, pos):
+        """Attention over ``x[B, T, dim]`` at positions ``pos .. pos+T-1``, writing its keys and
+        values into the cache; without a cache (None, None) over ``x`` itself (causal)."""
+        b, t, _ = x.shape
+        h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        g = h // kvh
+        positions = pos + jnp.arange(t)
+        qkv = self.qkv_proj(x).reshape(b, t, kvh, g + 2, hd)
+        if self.q_norm is not None:
+            qkv = jnp.concatenate([self.q_norm(qkv[:, :, :, :g]), self.k_norm(qkv[:, :, :, g:g + 1]),
+                                   qkv[:, :, :, g + 1:]], axis=3)
+        if t == 1 and cache_k is not None and _takes_kernel(
+                self.attention, "attention", lambda: _decode.supported_step(
+                    (b, kvh, g + 2, hd), cache_k.shape, qkv.dtype, cache_k.dtype)):
+            # One kernel: rotary embedding, the cache writes at pos and the attention.
+            cos, sin = rope_tables(positions, hd, self.rope_theta, self.rope_scaling)
+            out, cache_k, cache_v = self._attend_one(qkv[:, 0], cache_k, cache_v,
+                                                     jnp.asarray(pos, jnp.int32), cos[0], sin[0])
+            out = out[:, None]
+        else:
+            q = rope(qkv[:, :, :, :g].reshape(b, t, h, hd), positions, self.rope_theta, self.rope_scaling)
+            k = rope(qkv[:, :, :, g], positions, self.rope_theta, self.rope_scaling)
+            v = qkv[:, :, :, g + 1]
+            if cache_k is None:
+                out = attend(q.reshape(b, t, kvh, g, hd), k, v, jnp.arange(t))
+            else:
+                cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, pos, 0, 0))
+                cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, pos, 0, 0))
+                out = attend(q.reshape(b, t, kvh, g, hd), cache_k, cache_v, positions)
+        out = out.reshape(b, t, h * hd).astype(x.dtype)
+        return self.o_proj(out, out_sharding=_row_parallel_out(out)), cache_k, cache_v
+
+
+def attend(q, cache_k, cache_v, positions):
+    """Grouped-query attention in jnp (the XLA path): q ``[B, T, KVH, G, D]`` over the whole
+    cache ``[B, S, KVH, D]``, masked to keys at positions <= the query's (``positions[T]``).
+    f32 scores and softmax; probabilities rounded to the cache dtype for the p.v product.
+    Returns ``[B, T, KVH, G, D]`` in f32."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, cache_k,
+                        preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    mask = jnp.arange(cache_k.shape[1])[None, :] <= positions[:, None]       # [T, S]
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", probs.astype(cache_v.dtype), cache_v,
+                      preferred_element_type=jnp.float32)
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP with one fused gate/up projection: ``gate_up_proj``'s output column 2i is
+    gate feature i and column 2i + 1 up feature i, so one kernel computes both and a
+    column-parallel split gives every device matching gate and up features (`fuse_gate_up`
+    builds it from separate kernels)."""
+
+    def __init__(self, cfg: DecoderConfig, param_dtype, rngs: nnx.Rngs, *, gate: str = "auto"):
+        if gate not in MLP_GATE_MODES:
+            raise ValueError(f"mlp_gate={gate!r}: expected one of {MLP_GATE_MODES}")
+        self.gate_up_proj = _linear(cfg.dim, 2 * cfg.hidden_dim, param_dtype, rngs)
+        self.down_proj = _linear(cfg.hidden_dim, cfg.dim, param_dtype, rngs)
+        self.gate = gate
+
+    def __call__(self, x):
+        if self.gate == "auto" and isinstance(self.gate_up_proj, kflax.KbitLinear):
+            h = self.gate_up_proj(x, glu="silu")
+        else:
+            gate_up = self.gate_up_proj(x)
+            gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
+            h = jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
+        return self.down_proj(h, out_sharding=_row_parallel_out(h))
+
+
+def fuse_qkv(q, k, v, n_kv_heads: int):
+    """A checkpoint's separate q/k/v kernels (``[dim, n_heads * hd]``, ``[dim, n_kv_heads * hd]``
+    twice, heads in column order) as one ``qkv_proj`` kernel in `Attention`'s column order:
+    per kv head j, its query heads, then k_j, then v_j."""
+    d = q.shape[0]
+    if k.shape != v.shape or k.shape[1] % n_kv_heads or q.shape[1] % k.shape[1]:
+        raise ValueError(f"fuse_qkv: q {q.shape}, k {k.shape}, v {v.shape} do not split into "
+                         f"{n_kv_heads} kv heads with whole query groups")
+    parts = [w.reshape(d, n_kv_heads, -1) for w in (q, k, v)]   # [dim, kv head, cols]
+    return jnp.concatenate(parts, axis=2).reshape(d, -1)
+
+
+#: A checkpoint's gate and up kernels (``[dim, hidden]`` each) as one ``gate_up_proj`` kernel:
+#: column 2i is gate feature i, column 2i + 1 up feature i.
+fuse_gate_up = interleave_glu
+
+
+class Block(nnx.Module):
+    """Attention and MLP, each after an RMSNorm, on the residual stream. With ``moe`` the MLP is
+    a mixture of experts (``kbit_jax.flax.MoE``; `build_model` and ``kbit_jax.models.load``
+    quantize it into a ``KbitMoE``)."""
+
+    def __init__(self, cfg: DecoderConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto",
+                 norm: str = "auto", mlp_gate: str = "auto", moe: bool = False):
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
+        self.attn = Attention(cfg, param_dtype, rngs, attention=attention)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
+        if moe:
+            self.mlp = MoE(cfg.dim, cfg.moe_hidden_dim, cfg.n_experts, cfg.experts_per_token,
+                           norm_topk_prob=cfg.norm_topk_prob, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, param_dtype, rngs, gate=mlp_gate)
+
+    def __call__(self, x, cache_k, cache_v, pos):
+        x, mlp_out, cache_k, cache_v = self.step(x, None, cache_k, cache_v, pos)
+        return x + mlp_out, cache_k, cache_v
+
+    def step(self, x, pending, cache_k, cache_v, pos):
+        """The block on the residual stream ``x`` + ``pending`` (the previous block's MLP output,
+        not yet added; None for none). Returns ``(x, mlp_out, cache_k, cache_v)`` with this
+        block's MLP output pending in turn: each residual add is done by the norm that follows
+        it (`RMSNorm.add_and_norm`, one kernel for both with norm="pallas")."""
+        x, h = self.attn_norm.add_and_norm(x, pending)
+        a, cache_k, cache_v = self.attn(h, cache_k, cache_v, pos)
+        x, h = self.mlp_norm.add_and_norm(x, a)
+        return x, self.mlp(h), cache_k, cache_v
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer (Llama-3 and Qwen3 layouts, `DecoderConfig`). ``block_hook(block)``
+    (optional) runs on each block as soon as it is built, e.g. to quantize it before the next
+    one is allocated. ``attention`` picks the single-token attention (`ATTENTION_MODES`;
+    prompts always take the XLA path), ``norm`` the residual add + RMSNorm (`KERNEL_MODES`),
+    ``mlp_gate`` where the MLP's silu(gate) * up runs (`MLP_GATE_MODES`).
+
+    With ``cfg.tie_embeddings`` the output projection is the embedding (``lm_head`` is None)
+    unless a separate, quantized head was made from it (``quantize_head``)."""
+
+    def __init__(self, cfg: DecoderConfig, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
+                 block_hook=None, attention: str = "auto", norm: str = "auto", mlp_gate: str = "auto"):
+        self.config = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, param_dtype=param_dtype, rngs=rngs)
+        blocks = []
+        for _ in range(cfg.n_layers):
+            blocks.append(Block(cfg, param_dtype, rngs, attention=attention, norm=norm, mlp_gate=mlp_gate,
+                                moe=len(blocks) in cfg.moe_layers))
+            if block_hook is not None:
+                block_hook(blocks[-1])
+        self.layers = nnx.List(blocks)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
+        # data even when None: a quantized head may be set later (quantized_tied_head)
+        self.lm_head = nnx.data(None) if cfg.tie_embeddings else _linear(cfg.dim, cfg.vocab_size, param_dtype, rngs)
+        self.tp = None   # (mesh, axis) once placed tensor-parallel by shard_model
+
+    def __call__(self, tokens, cache: Cache | None = None, pos=0, *, last_only: bool = False):
+        """Logits of ``tokens`` int32[B, T]: ``[B, T, vocab]`` (``[B, 1, vocab]`` with
+        ``last_only``) in the computation dtype (float32 for a float32 model).
+
+        Without ``cache``: the tokens at positions 0 .. T-1, causal; returns the logits.
+        With one (`init_cache`): the tokens at ``pos .. pos+T-1`` attend to the cache too and
+        their keys and values are written into it; returns ``(logits, cache)``."""
+        x, pending = self.embed(tokens), None
+        layers_cache = [(None, None)] * len(self.layers) if cache is None else cache
+        new_cache = []
+        for layer, (k, v) in zip(self.layers, layers_cache):
+            x, pending, k, v = layer.step(x, pending, k, v, 0 if cache is None else pos)
+            new_cache.append((k, v))
+        if last_only:
+            x, pending = x[:, -1:], None if pending is None else pending[:, -1:]
+        _, h = self.norm.add_and_norm(x, pending)
+        logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+        return logits if cache is None else (logits, new_cache)
+
+
+def init_cache(cfg: DecoderConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *,
+               sharding=None) -> Cache:
+    """Zeros ``[(k, v)]`` per layer, each ``[batch, max_len, n_kv_heads, head_dim]``, placed
+    with ``sharding`` if given (see `cache_sharding`)."""
+    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
+            for _ in range(cfg.n_layers)]
+
+
+# -- tensor parallelism -----------------------------------------------------------------------
+#: Logical (K, N) placement of each linear layer, by attribute name: "col" = N over the
+#: tensor-parallel axis (no collective), "row" = K over it (one all-reduce).
+TP_LAYOUT = {"qkv_proj": "col", "gate_up_proj": "col", "o_proj": "row", "down_proj": "row",
+             "lm_head": "col"}
+
+
+def _tp_size(mesh, axis: str) -> int:
+    if axis not in mesh.axis_names:
+        raise ValueError(f"mesh has no axis {axis!r} (axes {tuple(mesh.axis_names)})")
+    return int(mesh.shape[axis])
+
+
+def check_tp(cfg: DecoderConfig, tp: int) -> None:
+    """ValueError unless ``cfg`` splits into ``tp`` tensor-parallel shards of whole heads."""
+    problems = [f"{name}={value}" for name, value in
+                (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
+                 ("hidden_dim", cfg.hidden_dim)) if value % tp]
+    if problems:
+        raise ValueError(f"tensor parallelism over {tp} devices needs n_heads, n_kv_heads and "
+                         f"hidden_dim divisible by {tp}; got {', '.join(problems)}")
+
+
+def cache_sharding(mesh, axis: str = "tp") -> NamedSharding:
+    """The KV cache's sharding under tensor parallelism: kv heads over ``axis``."""
+    return NamedSharding(mesh, P(None, None, axis, None))
+
+
+def linear_spec(name: str, k: int, n: int, axis: str, tp: int):
+    """The logical (K, N) PartitionSpec of a ``[k, n]`` linear layer named ``name`` under
+    tensor parallelism over ``tp`` devices of mesh axis ``axis`` (`TP_LAYOUT`; None:
+    replicate). ValueError when the layer does not split evenly."""
+    kind = TP_LAYOUT.get(name)
+    if kind is None:
+        return None
+    if kind == "col" and n % tp:
+        if name == "lm_head":
+            return None              # a vocabulary tp does not divide: keep the head replicated
+        raise ValueError(f"{name}: out_features={n} is not divisible by the {tp} shards of {axis!r}")
+    if kind == "row" and k % tp:
+        raise ValueError(f"{name}: in_features={k} is not divisible by the {tp} shards of {axis!r}")
+    return P(None, axis) if kind == "col" else P(axis, None)
+
+
+def variable_shardings(model, mesh, axis: str = "tp") -> dict:
+    """Where `shard_model` puts each array variable of ``model``: ``{id(variable): (variable,
+    NamedSharding, out_sharding names or None)}``. Works on an abstract model too
+    (``nnx.eval_shape``), e.g. to restore a checkpoint straight into its shards."""
+    tp = _tp_size(mesh, axis)
+    out = {}
+    for path, module in nnx.iter_modules(model):
+        if not isinstance(module, (nnx.Linear, kflax.KbitLinear)) or not path:
+            continue
+        spec = linear_spec(path[-1], module.in_features, module.out_features, axis, tp)
+        if spec is None:
+            continue
+        if module.bias is not None:
+            raise NotImplementedError("shard_model: layers with a bias")
+        if isinstance(module, kflax.KbitLinear):
+            shardings = weight_shardings(module.weight, mesh, spec)   # refuses cut blocks
+            names = kflax.leaf_sharding(tuple(spec))
+            for leaf in _LEAVES:
+                var = getattr(module.kernel, leaf)
+                out[id(var)] = (var, getattr(shardings, leaf), names[leaf])
+        else:
+            out[id(module.kernel)] = (module.kernel, NamedSharding(mesh, spec), tuple(spec))
+    replicated = NamedSharding(mesh, P())
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable) and id(node) not in out and hasattr(node.get_value(), "shape"):
+            out[id(node)] = (node, replicated, None)
+    return out
+
+
+def shard_model(model, mesh, axis: str = "tp"):
+    """Place ``model`` (a `Llama`, or any sub-module such as one `Block`) tensor-parallel over
+    ``mesh``'s axis ``axis``, in place; returns it.
+
+    Linear layers follow `TP_LAYOUT` (Megatron: fused q/k/v and gate/up column-parallel, o/down
+    row-parallel; lm_head column-parallel over the vocabulary when ``tp`` divides it). A
+    quantized layer's leaves are placed by ``kbit_jax.shard_weight`` (it refuses a shard
+    that would cut a 32-element block, e.g. o_proj's K/tp not a multiple of 32); a dense
+    kernel by ``jax.device_put``. Each placed variable records its spec as ``out_sharding``
+    metadata, so ``nnx.get_partition_spec(nnx.state(model))`` describes the placement.
+    Everything else (embedding, norms) is replicated over the mesh.
+
+    Raises ValueError when ``axis`` is not in the mesh or ``n_heads``, ``n_kv_heads`` or
+    ``hidden_dim`` is not divisible by the axis size.
+    """
+    tp = _tp_size(mesh, axis)
+    if isinstance(model, Llama):
+        check_tp(model.config, tp)
+    modules = list(nnx.iter_modules(model))
+    for _, module in modules:
+        if isinstance(module, Attention):
+            problems = [f"{name}={getattr(module, name)}" for name in ("n_heads", "n_kv_heads")
+                        if getattr(module, name) % tp]
+            if problems:
+                raise ValueError(f"tensor parallelism over {tp} devices needs n_heads and "
+                                 f"n_kv_heads divisible by {tp}; got {', '.join(problems)}")
+            module.tp_axis = axis
+    for var, sharding, names in variable_shardings(model, mesh, axis).values():
+        var.set_value(jax.device_put(var.get_value(), sharding))
+        if names is not None:
+            var.set_metadata("out_sharding", names)
+    if isinstance(model, Llama):
+        model.tp = (mesh, axis)
+    return model
+
+
+def quantized_tied_head(embed: nnx.Embed, bits: int, codebook: Any = "nf") -> kflax.KbitLinear:
+    """A quantized output projection made from a tied embedding ``[vocab, dim]`` (its
+    transpose, ``[dim, vocab]``); the embedding itself stays dense for the token lookup."""
+    table = embed.embedding.get_value()
+    return kflax.KbitLinear.from_weight(quantize(table.T, bits, codebook), param_dtype=table.dtype)
+
+
+def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
+                param_dtype=jnp.bfloat16, quantize_head: bool = False, progress: bool = False,
+                mesh=None, axis: str = "tp", attention: str = "auto", norm: str = "auto",
+                mlp_gate: str = "auto"):
+    """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
+
+    With ``bits``, each block goes through ``kbit_jax.flax.quantize_model`` as soon as it is
+    built, so peak memory is the quantized model plus one dense block (a 70B model at K=4
+    builds on one GPU although its bf16 weights would not fit). Embedding and lm_head stay
+    dense (the default filter) unless ``quantize_head`` (a tied embedding gets a quantized
+    copy as the head, `quantized_tied_head`).
+
+    With ``mesh``, the model is tensor-parallel over ``mesh``'s axis ``axis`` (`shard_model`):
+    each block is placed as soon as it is built (and quantized), so no device ever holds more
+    than its share plus one block, embedding and lm_head (70B in bf16 builds over 2 GPUs).
+    The weights are the same as without a mesh (same seed, same values).
+
+    ``attention`` picks the single-token attention: `ATTENTION_MODES` ("auto": the Pallas
+    kernel of ``decode_attention.decode_attention_step`` on a GPU, rotary embedding and cache
+    write included). ``norm`` picks the residual add + RMSNorm: `KERNEL_MODES` ("auto": the
+    Pallas kernel of ``fused_norm.add_rms_norm`` on a GPU). ``mlp_gate``: `MLP_GATE_MODES`
+    ("auto": silu(gate) * up inside the quantized gate/up projection's kernel).
+    """
+    modes = dict(attention=attention, norm=norm, mlp_gate=mlp_gate)
+    if mesh is not None:
+        check_tp(cfg, _tp_size(mesh, axis))
+    if bits is None:
+        if mesh is None:
+            return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), **modes), None
+        model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), **modes,
+                      block_hook=lambda block: shard_model(block, mesh, axis))
+        return shard_model(model, mesh, axis), None
+    report = kflax.QuantizeReport(bits=bits, codebook=codebook)
+    ticks = iter(_progress(range(cfg.n_layers), cfg.n_layers, progress, "build + quantize"))
+
+    def hook(block):
+        i = next(ticks)
+        r = kflax.quantize_model(block, bits, codebook, progress=False)
+        if mesh is not None:
+            shard_model(block, mesh, axis)
+        report.replaced += [f"layers/{i}/{p}" for p in r.replaced]
+        report.skipped += [(f"layers/{i}/{p}", why) for p, why in r.skipped]
+        report.bytes_before += r.bytes_before
+        report.replaced_bytes_before += r.replaced_bytes_before
+        report.replaced_bytes_after += r.replaced_bytes_after
+
+    model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), block_hook=hook, **modes)
+    report.bytes_before += _nbytes(nnx.state(model)) - _nbytes(nnx.state(model.layers))
+    if quantize_head and model.lm_head is None:
+        model.lm_head = quantized_tied_head(model.embed, bits, codebook)
+        report.replaced.append("lm_head")
+        report.replaced_bytes_after += _nbytes(model.lm_head.weight)
+    elif quantize_head:
+        r = kflax.quantize_model(model, bits, codebook, filter=lambda path, _: path == ("lm_head",),
+                               progress=False)
+        report.replaced += r.replaced
+        report.replaced_bytes_before += r.replaced_bytes_before
+        report.replaced_bytes_after += r.replaced_bytes_after
+    else:
+        report.skipped.append(("lm_head", "excluded by the default filter"))
+    if mesh is not None:
+        shard_model(model, mesh, axis)
+    report.bytes_after = _nbytes(nnx.state(model))
+    return model, report
+
+
+# -- jitted entry points over (graphdef, state) ---------------------------------------------
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def prefill(graphdef, state, tokens, cache):
+    """Run the prompt ``tokens[B, T]`` from position 0: (last-position logits [B, V], cache)."""
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(tokens, cache, 0, last_only=True)
+    return logits[:, -1], cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def decode_step(graphdef, state, token, cache, pos):
+    """One token per row ``token[B]`` at position ``pos``: (logits [B, V], cache)."""
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(token[:, None], cache, pos)
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("cache",))
+def decode(graphdef, state, token, cache, pos, steps: int):
+    """Greedy: feed ``token[B]`` at ``pos`` and ``steps`` - 1 of its successors; returns
+    (the ``steps`` next tokens [B, steps], cache). One dispatch for the whole loop."""
+    model = nnx.merge(graphdef, state)
+
+    def body(i, carry):
+        token, cache, out = carry
+        logits, cache = model(token[:, None], cache, pos + i)
+        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return token, cache, out.at[:, i].set(token)
+
+    out = jnp.zeros((token.shape[0], steps), jnp.int32)
+    _, cache, out = jax.lax.fori_loop(0, steps, body, (token, cache, out))
+    return out, cache
+
+
+def generate(model: Llama, prompt, max_new_tokens: int, *, cache_dtype=None):
+    """Greedy generation: ``prompt`` int32[B, T] -> the ``max_new_tokens`` next tokens [B, n].
+
+    A model placed by `shard_model` runs under ``jax.set_mesh`` of its mesh with the KV cache
+    sharded over kv heads."""
+    if model.tp is None:
+        return _generate(model, prompt, max_new_tokens, cache_dtype, None)
+    mesh, axis = model.tp
+    with jax.set_mesh(mesh):
+        prompt = jax.device_put(jnp.asarray(prompt, jnp.int32), NamedSharding(mesh, P()))
+        return _generate(model, prompt, max_new_tokens, cache_dtype, cache_sharding(mesh, axis))
+
+
+def _generate(model, prompt, max_new_tokens, cache_dtype, sharding):
+    prompt = jnp.asarray(prompt, jnp.int32)
+    b, t = prompt.shape
+    graphdef, state = nnx.split(model)
+    dtype = cache_dtype or model.embed.embedding.dtype
+    cache = init_cache(model.config, b, t + max_new_tokens, dtype, sharding=sharding)
+    logits, cache = prefill(graphdef, state, prompt, cache)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if max_new_tokens == 1:
+        return first[:, None]
+    rest, _ = decode(graphdef, state, first, cache, t, max_new_tokens - 1)
+    return jnp.concatenate([first[:, None], rest], axis=1)

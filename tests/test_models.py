@@ -1,0 +1,449 @@
+"""kbit_jax.models: configs from config.json, loading safetensors directories (dense, quantized,
+tensor-parallel), the package's own saved format, and the errors for bad checkpoints.
+
+The checkpoints here are written with ``safetensors.numpy`` from random tensors (no torch);
+tests/test_models_transformers.py compares against transformers itself.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip("safetensors")
+from safetensors.numpy import save_file  # noqa: E402
+
+import kbit_jax
+import kbit_jax.flax as kflax  # noqa: E402
+from kbit_jax import models  # noqa: E402
+from kbit_jax.models import config as mconfig  # noqa: E402
+from kbit_jax.models import decoder, loader  # noqa: E402
+
+LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
+             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             rms_norm_eps=1e-5, rope_theta=10_000.0, hidden_act="silu", tie_word_embeddings=False,
+             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+             bos_token_id=1, eos_token_id=2)
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=256, hidden_size=64,
+             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, rms_norm_eps=1e-6, rope_theta=1_000_000.0, hidden_act="silu",
+             tie_word_embeddings=True, use_sliding_window=False)
+#: Qwen3-MoE: 8 experts of width 64, 2 per token; layer 1 of 3 keeps a dense MLP.
+QWEN3_MOE = {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+             "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 64, "norm_topk_prob": True, "decoder_sparse_step": 1,
+             "mlp_only_layers": [1], "tie_word_embeddings": False}
+#: Shapes that split into 8 tensor-parallel shards, quantized: whole kv heads per device,
+#: o_proj's and down_proj's K / 8 a multiple of 32, the vocabulary divisible by 8.
+LLAMA_TP8 = {**LLAMA, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8,
+             "intermediate_size": 256}
+QWEN3_TP8 = {**QWEN3, "num_attention_heads": 16, "num_key_value_heads": 8, "intermediate_size": 256}
+
+
+def random_tensors(hf: dict, rng, dtype=np.float32) -> dict:
+    """Every tensor a checkpoint of ``hf`` holds: weights N(0, 0.1), norm scales 1 + N(0, 0.1)
+    (so that a norm mapped to the wrong place changes the result)."""
+    out = {}
+    for name, shape in loader.expected_tensors(mconfig.from_hf_config(hf)).items():
+        base = 1.0 if "norm" in name else 0.0
+        out[name] = (base + 0.1 * rng.standard_normal(shape)).astype(dtype)
+    return out
+
+
+def write_checkpoint(path, hf: dict, tensors: dict, shards: int = 1) -> str:
+    """A Hugging Face directory: config.json and ``shards`` safetensors files (an index when
+    more than one)."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    names = list(tensors)
+    if shards == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return path
+    weight_map = {}
+    for i, part in enumerate(np.array_split(np.arange(len(names)), shards)):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({names[j]: tensors[names[j]] for j in part}, os.path.join(path, file),
+                  metadata={"format": "pt"})
+        weight_map.update({names[j]: file for j in part})
+    with open(os.path.join(path, loader.INDEX_FILE), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
+
+
+def leaves(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+
+
+def tokens_for(hf, rng, shape=(2, 10)):
+    return rng.integers(0, hf["vocab_size"], shape).astype(np.int32)
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+# -- config.json ------------------------------------------------------------------------------
+#: The published config.json files' relevant entries.
+LLAMA3_8B_JSON = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+                      hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, rope_scaling=None, tie_word_embeddings=False,
+                      hidden_act="silu", attention_bias=False, mlp_bias=False)
+LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+QWEN3_06B_JSON = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+                      hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                      rope_theta=1000000, rope_scaling=None, tie_word_embeddings=True,
+                      hidden_act="silu", attention_bias=False, use_sliding_window=False)
+
+
+def test_config_llama3():
+    assert mconfig.from_hf_config(LLAMA3_8B_JSON) == decoder.LLAMA3_8B
+    cfg = mconfig.from_hf_config({**LLAMA3_8B_JSON, "rope_scaling": LLAMA31_ROPE})
+    assert cfg.rope_scaling == mconfig.RopeScaling(8.0, 1.0, 4.0, 8192)
+    # transformers 5 writes rope_parameters instead of rope_theta + rope_scaling
+    new = {k: v for k, v in LLAMA3_8B_JSON.items() if k not in ("rope_theta", "rope_scaling")}
+    assert mconfig.from_hf_config({**new, "rope_parameters": {**LLAMA31_ROPE, "rope_theta": 500000.0}}) == cfg
+    small = mconfig.from_hf_config({**LLAMA3_8B_JSON, "hidden_size": 2048, "head_dim": 64,
+                                    "num_attention_heads": 32, "tie_word_embeddings": True})
+    assert small.head_dim == 64 and small.tie_embeddings and not small.qk_norm
+
+
+def test_config_qwen3():
+    cfg = mconfig.from_hf_config(QWEN3_06B_JSON)
+    assert (cfg.head_dim, cfg.qk_norm, cfg.tie_embeddings, cfg.rope_theta) == (128, True, True, 1e6)
+    assert cfg.head_dim * cfg.n_heads != cfg.dim
+    # Qwen3-0.6B: 0.6B parameters, 0.44B without the (tied) embedding
+    assert round(cfg.num_params() / 1e6) == 596
+    assert mconfig.DecoderConfig(**json.loads(json.dumps(cfg.to_dict()))) == cfg
+    llama31 = mconfig.from_hf_config({**LLAMA3_8B_JSON, "rope_scaling": LLAMA31_ROPE})
+    assert mconfig.DecoderConfig(**json.loads(json.dumps(llama31.to_dict()))) == llama31
+
+
+def test_rope_frequencies_llama3_bands():
+    """The llama3 rule by hand: wavelengths under original/high kept, over original/low divided
+    by factor, the band between interpolated (and monotone)."""
+    scaling = mconfig.RopeScaling(8.0, 1.0, 4.0, 8192)
+    base = mconfig.rope_frequencies(128, 500000.0)
+    scaled = mconfig.rope_frequencies(128, 500000.0, scaling)
+    wavelen = 2 * np.pi / base
+    short, long_ = wavelen < 8192 / 4, wavelen > 8192
+    assert short.any() and long_.any() and (~short & ~long_).any()
+    np.testing.assert_array_equal(scaled[short], base[short])
+    np.testing.assert_allclose(scaled[long_], base[long_] / 8, rtol=1e-6)
+    assert np.all(np.diff(scaled) < 0)
+
+
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "GPT2LMHeadModel"])
+def test_unknown_architecture(arch, tmp_path):
+    with pytest.raises(ValueError, match=arch):
+        mconfig.from_hf_config({**LLAMA, "architectures": [arch]})
+    write_checkpoint(tmp_path, {**LLAMA, "architectures": [arch]}, {"x": np.zeros(2, np.float32)})
+    with pytest.raises(ValueError, match=f"architecture '{arch}' is not supported"):
+        models.load(tmp_path, progress=False)
+
+
+def test_config_qwen3_moe():
+    cfg = mconfig.from_hf_config(QWEN3_MOE)
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.moe_hidden_dim, cfg.moe_layers) == (8, 2, 64, (0, 2))
+    every_other = mconfig.from_hf_config({**QWEN3_MOE, "num_hidden_layers": 6, "mlp_only_layers": [],
+                                          "decoder_sparse_step": 2, "num_experts": None,
+                                          "num_local_experts": 8})
+    assert every_other.moe_layers == (1, 3, 5) and every_other.n_experts == 8
+    assert mconfig.DecoderConfig(**json.loads(json.dumps(cfg.to_dict()))) == cfg
+    # Qwen3-30B-A3B: 30.5B parameters
+    a3b = {**QWEN3_MOE, "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+           "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+           "num_experts_per_tok": 8, "mlp_only_layers": []}
+    assert round(mconfig.from_hf_config(a3b).num_params() / 1e9, 1) == 30.5
+
+
+def test_qwen3_moe_load_save(tmp_path, rng):
+    """Qwen3-MoE: expert layers load as MoE (dense) or KbitMoE (quantized, the stacked experts
+    equal to kbit_jax.quantize of the dense stacks), the dense-MLP layer as the MLP; a saved
+    quantized model restores exactly; a mesh is refused."""
+    path = write_checkpoint(tmp_path / "hf", QWEN3_MOE, random_tensors(QWEN3_MOE, rng), shards=2)
+    dense = models.load(path, dtype=jnp.float32, progress=False)
+    model = models.load(path, bits=4, dtype=jnp.float32, progress=False)
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["KbitMoE", "MLP", "KbitMoE"]
+    gate_up, down = model.layers[2].mlp.weights
+    moe = dense.layers[2].mlp
+    for got, want in ((gate_up, kbit_jax.quantize(kbit_jax.interleave_glu(moe.gate[...], moe.up[...]), 4)),
+                      (down, kbit_jax.quantize(moe.down[...], 4))):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b)
+    tokens = tokens_for(QWEN3_MOE, rng)
+    # K=4 weights are ~0.1 off each (relative); the logits measured 0.23-0.30 off (Frobenius)
+    got, want = np.asarray(model(tokens)), np.asarray(dense(tokens))
+    assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < 0.6
+    back = models.load(models.save(model, tmp_path / "k4"), dtype=jnp.float32, progress=False)
+    for a, b in zip(leaves(model), leaves(back)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(decoder.generate(back, tokens, 4), decoder.generate(model, tokens, 4))
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    with pytest.raises(NotImplementedError, match="Qwen3MoeForCausalLM: loading onto a mesh"):
+        models.load(path, mesh=mesh, progress=False)
+
+
+def test_missing_expert(tmp_path, rng):
+    tensors = random_tensors(QWEN3_MOE, rng)
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    write_checkpoint(tmp_path, QWEN3_MOE, tensors)
+    with pytest.raises(ValueError, match="'model.layers.2.mlp.experts.5.up_proj.weight' is missing"):
+        models.load(tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"architectures": None, "model_type": "bert"}, "names no architecture"),
+])
+def test_unsupported_config(change, match):
+    with pytest.raises(ValueError, match=match):
+        mconfig.from_hf_config({**LLAMA, **change})
+    with pytest.raises(ValueError, match="lacks 'intermediate_size'"):
+        mconfig.from_hf_config({k: v for k, v in LLAMA.items() if k != "intermediate_size"})
+
+
+# -- loading --------------------------------------------------------------------------------------
+def test_forward_contract(tmp_path, rng):
+    """model(tokens): [B, T, vocab] logits in the model's dtype; the cached path gives the same."""
+    path = write_checkpoint(tmp_path, QWEN3, random_tensors(QWEN3, rng))
+    tokens = tokens_for(QWEN3, rng, (3, 7))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model = models.load(path, dtype=dtype, progress=False)
+        logits = model(tokens)
+        assert logits.shape == (3, 7, QWEN3["vocab_size"]) and logits.dtype == dtype
+    model = models.load(path, dtype=jnp.float32, progress=False)
+    cache = decoder.init_cache(model.config, 3, 7, jnp.float32)
+    cached, _ = model(jnp.asarray(tokens), cache, 0)
+    np.testing.assert_allclose(cached, model(tokens), rtol=1e-5, atol=1e-6)
+
+
+def test_shards_and_bf16(tmp_path, rng):
+    """An index over several shard files and bf16 tensors load as one file of float32 does."""
+    tensors = random_tensors(LLAMA, rng)
+    bf16 = {k: v.astype(jnp.bfloat16) for k, v in tensors.items()}
+    one = models.load(write_checkpoint(tmp_path / "one", LLAMA, {k: v.astype(np.float32) for k, v in bf16.items()}),
+                      dtype=jnp.float32, progress=False)
+    three = models.load(write_checkpoint(tmp_path / "three", LLAMA, bf16, shards=3), dtype=jnp.float32,
+                        progress=False)
+    for a, b in zip(leaves(one), leaves(three)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_raw_reader_matches_safetensors(tmp_path, rng):
+    """The header-and-offset reader (used where safetensors' NumPy API lacks bf16) reads what
+    safetensors reads, for every float dtype."""
+    tensors = {f"w.{np.dtype(d).name}": rng.standard_normal((3, 5)).astype(d)
+               for d in (np.float32, np.float16, jnp.bfloat16)}
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    ckpt = loader.SafetensorsCheckpoint(tmp_path)
+    for name, want in tensors.items():
+        got = ckpt._read_raw(name)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(ckpt.read(name), want)
+
+
+def test_quantized_load_is_quantize_of_the_weights(tmp_path, rng):
+    """bits=K: each fused kernel is kbit_jax.quantize of the dense one (same leaves), every
+    linear layer of the blocks quantized, the head dense unless quantize_head."""
+    path = write_checkpoint(tmp_path, LLAMA, random_tensors(LLAMA, rng))
+    dense = models.load(path, dtype=jnp.float32, progress=False)
+    q = models.load(path, bits=3, dtype=jnp.float32, progress=False)
+    dense_layers = dict(nnx.iter_modules(dense))
+    quantized = [(p, m) for p, m in nnx.iter_modules(q) if isinstance(m, kflax.KbitLinear)]
+    assert len(quantized) == 4 * LLAMA["num_hidden_layers"]
+    for p, m in quantized:
+        want = kbit_jax.quantize(dense_layers[p].kernel.get_value(), 3)
+        for a, b in zip(jax.tree.leaves(m.weight), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b)
+    assert isinstance(q.lm_head, nnx.Linear)
+    head = models.load(path, bits=3, quantize_head=True, progress=False)
+    assert isinstance(head.lm_head, kflax.KbitLinear) and head.lm_head.bits == 3
+
+
+def test_tied_quantized_head(tmp_path, rng):
+    """A tied model's head: the embedding (no lm_head), or its quantized transpose."""
+    path = write_checkpoint(tmp_path, QWEN3, random_tensors(QWEN3, rng))
+    tokens = tokens_for(QWEN3, rng)
+    tied = models.load(path, bits=4, dtype=jnp.float32, progress=False)
+    assert tied.lm_head is None
+    head = models.load(path, bits=4, dtype=jnp.float32, quantize_head=True, progress=False)
+    table = head.embed.embedding.get_value()
+    for a, b in zip(jax.tree.leaves(head.lm_head.weight), jax.tree.leaves(kbit_jax.quantize(table.T, 4))):
+        np.testing.assert_array_equal(a, b)
+    # the heads differ by the head's quantization only: relative error of K=4 weights (~0.1)
+    assert 0 < rel_err(head(tokens), tied(tokens)) < 0.3
+
+
+SHARDED = [pytest.param(LLAMA_TP8, None, False, id="llama-dense"),
+           pytest.param(QWEN3_TP8, 4, True, id="qwen3-k4-head")]
+
+
+@pytest.mark.parametrize("hf, bits, quantize_head", SHARDED)
+def test_sharded_load_equals_single_device(hf, bits, quantize_head, tmp_path, rng):
+    """Loaded over 8 devices: the same weights as on one device, each linear layer's weight
+    split 8 ways as shard_model places it, the same logits and greedy tokens."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    path = write_checkpoint(tmp_path, hf, random_tensors(hf, rng, jnp.bfloat16), shards=2)
+    kw = dict(bits=bits, quantize_head=quantize_head, dtype=jnp.float32, progress=False)
+    single = models.load(path, **kw)
+    mesh = jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8])
+    sharded = models.load(path, mesh=mesh, **kw)
+    for a, b in zip(leaves(single), leaves(sharded)):
+        np.testing.assert_array_equal(a, b)
+    placed = 0
+    for path_, module in nnx.iter_modules(sharded):
+        if isinstance(module, (nnx.Linear, kflax.KbitLinear)) and path_[-1] in decoder.TP_LAYOUT:
+            big = module.kernel.planes if isinstance(module, kflax.KbitLinear) else module.kernel
+            x = big.get_value()
+            assert len(x.sharding.device_set) == 8
+            assert all(s.data.size * 8 == x.size for s in x.addressable_shards), path_
+            placed += 1
+    assert placed == 4 * hf["num_hidden_layers"] + (1 if quantize_head or not hf["tie_word_embeddings"] else 0)
+    prompt = tokens_for(hf, rng, (2, 6))
+    want = single(prompt)
+    with jax.set_mesh(mesh):
+        got = sharded(jax.device_put(prompt, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    assert rel_err(got, want) < 1e-5
+    np.testing.assert_array_equal(decoder.generate(sharded, prompt, 5), decoder.generate(single, prompt, 5))
+
+
+def test_save_load_round_trip(tmp_path, rng):
+    """save + load: the same leaves (no re-quantization), the same logits; restoring onto a
+    mesh places the shards directly; bits= must match what was saved."""
+    path = write_checkpoint(tmp_path / "hf", QWEN3_TP8, random_tensors(QWEN3_TP8, rng))
+    model = models.load(path, bits=4, quantize_head=True, progress=False)
+    saved = models.save(model, tmp_path / "k4")
+    assert loader.is_saved_model(saved)
+    back = models.load(saved, progress=False)
+    assert isinstance(back.lm_head, kflax.KbitLinear)
+    assert jax.tree.structure(nnx.state(back)) == jax.tree.structure(nnx.state(model))
+    for a, b in zip(leaves(model), leaves(back)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    tokens = tokens_for(QWEN3_TP8, rng)
+    np.testing.assert_array_equal(back(tokens), model(tokens))
+    with pytest.raises(ValueError, match="saved with bits=\\[4\\]"):
+        models.load(saved, bits=3, progress=False)
+    with pytest.raises(ValueError, match="already holds a saved model"):
+        models.save(model, saved)
+    if len(jax.devices()) >= 4:
+        mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+        sharded = models.load(saved, mesh=mesh, progress=False)
+        planes = sharded.layers[0].mlp.down_proj.kernel.planes.get_value()
+        assert all(s.data.shape[0] * 4 == planes.shape[0] for s in planes.addressable_shards)
+        for a, b in zip(leaves(model), leaves(sharded)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_save_load_dense(tmp_path, rng):
+    path = write_checkpoint(tmp_path / "hf", LLAMA, random_tensors(LLAMA, rng))
+    model = models.load(path, dtype=jnp.float32, progress=False)
+    saved = models.save(model, tmp_path / "dense")
+    back = models.load(saved, dtype=jnp.float32, progress=False)
+    for a, b in zip(leaves(model), leaves(back)):
+        np.testing.assert_array_equal(a, b)
+    assert back.config == model.config
+    half = models.load(saved, progress=False)            # dtype bf16: dense leaves cast on restore
+    for a, b in zip(leaves(model), leaves(half)):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(a.astype(jnp.bfloat16), b)
+
+
+# -- bad checkpoints and arguments -------------------------------------------------------------
+def test_missing_tensor(tmp_path, rng):
+    tensors = random_tensors(LLAMA, rng)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    write_checkpoint(tmp_path, LLAMA, tensors)
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight' is missing \(in none of model.safetensors\)"):
+        models.load(tmp_path, progress=False)
+
+
+def test_missing_tensor_in_indexed_shard(tmp_path, rng):
+    write_checkpoint(tmp_path, LLAMA, random_tensors(LLAMA, rng), shards=2)
+    with open(tmp_path / loader.INDEX_FILE) as f:
+        index = json.load(f)
+    index["weight_map"]["model.layers.0.self_attn.q_proj.weight"] = "model-00002-of-00002.safetensors"
+    with open(tmp_path / loader.INDEX_FILE, "w") as f:
+        json.dump(index, f)
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj.weight' is missing .the index "
+                                         "puts it in model-00002-of-00002.safetensors, which lacks it"):
+        models.load(tmp_path, progress=False)
+
+
+def test_wrong_shape_and_dtype(tmp_path, rng):
+    tensors = random_tensors(QWEN3, rng)
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((32, 64), np.float32)
+    tensors["model.norm.weight"] = np.ones(64, np.int32)
+    write_checkpoint(tmp_path, QWEN3, tensors)
+    with pytest.raises(ValueError) as info:
+        models.load(tmp_path, progress=False)
+    message = str(info.value)
+    assert ("'model.layers.0.self_attn.k_proj.weight' in model.safetensors has shape (32, 64), "
+            "expected (64, 64)") in message
+    assert "'model.norm.weight' in model.safetensors has dtype I32, expected one of F32, F16, BF16" in message
+
+
+def test_truncated_shard(tmp_path, rng):
+    write_checkpoint(tmp_path, LLAMA, random_tensors(LLAMA, rng), shards=2)
+    file = tmp_path / "model-00002-of-00002.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:len(data) - 100])
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors: cannot read the safetensors "
+                                         "header, the file is truncated or corrupt .the index puts"):
+        models.load(tmp_path, progress=False)
+    file.write_bytes(data[:4])
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors: cannot read"):
+        models.load(tmp_path, progress=False)
+    file.unlink()
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors: missing checkpoint shard"):
+        models.load(tmp_path, progress=False)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="config.json not found"):
+        models.load(tmp_path, progress=False)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(LLAMA, f)
+    with pytest.raises(ValueError, match="no \\*.safetensors files"):
+        models.load(tmp_path, progress=False)
+    with open(tmp_path / "config.json", "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        models.load(tmp_path, progress=False)
+
+
+def test_bad_arguments(tmp_path, rng):
+    path = write_checkpoint(tmp_path, LLAMA, random_tensors(LLAMA, rng))
+    with pytest.raises(ValueError, match="bits"):
+        models.load(path, bits=7, progress=False)
+    with pytest.raises(ValueError, match="codebook"):
+        models.load(path, bits=4, codebook="nope", progress=False)
+    with pytest.raises(TypeError, match="dtype must be one of float32, bfloat16, float16; got int32"):
+        models.load(path, dtype=jnp.int32, progress=False)
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="mesh has no axis 'tp'"):
+        models.load(path, mesh=mesh, progress=False)
+    if len(jax.devices()) >= 8:
+        mesh = jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8])
+        with pytest.raises(ValueError, match="n_heads, n_kv_heads and hidden_dim divisible by 8"):
+            models.load(path, mesh=mesh, progress=False)
+    with pytest.raises(TypeError, match="decoder.Llama"):
+        models.save(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tmp_path / "x")
