@@ -263,7 +263,8 @@ def ragged_dot(x, w_q: KbitWeight, group_sizes, *, glu: str | None = None,
 
     Concrete ``group_sizes`` are checked (no negative size, a sum of at most M); under ``jit``
     they cannot be: a negative size then counts as 0 and groups are cut at row M. Gradients
-    flow to x (the weights are constants). Under sharded ``jit``: experts' N sharded needs no
+    flow to x and to the experts' codebook and tensor_scale (codes and scales, integers, get
+    float0 zeros). Under sharded ``jit``: experts' N sharded needs no
     collective, K sharded one all-reduce, experts (G) sharded one all-reduce of the result;
     expert weights are never gathered (docs/moe.md).
     """

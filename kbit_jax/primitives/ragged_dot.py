@@ -34,7 +34,7 @@ from jax.interpreters import ad, mlir
 from .. import _ext, reference
 from ..format import BLOCK
 from ..sharding import FactorRule, needs_partitioning, partitioned, strip_aval
-from ._common import _varying_axes, define, layout_attr, out_aval
+from ._common import _varying_axes, define, layout_attr, out_aval, weight_tangent, zero_tangent
 from .dequantize import dequantize_kernel_p, dequantize_p
 from .matmul import GLU_IDS
 
@@ -241,17 +241,30 @@ ragged_dot_kernel_p = define(ragged_dot_p, abstract_eval=_abstract_eval, referen
 mlir.register_lowering(ragged_dot_p, _lowering)
 
 
-# -- differentiation: y is linear in x; weights and group sizes are constants -----------------
+# -- differentiation ---------------------------------------------------------------------------
+# y is linear in x and, for fixed codes and scales, in the codebook and tensor_scale
+# (`_common.weight_tangent`); codes, scales and group sizes are integers, with float0 zeros.
 def _jvp(primals, tangents, *, layout, method, glu):
-    x, *rest = primals
-    tx = tangents[0]
-    if type(tx) is ad.Zero:
-        y = ragged_dot_p.bind(x, *rest, layout=layout, method=method, glu=glu)
-        return y, ad.Zero.from_primal_value(y)
-    plain = lambda a: ragged_dot_p.bind(a, *rest, layout=layout, method=method, glu=None)  # noqa: E731
+    x, planes, scales, codebook, tensor_scale, group_sizes = primals
+    tx, _, _, t_codebook, t_tensor_scale, _ = tangents
+    weight = (planes, scales, codebook, tensor_scale)
+    dw = weight_tangent(*weight, t_codebook, t_tensor_scale, layout=layout)
+    if type(tx) is ad.Zero and dw is None:
+        y = ragged_dot_p.bind(x, *weight, group_sizes, layout=layout, method=method, glu=glu)
+        return y, zero_tangent(y)
+    plain = lambda a: ragged_dot_p.bind(a, *weight, group_sizes, layout=layout,  # noqa: E731
+                                        method=method, glu=None)
+    y_plain = plain(x)
+    t_plain = None if type(tx) is ad.Zero else plain(tx)
+    if dw is not None:
+        # XLA's ragged_dot (not `_float_ragged_dot`, whose custom vmap has no transpose): linear
+        # in dw, which JAX transposes to the codebook's and tensor_scale's cotangents.
+        t_w = jax.lax.ragged_dot(x.astype(jnp.float32), dw, _sanitized_sizes(group_sizes, x.shape[0]),
+                                 precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        t_plain = t_w if t_plain is None else t_plain + t_w
     if glu is None:
-        return plain(x), plain(tx)
-    return jax.jvp(lambda y: reference.apply_glu(y, glu), (plain(x),), (plain(tx),))
+        return y_plain, t_plain
+    return jax.jvp(lambda y: reference.apply_glu(y, glu), (y_plain,), (t_plain,))
 
 
 def _transpose(ct, x, planes, scales, codebook, tensor_scale, group_sizes, *, layout, method, glu):
