@@ -193,6 +193,19 @@ inline ffi::Error check_dequantize(const ffi::AnyBuffer& planes, const ffi::AnyB
   return check_shape(kTarget, "w (result)", w, "[B, K, N]", {p.batch, p.k, p.n});
 }
 
+// The glu attribute of a product whose weight check filled p: a known activation, and an even
+// N (gate and up columns come in pairs). Sets p.glu.
+inline ffi::Error check_glu(const char* target, int32_t glu, Problem& p) {
+  if (glu < kGluNone || glu > kGluLast)
+    return invalid(target, "attribute glu must be 0 (none), 1 (silu) or 2 (gelu_tanh), got " +
+                               std::to_string(glu));
+  if (glu != kGluNone && p.n % 2 != 0)
+    return invalid(target, "attribute glu pairs gate and up columns and needs an even N, got N=" +
+                               std::to_string(p.n));
+  p.glu = glu;
+  return ffi::Error::Success();
+}
+
 // kbit_matmul(x [B, M, K], planes, scales, codebook, tensor_scale) -> y [B, M, N], x's dtype;
 // with the glu attribute set, y [B, M, N / 2] (N even).
 inline ffi::Error check_matmul(const ffi::AnyBuffer& x, const ffi::AnyBuffer& planes,
@@ -201,13 +214,7 @@ inline ffi::Error check_matmul(const ffi::AnyBuffer& x, const ffi::AnyBuffer& pl
                                int32_t layout, int32_t glu, Problem& p) {
   constexpr const char* kTarget = "kbit_matmul";
   KBIT_RETURN_IF_ERROR(check_weight(kTarget, planes, scales, codebook, tensor_scale, layout, p));
-  if (glu < kGluNone || glu > kGluLast)
-    return invalid(kTarget, "attribute glu must be 0 (none), 1 (silu) or 2 (gelu_tanh), got " +
-                                std::to_string(glu));
-  if (glu != kGluNone && p.n % 2 != 0)
-    return invalid(kTarget, "attribute glu pairs gate and up columns and needs an even N, got N=" +
-                                std::to_string(p.n));
-  p.glu = glu;
+  KBIT_RETURN_IF_ERROR(check_glu(kTarget, glu, p));
   KBIT_RETURN_IF_ERROR(check_float(kTarget, "x", x, p.dtype));
   KBIT_RETURN_IF_ERROR(check_rank(kTarget, "x", x, "[B, M, K]", 3));
   p.m = x.dimensions()[1];
@@ -231,13 +238,7 @@ inline ffi::Error check_ragged_dot(const ffi::AnyBuffer& x, const ffi::AnyBuffer
                                    int32_t layout, int32_t glu, Problem& p) {
   constexpr const char* kTarget = "kbit_ragged_dot";
   KBIT_RETURN_IF_ERROR(check_weight(kTarget, planes, scales, codebook, tensor_scale, layout, p));
-  if (glu < kGluNone || glu > kGluLast)
-    return invalid(kTarget, "attribute glu must be 0 (none), 1 (silu) or 2 (gelu_tanh), got " +
-                                std::to_string(glu));
-  if (glu != kGluNone && p.n % 2 != 0)
-    return invalid(kTarget, "attribute glu pairs gate and up columns and needs an even N, got N=" +
-                                std::to_string(p.n));
-  p.glu = glu;
+  KBIT_RETURN_IF_ERROR(check_glu(kTarget, glu, p));
   KBIT_RETURN_IF_ERROR(check_dtype(kTarget, "group_sizes", group_sizes, ffi::DataType::S32));
   KBIT_RETURN_IF_ERROR(check_shape(kTarget, "group_sizes", group_sizes, "[G] with G = planes.shape[0]",
                                    {p.batch}));
