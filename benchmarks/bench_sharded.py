@@ -345,6 +345,18 @@ def moe_markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_result(out, name, result, render) -> None:
+    """<out>/<name>.json and the markdown ``render(result)`` beside it (nothing without ``out``)."""
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(render(result))
+    print(f"wrote {out}/{name}.json and .md")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
@@ -374,13 +386,7 @@ def main(argv=None):
         result = dict(device=devices[0].device_kind, devices_available=len(devices), jax=jax.__version__,
                       date=datetime.date.today().isoformat(), build=kj.build_info(), rows=rows,
                       all_ok=all(r["ok"] for r in rows))
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "moe_ep.json"), "w") as f:
-                json.dump(result, f, indent=1, default=str)
-            with open(os.path.join(args.out, "moe_ep.md"), "w") as f:
-                f.write(moe_markdown(result))
-            print(f"wrote {args.out}/moe_ep.json and .md")
+        write_result(args.out, "moe_ep", result, moe_markdown)
         return result
 
     devices = jax.devices()
@@ -407,13 +413,7 @@ def main(argv=None):
                   date=datetime.date.today().isoformat(), copy_bandwidth_tbs=bw / 1e12,
                   build=kj.build_info(), method=args.method, rows=rows,
                   all_ok=all(r["ok"] for r in rows))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "sharded_matmul.json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        with open(os.path.join(args.out, "sharded_matmul.md"), "w") as f:
-            f.write(markdown(result))
-        print(f"wrote {args.out}/sharded_matmul.json and .md")
+    write_result(args.out, "sharded_matmul", result, markdown)
     if not result["all_ok"]:
         print("WARNING: some rows failed the all-gather / numerics check (see 'ok')", flush=True)
     return result
