@@ -27,6 +27,26 @@ ffi::Error launch_result(const std::string& msg) {
   return ffi::Error::Internal(msg);
 }
 
+// The operands and sizes that kbit_matmul's and kbit_ragged_dot's launch arguments share.
+template <class Args>
+void set_product_args(Args& a, const Problem& p, ffi::AnyBuffer x, ffi::AnyBuffer planes,
+                      ffi::AnyBuffer scales, ffi::AnyBuffer codebook, ffi::AnyBuffer tensor_scale,
+                      ffi::AnyBuffer y) {
+  a.dtype = cuda_dtype(p.dtype);
+  a.x = x.untyped_data();
+  a.planes = static_cast<const uint32_t*>(planes.untyped_data());
+  a.scales = static_cast<const uint8_t*>(scales.untyped_data());
+  a.codebook = static_cast<const float*>(codebook.untyped_data());
+  a.tensor_scale = static_cast<const float*>(tensor_scale.untyped_data());
+  a.y = y.untyped_data();
+  a.m = p.m;
+  a.k = p.k;
+  a.n = p.n;
+  a.bits = p.bits;
+  a.layout = p.layout;
+  a.glu = p.glu;
+}
+
 // ---- kbit_quantize ----
 ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer w, ffi::AnyBuffer codebook,
                         ffi::AnyBuffer tensor_scale, ffi::Result<ffi::AnyBuffer> planes,
@@ -83,20 +103,8 @@ ffi::Error MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer plan
     return kbit::ffi_check::invalid(kT, "the CUDA path needs N < 2^28 and K < 2^31, got K=" +
                                             std::to_string(p.k) + " N=" + std::to_string(p.n));
   kbit::cuda::MatmulArgs a;
-  a.dtype = cuda_dtype(p.dtype);
-  a.x = x.untyped_data();
-  a.planes = static_cast<const uint32_t*>(planes.untyped_data());
-  a.scales = static_cast<const uint8_t*>(scales.untyped_data());
-  a.codebook = static_cast<const float*>(codebook.untyped_data());
-  a.tensor_scale = static_cast<const float*>(tensor_scale.untyped_data());
-  a.y = y->untyped_data();
+  set_product_args(a, p, x, planes, scales, codebook, tensor_scale, *y);
   a.batch = p.batch;
-  a.m = p.m;
-  a.k = p.k;
-  a.n = p.n;
-  a.bits = p.bits;
-  a.layout = p.layout;
-  a.glu = p.glu;
   return launch_result(kbit::cuda::launch_matmul(a, stream));
 }
 
@@ -118,21 +126,9 @@ ffi::Error RaggedDotImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer p
                                             std::to_string(p.m) + " K=" + std::to_string(p.k) +
                                             " N=" + std::to_string(p.n));
   kbit::cuda::RaggedDotArgs a;
-  a.dtype = cuda_dtype(p.dtype);
-  a.x = x.untyped_data();
-  a.planes = static_cast<const uint32_t*>(planes.untyped_data());
-  a.scales = static_cast<const uint8_t*>(scales.untyped_data());
-  a.codebook = static_cast<const float*>(codebook.untyped_data());
-  a.tensor_scale = static_cast<const float*>(tensor_scale.untyped_data());
+  set_product_args(a, p, x, planes, scales, codebook, tensor_scale, *y);
   a.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
-  a.y = y->untyped_data();
-  a.m = p.m;
-  a.k = p.k;
-  a.n = p.n;
   a.groups = p.batch;
-  a.bits = p.bits;
-  a.layout = p.layout;
-  a.glu = p.glu;
   return launch_result(kbit::cuda::launch_ragged_dot(a, stream));
 }
 
