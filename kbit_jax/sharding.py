@@ -21,7 +21,9 @@ so a K shard always cuts at whole blocks; ``k`` is a reduction factor). The rule
 three ways:
 
 1. as the Shardy ``sharding_rule`` of a `jax.experimental.custom_partitioning` wrapper, so
-   the partitioner propagates shardings through the op without gathering;
+   the partitioner propagates shardings through the op without gathering (written for the
+   operands' shapes by `FactorRule.shardy_rule`: with K = 32 the block factor ``k`` has size 1,
+   which Shardy does not accept inside a compound, so ``(k i)`` becomes ``i``);
 2. by the partition callback, which fixes one consistent sharding per factor (taken from the
    weight operands first, so weights never move; an activation is resharded instead),
    lowers the *kernel* on the local shards and ``psum``\\ s the result over the mesh axes of
@@ -209,11 +211,8 @@ class FactorRule:
         operands, results = rule.split("->")
         self.operands = tuple(_parse_value(v) for v in operands.split(","))
         self.results = tuple(_parse_value(v) for v in results.split(","))
-        # Shardy wants special factors sorted by factor index (order of first appearance).
-        appearance = [f for value in self.operands + self.results for dim in value for f in dim]
-        first = {f: appearance.index(f) for f in set(appearance)}
-        self.reduction = tuple(sorted(reduction, key=first.__getitem__))
-        self.replicated = tuple(sorted(replicated, key=first.__getitem__))
+        self.reduction = tuple(reduction)
+        self.replicated = tuple(replicated)
         self.order = tuple(order) if order is not None else tuple(range(len(self.operands)))
         self.sizes = dict(sizes)
 
@@ -221,15 +220,39 @@ class FactorRule:
         return f"FactorRule({self.rule!r}, reduction={self.reduction}, replicated={self.replicated})"
 
     # -- the Shardy rule ------------------------------------------------------------------
-    def def_partition_kwargs(self) -> dict:
-        """Keyword arguments for ``custom_partitioning.def_partition`` (Shardy rule)."""
-        return dict(sharding_rule=self.rule, reduction_factors=self.reduction,
-                    need_replication_factors=self.replicated, **self.sizes)
+    def shardy_rule(self, shapes, result_shapes=()) -> tuple[str, dict]:
+        """``(rule, keyword arguments)`` of ``str_to_sdy_sharding_rule`` for operands (and
+        results) of these shapes. Shardy rejects a compound dimension holding a factor of size
+        1, e.g. ``(k i)`` for K = 32 (one block): such a factor is left out of its compound
+        (the dimension is then the other factors; a size-1 factor is never sharded anyway)."""
+        sizes = self.sizes | self._factor_sizes(shapes, result_shapes)
+
+        def dim(group):
+            kept = [f for f in group if sizes.get(f) != 1] or list(group[:1])
+            return kept[0] if len(kept) == 1 else "(" + " ".join(kept) + ")"
+
+        def values(vals):
+            return ", ".join(" ".join(dim(group) for group in value) for value in vals)
+
+        rule = f"{values(self.operands)} -> {values(self.results)}"
+        groups = [group for side in rule.split("->") for v in side.split(",") for group in _parse_value(v)]
+        appearance = [f for group in groups for f in group]
+        compound = {f for group in groups if len(group) > 1 for f in group[1:]}
+
+        def special(factors):   # sorted by factor index (first appearance), as Shardy wants
+            return tuple(sorted((f for f in factors if f in appearance), key=appearance.index))
+
+        return rule, dict(reduction_factors=special(self.reduction),
+                          need_replication_factors=special(self.replicated),
+                          **{f: int(n) for f, n in self.sizes.items() if f in compound})
 
     # -- choosing one sharding per factor --------------------------------------------------
-    def _factor_sizes(self, shapes) -> dict[str, int]:
+    def _factor_sizes(self, shapes, result_shapes=()) -> dict[str, int]:
+        """Sizes of the factors that lead a dimension, from the operands' (then the results')
+        shapes and the given sizes of minor factors."""
         sizes = {}
-        for shape, dims in zip(shapes, self.operands):
+        pairs = list(zip(shapes, self.operands)) + list(zip(result_shapes, self.results))
+        for shape, dims in pairs:
             for size, group in zip(shape, dims):
                 minor = math.prod(self.sizes.get(f, 1) for f in group[1:])
                 sizes.setdefault(group[0], size // minor)
@@ -410,9 +433,14 @@ def partitioned(kernel: Callable, rule: FactorRule, *, multiple_results: bool,
 
         return mesh, lower_fn, pack(res_sh), arg_sh
 
+    def sharding_rule(mesh, operand_types, result_types):
+        # Called per lowering with the MLIR types: the rule follows the shapes (size-1 factors).
+        return rule.shardy_rule([tuple(t.shape) for t in operand_types],
+                                [tuple(t.shape) for t in result_types])
+
     cp = custom_partitioning(fn)
     cp.def_partition(partition=partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                     **rule.def_partition_kwargs())
+                     sharding_rule=sharding_rule)
     return cp
 
 

@@ -165,15 +165,12 @@ GLU_SHARDING_RULE = FactorRule("m (k i), g k (n p) j, g k (n p), g c, g, h -> m 
 
 
 @functools.lru_cache(maxsize=None)
-def _partition_rule(glu: bool, one_block: bool) -> FactorRule:
+def _partition_rule(glu: bool) -> FactorRule:
     """What the partitioner sees: the six operands and the experts' global ids (int32[G],
-    sharded like the weights), so that each device finds the rows of its own experts. With
-    K = 32 (one block) x's K is the plain factor ``i``: Shardy rejects a compound dimension
-    with a factor of size 1."""
+    sharded like the weights), so that each device finds the rows of its own experts."""
     n = "(n p)" if glu else "n"
-    x = "m i" if one_block else "m (k i)"
-    sizes = ({} if one_block else {"i": BLOCK}) | ({"p": 2} if glu else {})
-    return FactorRule(f"{x}, g k {n} j, g k {n}, g c, g, h, g -> m n", reduction=("k", "g"),
+    sizes = {"i": BLOCK} | ({"p": 2} if glu else {})
+    return FactorRule(f"m (k i), g k {n} j, g k {n}, g c, g, h, g -> m n", reduction=("k", "g"),
                       replicated=("m", "i", "j", "c", "h"), order=(1, 2, 6, 0, 3, 4, 5), **sizes)
 
 
@@ -199,7 +196,7 @@ def local_experts_product(kernel, x, planes, scales, codebook, tensor_scale, gro
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned_fn(params, one_block):
+def _partitioned_fn(params):
     kw = dict(params)
 
     def local(glu):
@@ -215,7 +212,7 @@ def _partitioned_fn(params, one_block):
         # A GLU does not commute with the sum over K's shards: the shards' products are summed
         # first and gated after.
         split = (local(None), lambda y: reference.apply_glu(y, glu))
-    return partitioned(local(glu), _partition_rule(glu is not None, one_block), multiple_results=False,
+    return partitioned(local(glu), _partition_rule(glu is not None), multiple_results=False,
                        split_at_reduction=split)
 
 
@@ -223,7 +220,7 @@ def _lowering(ctx, x, planes, scales, codebook, tensor_scale, group_sizes, **par
     ctx = ctx.replace(avals_in=[strip_aval(a) for a in ctx.avals_in],
                       avals_out=[strip_aval(a) for a in ctx.avals_out])
     if needs_partitioning(ctx):
-        cp = _partitioned_fn(tuple(sorted(params.items())), ctx.avals_in[0].shape[1] == BLOCK)
+        cp = _partitioned_fn(tuple(sorted(params.items())))
         groups = ctx.avals_in[5].shape[0]
         fn = lambda *a: cp(*a, jnp.arange(groups, dtype=jnp.int32))  # noqa: E731
     else:
