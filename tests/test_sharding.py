@@ -348,6 +348,132 @@ def test_quantize_sharded_weight(rng):
     assert collectives(text)["all-gather"] == 0
 
 
+# -- one block along K (K = 32) -----------------------------------------------------------------
+# With K = 32 the block factor of "(k i)" has size 1, which Shardy does not accept inside a
+# compound dimension; K = 64 (two blocks) is the contrast. "on_K" needs K/32 divisible by the
+# mesh axis, so it shards over the 2-device "dp" axis of the 2 x 4 mesh.
+ONE_BLOCK_SPECS = [pytest.param(P(None, "tp"), id="on_N"), pytest.param(P("dp", None), id="on_K"),
+                   pytest.param(P(None, None), id="replicated")]
+
+
+@pytest.mark.parametrize("k", [32, 64])
+@pytest.mark.parametrize("spec", ONE_BLOCK_SPECS)
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_one_block_of_k_sharded_jit(k, spec, axis_type, rng):
+    """quantize, dequantize and matmul (plain and GLU) of a [K, 32] weight under sharded jit,
+    the same as unsharded, no all-gather."""
+    if spec == P("dp", None) and k // 32 % 2:
+        pytest.skip("K/32 = 1 block cannot be sharded")
+    mesh = mesh_2d(axis_type)
+    w = jnp.asarray(rng.standard_normal((k, 32)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((6, k)), jnp.float32)
+    ref = kj.quantize(w, 4)
+    wq, coll = run(mesh, lambda w: kj.quantize(w, 4), put(w, mesh, spec))
+    np.testing.assert_array_equal(np.asarray(wq.planes), np.asarray(ref.planes))
+    np.testing.assert_array_equal(np.asarray(wq.scales), np.asarray(ref.scales))
+    assert coll["all-gather"] == 0, coll
+    ws = ks.shard_weight(ref, mesh, spec)
+    dense, coll = run(mesh, kj.dequantize, ws)
+    np.testing.assert_array_equal(np.asarray(dense), np.asarray(kj.dequantize(ref)))
+    assert coll["all-gather"] == 0, coll
+    x_spec = P(None, spec[0])             # x's K sharded like the weight's (row-parallel)
+    for glu in (None, "silu"):
+        f = lambda x, w: kj.matmul(x, w, glu=glu)  # noqa: E731
+        y, coll = run(mesh, f, put(x, mesh, x_spec), ws)
+        assert_close(y, f(x, ref), rtol=1e-4)
+        assert coll["all-gather"] == 0, coll
+
+
+@pytest.mark.parametrize("k", [32, 64])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_one_block_of_k_stacked_and_vmapped(k, axis_type, rng):
+    """Stacked weights [8, K, 16] sharded on the batch axis, and vmap over x, under sharded jit."""
+    mesh = mesh_1d(axis_type, "ep")
+    w = jnp.asarray(rng.standard_normal((8, k, 16)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 5, k)), jnp.float32)
+    ref = kj.quantize(w, 3)
+    wq, coll = run(mesh, lambda w: kj.quantize(w, 3), put(w, mesh, P("ep")))
+    np.testing.assert_array_equal(np.asarray(wq.planes), np.asarray(ref.planes))
+    assert coll["all-gather"] == 0, coll
+    ws = ks.shard_weight(ref, mesh, P("ep", None, None))
+    y, coll = run(mesh, kj.matmul, put(x, mesh, P("ep")), ws)
+    assert_close(y, kj.matmul(x, ref))
+    assert coll == NONE, coll
+    dense, coll = run(mesh, kj.dequantize, ws)
+    np.testing.assert_array_equal(np.asarray(dense), np.asarray(kj.dequantize(ref)))
+    assert coll == NONE, coll
+    # vmap over x with one N-sharded weight (the vmapped axis is folded into M).
+    w1 = ks.shard_weight(ref[0], mesh_1d(axis_type), P(None, "tp"))
+    y, coll = run(mesh_1d(axis_type), jax.vmap(kj.matmul, (0, None)), x, w1)
+    assert_close(y, jax.vmap(kj.matmul, (0, None))(x, ref[0]))
+    assert coll["all-gather"] == 0, coll
+
+
+def test_one_block_of_k_shard_map(rng):
+    """K = 32 inside shard_map (every value local: no partitioning rule involved)."""
+    mesh = mesh_1d(AxisType.Explicit)
+    wq = kj.quantize(jnp.asarray(rng.standard_normal((32, 64)), jnp.float32), 4)
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+
+    @jax.shard_map(mesh=mesh, in_specs=(P(), ks.weight_specs(wq, P(None, "tp"))),
+                   out_specs=(P(None, "tp"), P(None, "tp")), check_vma=True)
+    def layer(x, w):
+        return kj.matmul(x, w), kj.dequantize(w)
+
+    with jax.set_mesh(mesh):
+        y, dense = jax.jit(layer)(x, ks.column_parallel(wq, mesh))
+    assert_close(y, kj.matmul(x, wq))
+    np.testing.assert_array_equal(np.asarray(dense), np.asarray(kj.dequantize(wq)))
+
+
+@pytest.mark.parametrize("in_features", [32, 64])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_one_block_of_k_flax_layer(in_features, axis_type, rng):
+    """A column-parallel KbitLinear with in_features = 32 under sharded jit."""
+    from flax import nnx
+    from kbit_jax.flax import KbitLinear
+
+    mesh = mesh_1d(axis_type)
+    init = lambda key, shape, dtype=jnp.float32: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    with jax.set_mesh(mesh):
+        layer = KbitLinear(in_features, 64, sharding=(None, "tp"), kernel_init=init, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((4, in_features)), jnp.float32)
+    with jax.set_mesh(mesh):
+        y = nnx.jit(lambda m, x: m(x))(layer, put(x, mesh, P()))
+    assert layer.weight.planes.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), 4)
+    ref = np.asarray(x, np.float64) @ np.asarray(layer.dequantized_kernel(jnp.float32), np.float64)
+    assert_close(y, ref + np.asarray(layer.bias.get_value()), rtol=1e-5)
+
+
+def test_one_gate_up_pair_sharded_jit(rng):
+    """A GLU weight with N = 2 (one gate/up pair: the factor n of "(n p)" has size 1),
+    row-parallel under sharded jit."""
+    mesh = mesh_1d(AxisType.Auto)
+    wq = kj.quantize(jnp.asarray(rng.standard_normal((256, 2)), jnp.float32), 4)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    gated = lambda x, w: kj.matmul(x, w, glu="silu")  # noqa: E731
+    y, coll = run(mesh, gated, put(x, mesh, P(None, "tp")), ks.row_parallel(wq, mesh))
+    assert y.shape == (3, 1)
+    assert_close(y, gated(x, wq), rtol=1e-4)
+    assert coll == ONE_ALL_REDUCE, coll
+
+
+def test_shardy_rule_leaves_size_one_factors_out_of_compounds():
+    rule = ks.FactorRule("b m (k i), b k (n p) j, b k (n p), b c, b -> b m n", reduction=("k",),
+                         replicated=("i", "j", "c"), i=32, p=2)
+    kw = dict(reduction_factors=("k",), need_replication_factors=("i", "j", "c"))
+    shapes = lambda k, n: [(1, 5, k), (1, k // 32, n, 4), (1, k // 32, n), (1, 16), (1,)]  # noqa: E731
+    assert rule.shardy_rule(shapes(64, 8)) == (
+        "b m (k i), b k (n p) j, b k (n p), b c, b -> b m n", {**kw, "i": 32, "p": 2})
+    # K = 32: one block (k = 1); N = 2: one gate/up pair (n = 1).
+    assert rule.shardy_rule(shapes(32, 2)) == (
+        "b m i, b k p j, b k p, b c, b -> b m n",
+        dict(reduction_factors=("k",), need_replication_factors=("i", "j", "c")))
+    dequantize = ks.FactorRule("b k n j, b k n, b c, b -> b (k i) n", replicated=("i", "j", "c"), i=32)
+    assert dequantize.shardy_rule([(2, 1, 8, 4), (2, 1, 8), (2, 16), (2,)])[0] == \
+        "b k n j, b k n, b c, b -> b i n"
+
+
 # -- placement helpers -------------------------------------------------------------------------
 def test_shard_weight_leaf_specs(weights):
     wq = weights[(256, 512)]
