@@ -236,9 +236,11 @@ def test_dequantize_stays_sharded(weights, axis_type, spec):
     assert coll == NONE, coll
 
 
+@pytest.mark.parametrize("placed", [True, False], ids=["x_replicated", "x_unplaced"])
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
-def test_grad_column_parallel_jit(weights, axis_type, rng):
-    """grad w.r.t. x through a column-parallel matmul under sharded jit."""
+def test_grad_column_parallel_jit(weights, axis_type, placed, rng):
+    """grad w.r.t. x through a column-parallel matmul under sharded jit (x replicated on the
+    mesh, or an array placed on no mesh)."""
     wq = weights[(256, 512)]
     mesh = mesh_1d(axis_type)
     x = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
@@ -246,7 +248,7 @@ def test_grad_column_parallel_jit(weights, axis_type, rng):
     def loss(x, w):
         return jnp.sum(jnp.sin(kj.matmul(x, w)))
 
-    g, coll = run(mesh, jax.grad(loss), put(x, mesh, P()), ks.column_parallel(wq, mesh))
+    g, coll = run(mesh, jax.grad(loss), put(x, mesh, P()) if placed else x, ks.column_parallel(wq, mesh))
     assert_close(g, jax.grad(loss)(x, wq), rtol=1e-4)
     assert coll["all-gather"] == 0, coll
 

@@ -219,11 +219,14 @@ def _transpose(ct, x, planes, scales, codebook, tensor_scale, *, layout, method,
         return [ad.Zero(x_aval), None, None, None, None]
     w = dequantize_p.bind(planes, scales, codebook, tensor_scale, layout=layout, dtype=jnp.float32)
     # Under Explicit mesh axes a contraction over a sharded N needs its result type spelled out:
-    # the cotangent has x's type.
-    explicit = jax.sharding.AxisType.Explicit in getattr(x_aval.sharding.mesh, "axis_types", ())
+    # the cotangent has x's type, or is replicated over the weight's mesh for an x placed on none.
+    out_sharding = x_aval.sharding
+    if out_sharding.mesh.empty:
+        out_sharding = jax.sharding.NamedSharding(jax.typeof(w).sharding.mesh, jax.sharding.PartitionSpec())
+    explicit = jax.sharding.AxisType.Explicit in getattr(out_sharding.mesh, "axis_types", ())
     ct_x = jnp.einsum("bmn,bkn->bmk", ct.astype(jnp.float32), w,
                       precision=jax.lax.Precision.HIGHEST,
-                      **({"out_sharding": x_aval.sharding} if explicit else {}))
+                      **({"out_sharding": out_sharding} if explicit else {}))
     # Inside shard_map an x that is invariant over a mesh axis the weight varies over was
     # implicitly broadcast (pvary) into the op; its cotangent is the sum over that axis.
     extra = _varying_axes(jax.typeof(ct_x)) - _varying_axes(x_aval)
