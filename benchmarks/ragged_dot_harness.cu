@@ -347,24 +347,33 @@ static int time_mode(int reps) {
         a.x = x; a.dtype = DType::kBF16; a.planes = planes; a.scales = scales; a.codebook = cb; a.tensor_scale = ts;
         a.group_sizes = gs; a.y = y; a.m = M; a.k = s.k; a.n = s.n; a.groups = s.g; a.bits = bits;
         a.layout = 1; a.glu = s.glu;
-        std::vector<float> times;
-        for (int rep = 0; rep < reps; ++rep) {
-          CK(cudaMemsetAsync(flush, rep & 0xff, flush_bytes));
-          CK(cudaEventRecord(e0));
-          const std::string err = launch_ragged_dot(a, nullptr);
-          CK(cudaEventRecord(e1));
-          if (!err.empty()) { std::printf("launch error %s\n", err.c_str()); return 1; }
-          CK(cudaEventSynchronize(e1));
-          float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); times.push_back(ms * 1e3f);
+        // (at T >= 256, bits 4, uniform: also each of the fused kernel's tilings forced, by the rows
+        // per expert it is chosen for; "auto" is the launcher's choice)
+        const bool tilings = T >= 256 && bits == 4 && !skewed;
+        for (int forced : {0, 8, 16, 32, 64}) {
+          if (forced && !tilings) break;
+          RaggedDotTuning tune;
+          tune.block_rows = forced;
+          std::vector<float> times;
+          for (int rep = 0; rep < reps; ++rep) {
+            CK(cudaMemsetAsync(flush, rep & 0xff, flush_bytes));
+            CK(cudaEventRecord(e0));
+            const std::string err = launch_ragged_dot(a, nullptr, &tune);
+            CK(cudaEventRecord(e1));
+            if (!err.empty()) { std::printf("launch error %s\n", err.c_str()); return 1; }
+            CK(cudaEventSynchronize(e1));
+            float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); times.push_back(ms * 1e3f);
+          }
+          std::sort(times.begin(), times.end());
+          const double us = times[times.size() / 2];
+          const double wbytes = double(active) * KB * s.n * (bits * 4 + 1);
+          const double bytes = wbytes + M * s.k * 2.0 + M * (s.glu ? s.n / 2 : s.n) * 2.0;
+          const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
+          const std::string tiling = forced ? "rows=" + std::to_string(forced) : std::string("auto");
+          std::printf("%-22s %5d %4d %5lld %6d %9.1f %9.2f %6.1f%% %9.1f %7.2f %s %s\n", s.name, T, bits, (long long)M,
+                      active, us, bytes / 1e6, 100.0 * bytes / (us * 1e-6) / bw, floor_us, floor_us / us,
+                      skewed ? "skewed" : "uniform", tiling.c_str());
         }
-        std::sort(times.begin(), times.end());
-        const double us = times[times.size() / 2];
-        const double wbytes = double(active) * KB * s.n * (bits * 4 + 1);
-        const double bytes = wbytes + M * s.k * 2.0 + M * (s.glu ? s.n / 2 : s.n) * 2.0;
-        const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
-        std::printf("%-22s %5d %4d %5lld %6d %9.1f %9.2f %6.1f%% %9.1f %7.2f %s\n", s.name, T, bits, (long long)M, active,
-                    us, bytes / 1e6, 100.0 * bytes / (us * 1e-6) / bw, floor_us, floor_us / us,
-                    skewed ? "skewed" : "uniform");
       }
       cudaFree(planes); cudaFree(scales); cudaFree(cb); cudaFree(ts); cudaFree(gs); cudaFree(x); cudaFree(y);
     }

@@ -188,7 +188,7 @@ std::string launch_ragged_dot(const RaggedDotArgs& a, cudaStream_t stream, const
   if (a.m > 0x7fffffff / 2 || a.k / 32 * a.n > 0x7fffffff / 8)
     return "kbit_ragged_dot: the kernels index rows, k-blocks and columns in 32 bits, for " + shape_string(a);
   if (!(tuning && tuning->force_generic) && ragged_dot_path(a) == "fused")
-    return KBIT_BITS_SWITCH(a.bits, BITS, [&] { return fused::launch_ragged_dot_ws_bits<BITS>(a, stream); });
+    return KBIT_BITS_SWITCH(a.bits, BITS, [&] { return fused::launch_ragged_dot_ws_bits<BITS>(a, stream, tuning); });
   return KBIT_BITS_SWITCH(a.bits, BITS, [&] {
     return KBIT_LAYOUT_SWITCH(a.layout, LAYOUT, [&] {
       return KBIT_DTYPE_SWITCH(a.dtype, T, [&] { return launch_generic<BITS, LAYOUT, T>(a, stream, tuning); });

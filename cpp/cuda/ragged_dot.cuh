@@ -32,6 +32,7 @@ struct RaggedDotArgs {
 struct RaggedDotTuning {
   bool force_generic = false;  // the SIMT kernel even where the fused kernel applies
   int ctas = 0;                // the SIMT kernel's CTAs (0: as many as fit on the device)
+  int block_rows = 0;          // the fused kernel's tiling as for this many rows per expert (0: M / min(G, M))
 };
 
 // The kernel launch_ragged_dot uses for these arguments, for logs and tests: "fused" or
@@ -48,7 +49,7 @@ std::string launch_ragged_dot(const RaggedDotArgs& a, cudaStream_t stream,
 namespace fused {
 // The fused kernel's grouped launch for bits = BITS (ragged_dot_ws.cuh; ragged_dot_ws_b<bits>.cu).
 template <int BITS>
-std::string launch_ragged_dot_ws_bits(const RaggedDotArgs& a, cudaStream_t stream);
+std::string launch_ragged_dot_ws_bits(const RaggedDotArgs& a, cudaStream_t stream, const RaggedDotTuning* tuning);
 }  // namespace fused
 
 }  // namespace kbit::cuda

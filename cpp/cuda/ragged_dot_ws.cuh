@@ -20,7 +20,7 @@ namespace kbit::cuda::fused {
 // that the N-split tiling in blocks of 32 rows, and above 32 rows its largest, 64 (prefill: each
 // decoded weight serves the most rows the kernel has).
 template <int BITS>
-std::string launch_ragged_dot_ws_bits(const RaggedDotArgs& r, cudaStream_t stream) {
+std::string launch_ragged_dot_ws_bits(const RaggedDotArgs& r, cudaStream_t stream, const RaggedDotTuning* tuning) {
   MatmulArgs a;
   a.x = r.x;
   a.dtype = r.dtype;
@@ -43,7 +43,7 @@ std::string launch_ragged_dot_ws_bits(const RaggedDotArgs& r, cudaStream_t strea
   }
   const GroupParams grp{r.group_sizes, static_cast<int>(r.groups)};
   const int64_t active = std::max<int64_t>(1, std::min(r.groups, r.m));
-  const int64_t rows = (r.m + active - 1) / active;
+  const int64_t rows = tuning && tuning->block_rows > 0 ? tuning->block_rows : (r.m + active - 1) / active;
   auto with = [&](auto act_tag) -> std::string {
     using A = typename decltype(act_tag)::type;
     auto run = [&](auto launcher) {

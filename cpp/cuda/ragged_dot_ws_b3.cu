@@ -3,5 +3,6 @@
 #include "cuda/ragged_dot_ws.cuh"
 
 namespace kbit::cuda::fused {
-template std::string launch_ragged_dot_ws_bits<3>(const RaggedDotArgs&, cudaStream_t);
+template std::string launch_ragged_dot_ws_bits<3>(const RaggedDotArgs&, cudaStream_t,
+                                                  const RaggedDotTuning*);
 }  // namespace kbit::cuda::fused
