@@ -214,11 +214,11 @@ static int check() {
           }
         }
   // The fused kernel's tilings follow the rows per active expert, ceil(M / min(G, M)): 8 rows and
-  // fewer (one-row groups, boxes over the next group), 9..16, 17..32 and above (groups of several
-  // blocks of 32 and 64 rows), with empty groups at both ends and sum < M; bf16 and f16, GLU.
+  // fewer (one-row groups, boxes over the next group), 9..32 and above (groups of several blocks
+  // of 32 and 64 rows), with empty groups at both ends and sum < M; bf16 and f16, GLU.
   const std::vector<std::pair<int64_t, std::vector<int>>> tiled = {
-      {12, {0, 1, 1, 1, 0, 1, 2, 0, 3, 1, 0}},  // 2 rows per expert
-      {50, {0, 30, 1, 1, 13, 0}},                  // 9: blocks of 16 rows
+      {12, {0, 1, 1, 1, 0, 1, 2, 0, 3, 1, 0}},  // 2 rows per expert: blocks of 8 rows
+      {50, {0, 30, 1, 1, 13, 0}},                  // 9: blocks of 32
       {140, {0, 1, 1, 1, 130, 0, 1, 2, 0}},        // 18: blocks of 32
       {205, {0, 200, 1, 1, 0}},                    // 41: blocks of 64
   };
@@ -350,7 +350,7 @@ static int time_mode(int reps) {
         // (at T >= 256, bits 4, uniform: also each of the fused kernel's tilings forced, by the rows
         // per expert it is chosen for; "auto" is the launcher's choice)
         const bool tilings = T >= 256 && bits == 4 && !skewed;
-        for (int forced : {0, 8, 16, 32, 64}) {
+        for (int forced : {0, 8, 32, 64}) {
           if (forced && !tilings) break;
           RaggedDotTuning tune;
           tune.block_rows = forced;

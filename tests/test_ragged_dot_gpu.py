@@ -66,10 +66,10 @@ def test_glu(rng, bits, dtype, glu):
 # block of activations holds the next group's rows, which must not be stored), and rows past
 # sum(group_sizes).
 TILING_CASES = {
-    "rows8": (14, [0, 1, 1, 1, 0, 1, 2, 0, 3, 1, 0]),
-    "rows16": (50, [0, 30, 1, 1, 13, 0]),
-    "rows32": (140, [0, 1, 1, 1, 130, 0, 1, 2, 0]),
-    "rows64": (205, [0, 200, 1, 1, 0]),
+    "rows2_blocks8": (14, [0, 1, 1, 1, 0, 1, 2, 0, 3, 1, 0]),
+    "rows9_blocks32": (50, [0, 30, 1, 1, 13, 0]),
+    "rows18_blocks32": (140, [0, 1, 1, 1, 130, 0, 1, 2, 0]),
+    "rows41_blocks64": (205, [0, 200, 1, 1, 0]),
 }
 
 

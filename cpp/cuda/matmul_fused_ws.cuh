@@ -89,12 +89,6 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       pdl_wait();
       gs.items = ragged::build_schedule(gp.group_sizes, gp.G, p.M, 8 * MT, p.col_groups, row_start, item_start,
                                         reinterpret_cast<long long*>(base));
-      // the active experts' codebooks and tensor scales into L2 (the consumers load them an item ahead)
-      for (int e = tid; e < gp.G; e += NT + 32)
-        if (row_start[e + 1] > row_start[e]) {
-          prefetch_l2_line(p.codebook + int64_t(e) * (1 << BITS));
-          prefetch_l2_line(p.tensor_scale + e);
-        }
       gs.row_start = row_start;
       gs.item_start = item_start;
       gs.G = gp.G;
@@ -366,12 +360,6 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       return lane < (1 << BITS) ? __float_as_uint(p.codebook[int64_t(b) * (1 << BITS) + lane]) : 0u;
     };
     uint32_t held_entry = 0;
-    // (grouped) the next item's cursor, and its expert's codebook entry and tensor scale, loaded
-    // when the current item starts so that their latency passes under its chunks (loaded at the
-    // item boundary, they put ~1.8 us on every item: 0.5-0.6x the time at 16-64 tokens)
-    Cursor nx;
-    uint32_t nx_entry = 0;
-    float nx_ts = 0.f;
 
     Cursor cc = walk.first();
     if constexpr (V != Tiling::kNSplit) set_x_offsets(cc);
@@ -412,13 +400,6 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // branch resolution).
     int q = 0;  // chunks consumed
     while (q < Q) {
-      if constexpr (kGrouped)
-        if (q + cc.nch < Q) {
-          nx = cc;
-          walk.next_item(nx);
-          nx_entry = codebook_entry(nx.b);
-          nx_ts = p.tensor_scale[nx.b];
-        }
       for (int c = 0; c < cc.nch; ++c, ++q) {
         mbar_wait(s_full + 8 * slot, fparity);
         if constexpr (V == Tiling::kNSplit)
@@ -430,19 +411,17 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       }
       epilogue(cc, q == Q);
       if (q == Q) break;  // (before next_item: its divisions would sit on the CTA's exit, 0.29 us)
-      if constexpr (kGrouped)
-        cc = nx;
-      else
-        walk.next_item(cc);
+      walk.next_item(cc);
       if constexpr (V != Tiling::kNSplit) set_x_offsets(cc);  // the next item's block of M may have fewer rows
       if constexpr (kGrouped) {
         if (cc.b != lut_b) {  // another expert: its tensor scale, and its table if its codebook differs
-          ts = nx_ts;
+          const uint32_t entry = codebook_entry(cc.b);
+          ts = p.tensor_scale[cc.b];
           lut_b = cc.b;
-          if (__any_sync(0xffffffffu, nx_entry != held_entry)) {  // (the same answer in every warp)
+          if (__any_sync(0xffffffffu, entry != held_entry)) {  // (the same answer in every warp)
             named_bar_sync<NT>(1);
             build_table<WP, Act>(s_lut, p.codebook + int64_t(cc.b) * (1 << BITS), tid, NT);
-            held_entry = nx_entry;
+            held_entry = entry;
             named_bar_sync<NT>(1);
           }
         }

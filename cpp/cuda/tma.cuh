@@ -81,10 +81,6 @@ __device__ __forceinline__ void tma_load_3d_if(bool on, uint32_t dst, const CUte
       : "memory");
 }
 
-// Ask L2 for the line holding `ptr` (no register result, nothing to wait for).
-__device__ __forceinline__ void prefetch_l2_line(const void* ptr) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
-}
 // Bring the box at (c0, c1[, c2]) of `map` into L2 only (no shared memory, no barrier): the
 // kernel's first chunks, requested before it may read them (dependent_launch.cuh).
 __device__ __forceinline__ void tma_prefetch_l2_2d(const CUtensorMap* map, int c0, int c1) {
