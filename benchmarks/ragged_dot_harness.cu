@@ -1,13 +1,15 @@
-// Standalone harness of the grouped expert product's CUDA kernels (cpp/cuda/ragged_dot.cu),
-// without JAX:
+// Standalone harness of the grouped expert product's CUDA kernels (cpp/cuda/ragged_dot.cu and the
+// fused kernel's grouped mode, ragged_dot_ws.cuh), without JAX:
 //   check: every bits, dtype, layout and GLU on group sizes with zeros, empty ends, one group,
-//          sum < M and row blocks of several items, against a float64 host reference; exits 1
-//          on a mismatch.
-//   time:  the routed-expert shapes of three MoE models at T tokens with uniform top-k routing,
-//          cold weights (L2 flushed before each launch), the kernel's device time by CUDA events
-//          against the copy bandwidth measured in the same run.
+//          sum < M, one-row groups whose block of activations reaches into the next group, groups
+//          of several row blocks, and row counts that take each of the fused kernel's tilings,
+//          against a float64 host reference; exits 1 on a mismatch.
+//   time:  the routed-expert shapes of three MoE models at T tokens with uniform or skewed top-k
+//          routing, cold weights (L2 flushed before each launch), the kernel's device time by CUDA
+//          events against the copy bandwidth measured in the same run, and the bf16 floor (the
+//          active experts' bf16 bytes at that bandwidth) over the kernel's time.
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -Icpp
-//        benchmarks/ragged_dot_harness.cu cpp/cuda/ragged_dot.cu cpp/cuda/matmul.cu ... (see below)
+//        benchmarks/ragged_dot_harness.cu cpp/cuda/ragged_dot.cu cpp/cuda/ragged_dot_ws_b[2-5].cu
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -211,7 +213,34 @@ static int check() {
             fails += !run_case(c);
           }
         }
-  // Larger K (fewer staged rows per item), N not a multiple of 64, forced generic, G = 0.
+  // The fused kernel's tilings follow the rows per active expert, ceil(M / min(G, M)): 8 rows and
+  // fewer (one-row groups, boxes over the next group), 9..32 and above (groups of several blocks
+  // of 32 and 64 rows), with empty groups at both ends and sum < M; bf16 and f16, GLU.
+  const std::vector<std::pair<int64_t, std::vector<int>>> tiled = {
+      {12, {0, 1, 1, 1, 0, 1, 2, 0, 3, 1, 0}},  // 2 rows per expert: blocks of 8 rows
+      {50, {0, 30, 1, 1, 13, 0}},                  // 9: blocks of 32
+      {140, {0, 1, 1, 1, 130, 0, 1, 2, 0}},        // 18: blocks of 32
+      {205, {0, 200, 1, 1, 0}},                    // 41: blocks of 64
+  };
+  for (int bits = 2; bits <= 5; ++bits)
+    for (const auto& [m, sz] : tiled)
+      for (DType d : {DType::kBF16, DType::kF16}) {
+        Case c{m, 256, 192, sz, bits, 1, d == DType::kF16 ? 1 : 0, d, false};
+        ++total;
+        fails += !run_case(c);
+      }
+  // Model-sized experts: K = 2048, N = 1024 (several chunks per item, clusters), decode-like
+  // routing over many experts, and one group of all rows among many empty ones.
+  for (int bits : {2, 3, 4, 5}) {
+    std::vector<int> ten(64, 0), one(512, 0);
+    for (int e = 0; e < 10; ++e) ten[3 + 6 * e] = 1;
+    one[500] = 37;
+    Case c{10, 2048, 1024, ten, bits, 1, 1, DType::kBF16, false};
+    ++total; fails += !run_case(c);
+    Case c2{40, 2048, 1024, one, bits, 1, 0, DType::kBF16, false};
+    ++total; fails += !run_case(c2);
+  }
+  // Larger K, N = 96 (a partial column group), forced generic, G = 0.
   for (int bits : {2, 4, 5}) {
     Case c{100, 2048, 128, {30, 0, 33, 37}, bits, 1, 1, DType::kBF16, false};
     ++total; fails += !run_case(c);
@@ -273,8 +302,8 @@ static int time_mode(int reps) {
     setenv("KBIT_COPY_BW", std::to_string(bw).c_str(), 1);
   }
   const double bw = std::atof(std::getenv("KBIT_COPY_BW"));
-  std::printf("%-22s %5s %4s %5s %6s %9s %9s %7s %9s\n", "shape", "T", "bits", "M", "active", "us", "MB read", "%copy",
-              "bf16floor");
+  std::printf("%-22s %5s %4s %5s %6s %9s %9s %7s %9s %7s\n", "shape", "T", "bits", "M", "active", "us", "MB read",
+              "%copy", "bf16floor", "floor/us");
   for (const Shape& s : shapes)
     for (int bits : {4, 2, 3, 5}) {
       const int64_t KB = s.k / 32;
@@ -288,14 +317,14 @@ static int time_mode(int reps) {
       CK(cudaMalloc(&cb, hcb.size() * 4)); CK(cudaMalloc(&ts, s.g * 4)); CK(cudaMalloc(&gs, s.g * 4));
       CK(cudaMemcpy(cb, hcb.data(), hcb.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(ts, hts.data(), s.g * 4, cudaMemcpyHostToDevice));
-      const int max_t = bits == 4 ? 4096 : 64;
+      const int max_t = bits == 4 ? 4096 : 16;
       CK(cudaMalloc(&x, size_t(max_t) * s.topk * s.k * 2));
       CK(cudaMalloc(&y, size_t(max_t) * s.topk * s.n * 2));
       fill_bf16<<<1024, 256>>>(x, size_t(max_t) * s.topk * s.k);
       for (int run = 0; run < 8; ++run) {
         const int T = run < 6 ? std::array<int, 6>{1, 4, 16, 64, 256, 4096}[run] : (run == 6 ? 16 : 64);
         const bool skewed = run >= 6;  // expert of popularity rank r drawn with weight (r + 1)^-1.2
-        if (T > max_t || (skewed && bits != 4)) continue;
+        if (T > max_t || (skewed && bits != 4) || (bits != 4 && T != 1 && T != 16)) continue;
         const int64_t M = int64_t(T) * s.topk;
         std::vector<int32_t> hg(s.g, 0);
         std::mt19937 r2(T * 31 + bits);
@@ -318,23 +347,33 @@ static int time_mode(int reps) {
         a.x = x; a.dtype = DType::kBF16; a.planes = planes; a.scales = scales; a.codebook = cb; a.tensor_scale = ts;
         a.group_sizes = gs; a.y = y; a.m = M; a.k = s.k; a.n = s.n; a.groups = s.g; a.bits = bits;
         a.layout = 1; a.glu = s.glu;
-        std::vector<float> times;
-        for (int rep = 0; rep < reps; ++rep) {
-          CK(cudaMemsetAsync(flush, rep & 0xff, flush_bytes));
-          CK(cudaEventRecord(e0));
-          const std::string err = launch_ragged_dot(a, nullptr);
-          CK(cudaEventRecord(e1));
-          if (!err.empty()) { std::printf("launch error %s\n", err.c_str()); return 1; }
-          CK(cudaEventSynchronize(e1));
-          float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); times.push_back(ms * 1e3f);
+        // (at T >= 256, bits 4, uniform: also each of the fused kernel's tilings forced, by the rows
+        // per expert it is chosen for; "auto" is the launcher's choice)
+        const bool tilings = T >= 256 && bits == 4 && !skewed;
+        for (int forced : {0, 8, 32, 64}) {
+          if (forced && !tilings) break;
+          RaggedDotTuning tune;
+          tune.block_rows = forced;
+          std::vector<float> times;
+          for (int rep = 0; rep < reps; ++rep) {
+            CK(cudaMemsetAsync(flush, rep & 0xff, flush_bytes));
+            CK(cudaEventRecord(e0));
+            const std::string err = launch_ragged_dot(a, nullptr, &tune);
+            CK(cudaEventRecord(e1));
+            if (!err.empty()) { std::printf("launch error %s\n", err.c_str()); return 1; }
+            CK(cudaEventSynchronize(e1));
+            float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); times.push_back(ms * 1e3f);
+          }
+          std::sort(times.begin(), times.end());
+          const double us = times[times.size() / 2];
+          const double wbytes = double(active) * KB * s.n * (bits * 4 + 1);
+          const double bytes = wbytes + M * s.k * 2.0 + M * (s.glu ? s.n / 2 : s.n) * 2.0;
+          const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
+          const std::string tiling = forced ? "rows=" + std::to_string(forced) : std::string("auto");
+          std::printf("%-22s %5d %4d %5lld %6d %9.1f %9.2f %6.1f%% %9.1f %7.2f %s %s\n", s.name, T, bits, (long long)M,
+                      active, us, bytes / 1e6, 100.0 * bytes / (us * 1e-6) / bw, floor_us, floor_us / us,
+                      skewed ? "skewed" : "uniform", tiling.c_str());
         }
-        std::sort(times.begin(), times.end());
-        const double us = times[times.size() / 2];
-        const double wbytes = double(active) * KB * s.n * (bits * 4 + 1);
-        const double bytes = wbytes + M * s.k * 2.0 + M * (s.glu ? s.n / 2 : s.n) * 2.0;
-        const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
-        std::printf("%-22s %5d %4d %5lld %6d %9.1f %9.2f %6.1f%% %9.1f %s\n", s.name, T, bits, (long long)M, active, us,
-                    bytes / 1e6, 100.0 * bytes / (us * 1e-6) / bw, floor_us, skewed ? "skewed" : "uniform");
       }
       cudaFree(planes); cudaFree(scales); cudaFree(cb); cudaFree(ts); cudaFree(gs); cudaFree(x); cudaFree(y);
     }

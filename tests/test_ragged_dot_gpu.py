@@ -1,8 +1,10 @@
 """GPU-only checks of kbit_jax.ragged_dot (marked `gpu`, skipped without one): the CUDA kernels
-(the tensor-core kernel for bf16/f16 fragment-layout experts of N % 64 == 0, the SIMT kernel for
-the rest) against a loop of reference products per group, over bits 2..5, the three activation
-dtypes, both layouts, the GLU epilogues and the group-size cases of the contract; the lowering's
-FFI target; results the same with XLA's command buffers on and off."""
+(the fused matmul kernel's grouped mode for bf16/f16 fragment-layout experts of N % 16 == 0, the
+SIMT kernel for the rest) against a loop of reference products per group, over bits 2..5, the
+three activation dtypes, both layouts, the GLU epilogues and the group-size cases of the contract;
+the fused kernel's edges (its tilings, one-row groups whose block of activations reaches into the
+next group, groups of several row blocks, model-sized experts in clusters); the lowering's FFI
+target; results the same with XLA's command buffers on and off."""
 
 import os
 import subprocess
@@ -36,8 +38,8 @@ def _run(x, w_q, sizes, glu=None, jit=True):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_patterns_bits_dtypes(rng, pattern, bits, dtype):
-    """N = 128: bf16 and f16 take the tensor-core kernel, f32 the SIMT kernel. 70 rows of one
-    group span several of the tensor-core kernel's row blocks."""
+    """N = 128: bf16 and f16 take the fused kernel, f32 the SIMT kernel. 70 rows of one group span
+    several of the fused kernel's row blocks."""
     g, k, n, m = 6, 256, 128, 70
     w_q = _gpu_weight(rng, g, k, n, bits)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
@@ -59,10 +61,66 @@ def test_glu(rng, bits, dtype, glu):
     check(y, x, w_q, sizes, glu)
 
 
+# (M, group sizes): the fused kernel picks its tiling by the rows per active expert, ceil(M /
+# min(G, M)); each case has empty groups at both ends, one-row groups next to larger ones (their
+# block of activations holds the next group's rows, which must not be stored), and rows past
+# sum(group_sizes).
+TILING_CASES = {
+    "rows2_blocks8": (14, [0, 1, 1, 1, 0, 1, 2, 0, 3, 1, 0]),
+    "rows9_blocks32": (50, [0, 30, 1, 1, 13, 0]),
+    "rows18_blocks32": (140, [0, 1, 1, 1, 130, 0, 1, 2, 0]),
+    "rows41_blocks64": (205, [0, 200, 1, 1, 0]),
+}
+
+
+@pytest.mark.parametrize("glu", [None, "silu"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("case", list(TILING_CASES))
+def test_fused_kernel_tilings_and_edges(rng, case, bits, dtype, glu):
+    m, sizes = TILING_CASES[case]
+    sizes = np.asarray(sizes, np.int32)
+    g, k, n = len(sizes), 256, 160  # (N = 160: a partial column group in every tiling)
+    w_q = _gpu_weight(rng, g, k, n, bits)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 4 / np.sqrt(k), dtype)
+    y = _run(x, w_q, sizes, glu)
+    assert y.shape == (m, n // 2 if glu else n)
+    check(y, x, w_q, sizes, glu)
+    assert np.all(np.asarray(y[int(sizes.sum()):], np.float32) == 0)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_fused_kernel_model_sized_decode(rng, bits):
+    """Qwen3-Coder-Next-like gate/up experts (K = 2048, N = 1024, SwiGLU) at decode: 10 of 64
+    experts with one row each (the plan's k-split clusters see far fewer items than it estimated),
+    and then all rows in one expert."""
+    g, k, n = 64, 2048, 1024
+    w_q = _gpu_weight(rng, g, k, n, bits)
+    x = jnp.asarray(rng.standard_normal((12, k)) / np.sqrt(k), jnp.bfloat16)
+    sizes = np.zeros(g, np.int32)
+    sizes[3::6][:10] = 1
+    check(_run(x, w_q, sizes, "silu"), x, w_q, sizes, "silu")
+    one = np.zeros(g, np.int32)
+    one[60] = 11
+    check(_run(x, w_q, one), x, w_q, one)
+
+
+def test_fused_kernel_m_zero_and_small_f16(rng):
+    """M = 0 on the fused path (nothing launched), then 7 rows in two groups with empty groups at
+    both ends and rows past the sum, f16 with a GLU."""
+    w_q = _gpu_weight(rng, 4, 64, 64, 4)
+    y = _run(jnp.zeros((0, 64), jnp.float16), w_q, np.zeros(4, np.int32))
+    assert y.shape == (0, 64)
+    x = jnp.asarray(rng.standard_normal((7, 64)), jnp.float16)
+    y = _run(x, w_q, np.asarray([0, 3, 0, 2], np.int32), "silu")
+    check(y, x, w_q, [0, 3, 0, 2], "silu")
+
+
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("n", [96, 200])
 def test_generic_shapes_and_planes_layout(rng, n, bits):
-    """N not a multiple of 64 and the planes layout: the SIMT kernel."""
+    """N = 96 (fused kernel, a partial column group), N = 200 (not a multiple of 16: the SIMT
+    kernel) and the planes layout (the SIMT kernel)."""
     g, k, m = 4, 160, 33
     for layout in ("fragment", "planes"):
         w_q = kj.quantize(_gpu(jnp.asarray(rng.standard_normal((g, k, n)), jnp.float32)), bits, layout=layout)
@@ -73,8 +131,8 @@ def test_generic_shapes_and_planes_layout(rng, n, bits):
 
 @pytest.mark.parametrize("bits", [2, 4, 5])
 def test_model_sized_experts(rng, bits):
-    """K = 2048 (the widest rows of x the kernel stages), N = 256, a skewed routing with one group
-    of 150 rows and empty groups, eager and under jit."""
+    """K = 2048, N = 256, a skewed routing with one group of 150 rows and empty groups, eager and
+    under jit."""
     g, k, n = 16, 2048, 256
     w_q = _gpu_weight(rng, g, k, n, bits)
     sizes = np.zeros(g, np.int32)

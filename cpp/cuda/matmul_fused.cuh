@@ -54,6 +54,9 @@
 //   matmul_fused_plan.cuh      host planning per tiling (cluster size, ring depth, cost)
 //   matmul_fused_launch.cuh    host launch per tiling (parameters, tensor maps)
 //   this file                  the choice of kernel and tiling (launch_fused_bits)
+//   ragged_dot_ws.cuh          the grouped product (kbit_ragged_dot) on the warp-specialized
+//                              kernel: its tiling and launch (the walk's and the stores' grouped
+//                              mode, the kernel's GroupParams)
 #pragma once
 
 #include <algorithm>

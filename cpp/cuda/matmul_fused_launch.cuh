@@ -14,9 +14,11 @@
 
 namespace kbit::cuda::fused {
 
-template <int BITS, class Act, int MT, int V, bool WS>
-struct Launcher : Planner<BITS, Act, MT, V, WS> {
-  using P = Planner<BITS, Act, MT, V, WS>;
+// kGrouped: the grouped product (kbit_ragged_dot) of `a` with batch = G experts and x, y of M rows
+// for all of them, with a plan from Planner::plan_grouped and the group sizes in `grp`.
+template <int BITS, class Act, int MT, int V, bool WS, bool kGrouped = false>
+struct Launcher : Planner<BITS, Act, MT, V, WS, kGrouped> {
+  using P = Planner<BITS, Act, MT, V, WS, kGrouped>;
   using typename P::Cfg;
   using typename P::Plan;
   using P::kernel;
@@ -29,7 +31,8 @@ struct Launcher : Planner<BITS, Act, MT, V, WS> {
     return launch(a, stream, tuning, plan(a, tuning));
   }
   // Launch with a plan already made (launch_fused_bits plans both tilings to choose one).
-  static std::string launch(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning, const Plan& pl) {
+  static std::string launch(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning, const Plan& pl,
+                            const GroupParams& grp = GroupParams{}) {
     if (!pl.error.empty()) return pl.error;
     const int KB = pl.KB, ks = pl.ks, kps = pl.kps, x_rows = pl.x_rows;
     const int64_t ncl = pl.ncl;
@@ -58,7 +61,7 @@ struct Launcher : Planner<BITS, Act, MT, V, WS> {
     prm.balanced = pl.balanced ? 1 : 0;
     prm.col_groups = static_cast<int>(pl.col_groups);
     prm.m_blocks = static_cast<int>(pl.m_blocks);
-    prm.items = static_cast<int>(pl.items);
+    prm.items = kGrouped ? 0 : static_cast<int>(pl.items);  // (grouped: the device's schedule counts them)
     prm.x_rows = x_rows;
     prm.stages = WS ? pl.stages : Cfg::kStages;
     prm.vec16 = ((a.n * BITS) % 4 == 0 && (reinterpret_cast<uintptr_t>(a.planes) & 15) == 0) ? 1 : 0;
@@ -88,7 +91,7 @@ struct Launcher : Planner<BITS, Act, MT, V, WS> {
                                  uint32_t(pieces ? Cfg::kCols / 16 : Cfg::kKCH), uint32_t(Cfg::kKCH)};
       const uint64_t s_dims[2] = {n, rows}, s_strides[1] = {n};
       const uint32_t s_box[2] = {uint32_t(Cfg::kCols), uint32_t(Cfg::kKCH)};
-      const uint64_t x_dims[3] = {32, uint64_t(a.batch * a.m), uint64_t(KB)};
+      const uint64_t x_dims[3] = {32, uint64_t(kGrouped ? a.m : a.batch * a.m), uint64_t(KB)};
       const uint64_t x_strides[2] = {uint64_t(a.k) * 2, uint64_t(kXKbBytes)};
       const uint32_t x_box[3] = {32, uint32_t(x_rows), uint32_t(Cfg::kKCH)};
       std::string bad = encode_tensor_map(&wmap, CU_TENSOR_MAP_DATA_TYPE_UINT32, w_rank, a.planes, w_dims,
@@ -100,7 +103,10 @@ struct Launcher : Planner<BITS, Act, MT, V, WS> {
         bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, a.x, x_dims, x_strides, x_box,
                                 CU_TENSOR_MAP_SWIZZLE_64B);
       if (!bad.empty()) return std::string(name()) + ": " + bad + " (" + where + ")";
-      err = cudaLaunchKernelEx(&launch.cfg, kernel, prm, dv, wmap, smap, xmap);
+      if constexpr (kGrouped)
+        err = cudaLaunchKernelEx(&launch.cfg, kernel, prm, dv, wmap, smap, xmap, grp);
+      else
+        err = cudaLaunchKernelEx(&launch.cfg, kernel, prm, dv, wmap, smap, xmap);
     } else {
       err = cudaLaunchKernelEx(&launch.cfg, kernel, prm, dv);
     }

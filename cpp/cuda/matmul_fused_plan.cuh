@@ -51,11 +51,15 @@ struct LaunchPlan {
   std::string error;
 };
 
-template <int BITS, class Act, int MT, int V, bool WS>
+// kGrouped: the warp-specialized kernel's grouped product (kbit_ragged_dot; plan_grouped).
+template <int BITS, class Act, int MT, int V, bool WS, bool kGrouped = false>
 struct Planner {
+  static_assert(WS || !kGrouped, "the grouped product runs on the warp-specialized kernel");
   using Cfg = Config<BITS, MT, V>;
   static constexpr auto kernel = [] {  // instantiates only the kernel it launches
-    if constexpr (WS) return &kbit_matmul_ws_kernel<BITS, Act, MT, V>;
+    using GroupedKernel = void (*)(Params, WalkDivs, CUtensorMap, CUtensorMap, CUtensorMap, GroupParams);
+    if constexpr (kGrouped) return static_cast<GroupedKernel>(&kbit_matmul_ws_kernel<BITS, Act, MT, V, GroupParams>);
+    else if constexpr (WS) return &kbit_matmul_ws_kernel<BITS, Act, MT, V>;
     else return &kbit_matmul_fused_kernel<BITS, Act, MT, V>;
   }();
   static constexpr int kThreads = std::conditional_t<WS, WsConfig<BITS, MT, V>, Cfg>::kThreads;
@@ -74,9 +78,11 @@ struct Planner {
     return n;
   }
 
-  static const char* name() { return WS ? "kbit_matmul_ws_kernel" : "kbit_matmul_fused_kernel"; }
+  static const char* name() {
+    return kGrouped ? "kbit_ragged_dot_ws_kernel" : WS ? "kbit_matmul_ws_kernel" : "kbit_matmul_fused_kernel";
+  }
   static std::string shape(const MatmulArgs& a) {
-    return "B=" + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" + std::to_string(a.k) +
+    return (kGrouped ? "G=" : "B=") + std::to_string(a.batch) + " M=" + std::to_string(a.m) + " K=" + std::to_string(a.k) +
            " N=" + std::to_string(a.n) + " bits=" + std::to_string(BITS) + " dtype=" + Act::kName +
            " MT=" + std::to_string(MT) + " tiling=" + std::to_string(V) + " glu=" + std::to_string(a.glu);
   }
@@ -85,6 +91,21 @@ struct Planner {
   // (`one_block_of_rows`: the launch's M fits one block of 8 MT rows)
   static constexpr double chunk_price(bool one_block_of_rows) {
     return Cfg::chunk_cost(std::is_same_v<Act, ActBF16>, one_block_of_rows);
+  }
+
+  // Let the kernel take pl.smem bytes of dynamic shared memory on device dev (else pl.error).
+  static bool reserve_smem(int dev, const MatmulArgs& a, LaunchPlan& pl) {
+    if (smem_set(dev).load(std::memory_order_relaxed) < int(pl.smem)) {
+      const cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pl.smem));
+      if (err != cudaSuccess) {
+        pl.error = std::string(name()) + ": cannot reserve " + std::to_string(pl.smem) +
+                   " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape(a) + ")";
+        return false;
+      }
+      smem_set(dev).store(int(pl.smem), std::memory_order_relaxed);
+    }
+    return true;
   }
 
   using Plan = LaunchPlan;
@@ -97,16 +118,7 @@ struct Planner {
     if constexpr (WS) pl.smem = WsConfig<BITS, MT, V>::smem_bytes(pl.x_rows);
     else pl.smem = Cfg::smem_bytes(pl.x_rows);
     const int dev = current_device();
-    if (smem_set(dev).load(std::memory_order_relaxed) < int(pl.smem)) {
-      const cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pl.smem));
-      if (err != cudaSuccess) {
-        pl.error = std::string(name()) + ": cannot reserve " + std::to_string(pl.smem) +
-                   " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape(a) + ")";
-        return pl;
-      }
-      smem_set(dev).store(int(pl.smem), std::memory_order_relaxed);
-    }
+    if (!reserve_smem(dev, a, pl)) return pl;
     pl.col_groups = (a.n + Cfg::kCols - 1) / Cfg::kCols;
     pl.m_blocks = (a.m + 8 * MT - 1) / (8 * MT);
     pl.items = pl.col_groups * pl.m_blocks * a.batch;
@@ -188,6 +200,9 @@ struct Planner {
         const int64_t per_rank = (t_hi + ks - 1) / ks, fewest = t_lo / ks;
         const int64_t senders = (nchi - 1 + fewest - 1) / fewest;  // most later ranks that share an item
         if (senders > kRecv) continue;
+        // (grouped: the device's item count may be below the plan's estimate, so that up to every
+        // later rank of the cluster shares an item)
+        if (kGrouped && ks - 1 > kRecv) continue;
         const double pieces = double((per_rank + nchi - 1) / nchi + 1);
         const double cost = (double(per_rank) + 0.5 * pieces + 0.5 * double(senders)) * pl.price;
         if (cost < best_bal - 1e-9) {
@@ -213,6 +228,48 @@ struct Planner {
       const bool deep = chunks_per_cta >= kDeepRingMinChunks || (Cfg::kWide5 && MT == 1);
       pl.stages = deep ? WC::stages(pl.x_rows) : WC::stages(8 * MT);
     }
+    return pl;
+  }
+
+  // The grouped product (kbit_ragged_dot) of `a` (batch = G experts, m = M rows of x in all):
+  // the item count is known only on the device (the schedule of group_sizes), so the plan (cluster
+  // size, chunk-balanced clusters, ring depth) is made for an estimate: min(G, M) active experts
+  // of ceil(M / active) rows each, what uniform top-k routing gives once tokens outnumber experts
+  // and an upper bound on the active experts below that. The ring's slots then get the rows a
+  // block of activations may hold (min(M, 8 MT): a box may reach into the next groups), and the
+  // schedule's shared memory follows the ring: the ring loses stages where it does not fit, and
+  // a G whose schedule leaves no room for two stages is an error naming G.
+  static Plan plan_grouped(const MatmulArgs& a) {
+    static_assert(kGrouped, "plan_grouped plans the grouped kernel");
+    using WC = WsConfig<BITS, MT, V>;
+    const int64_t active = std::max<int64_t>(1, std::min(a.batch, a.m));
+    MatmulArgs est = a;
+    est.batch = active;
+    est.m = (a.m + active - 1) / active;
+    Plan pl = plan(est, nullptr);
+    if (!pl.error.empty()) return pl;
+    // the most items any group sizes give: every block of rows plus one partial block per group
+    const int64_t items_max = pl.col_groups * ((a.m + 8 * MT - 1) / (8 * MT) + active);
+    const int64_t chunks_item = (pl.KB + Cfg::kKCH - 1) / Cfg::kKCH;
+    if (items_max >= (int64_t(1) << 31) || (pl.balanced && items_max * chunks_item * pl.ks >= (int64_t(1) << 31))) {
+      pl.error = std::string(name()) + ": too many work items for " + shape(a);
+      return pl;
+    }
+    pl.x_rows = V == Tiling::kNSplit ? 8 * MT : static_cast<int>(std::min<int64_t>(a.m, 8 * MT));
+    const size_t sched = group_sched_bytes(a.batch);
+    int d = std::min(pl.stages, WC::stages(pl.x_rows));
+    while (d >= 2 && WC::fixed_bytes() + size_t(d) * WC::slot_bytes(pl.x_rows) + sched > size_t(kMaxSmem)) --d;
+    if (d < 2) {
+      const size_t room = size_t(kMaxSmem) - WC::fixed_bytes() - 2 * WC::slot_bytes(pl.x_rows);
+      pl.error = std::string(name()) + ": G=" + std::to_string(a.batch) + " groups need " +
+                 std::to_string(sched) + " bytes of shared memory for the schedule, at most G=" +
+                 std::to_string(int64_t(room >= 264 ? (room - 256) / 8 - 1 : 0)) + " fit next to the ring (" +
+                 shape(a) + ")";
+      return pl;
+    }
+    pl.stages = d;
+    pl.smem = WC::fixed_bytes() + size_t(d) * WC::slot_bytes(pl.x_rows) + sched;
+    reserve_smem(current_device(), a, pl);
     return pl;
   }
 };

@@ -7,6 +7,7 @@
 
 #include "cuda/fast_div.cuh"
 #include "cuda/item_reduce.cuh"
+#include "cuda/ragged_schedule.cuh"
 
 namespace kbit::cuda::fused {
 
@@ -42,6 +43,24 @@ struct WalkDivs {
   FastDiv ks, clusters, m_blocks, col_groups, nch_item;
 };
 
+// The grouped product (kbit_ragged_dot): the warp-specialized kernel's extra parameter, after its
+// tensor maps (so the dense product's parameters keep their layout). Batch entry b is expert b:
+// its weight rows are b * KB + kb as in the batched product, but x and y are [M, K] and
+// [M, N(/2)] for all experts, group b owning rows [row_start[b], row_start[b + 1]).
+struct GroupParams {
+  const int32_t* group_sizes;  // [G], on the device
+  int G;
+};
+// The schedule of a grouped launch in the CTA's shared memory (ragged_schedule.cuh): the groups'
+// first rows and first items, and the item count.
+struct GroupSched {
+  const int* row_start = nullptr;   // [G + 1]
+  const int* item_start = nullptr;  // [G + 1]
+  int G = 0, items = 0;
+};
+// Its shared memory: 32 long longs of scan scratch, then row_start and item_start.
+__host__ __device__ constexpr size_t group_sched_bytes(int64_t G) { return 256 + size_t(G + 1) * 8; }
+
 
 // Where a CTA's chunk stream is: chunk within the item and the item's coordinates, advanced
 // incrementally (the item index grows by the number of clusters) so that the hot loop has no
@@ -54,7 +73,7 @@ struct Cursor {
   int item;        // item index: block of M fastest, then column group, then batch entry
   int cg, mb, b;   // column group, block of M, batch entry
   int col0, rows;  // first column, rows of M in the block
-  int64_t m0;      // first row
+  int64_t m0;      // first row (of the batch entry; grouped: of x)
   int64_t cell0;   // first cell (b, kb0, col0) of the chunk
   int64_t x0;      // first activation element (b, m0, 32 kb0) of the chunk
 };
@@ -78,28 +97,41 @@ struct Cursor {
 // Cursors advance incrementally, so the hot loop has no integer division (only a piece's or an
 // item's boundary divides, in 32 bits: a 64-bit division anywhere in the walk, a called
 // subroutine, cost the chunk loop its uniform registers, +20 % instructions per chunk, ~10 % time).
-template <int KCH, int COLS, int ROWS>
+//
+// Grouped (kGrouped, kbit_ragged_dot): the items are those of the device-built schedule (sched),
+// numbered group by group, within a group block of M fastest then column group (as above: a
+// group's blocks of M share its weights); the item count is sched.items, and an item boundary
+// finds its group by a binary search over the groups' first items.
+template <int KCH, int COLS, int ROWS, bool kGrouped = false>
 struct ItemWalk {
   const Params& p;
   const WalkDivs& dv;
+  GroupSched sched;
   int ks, rank, cluster_id, n_clusters, kbA, kbEnd, nch, q;
   int nch_item, T, g0, g1;  // chunk-balanced clusters: chunks per item, per cluster, this rank's range
   int64_t k, chunk_cells;
 
-  __device__ ItemWalk(const Params& prm, const WalkDivs& divs) : p(prm), dv(divs) {
+  __device__ ItemWalk(const Params& prm, const WalkDivs& divs, const GroupSched& gs = GroupSched{})
+      : p(prm), dv(divs), sched(gs) {
     ks = p.k_split;
     cluster_id = dv.ks.div(int(blockIdx.x));
     rank = dv.ks.mod(int(blockIdx.x), cluster_id);
     n_clusters = dv.clusters.d;
-    const int my_items = cluster_id < p.items ? dv.clusters.div(p.items - cluster_id + n_clusters - 1) : 0;
+    const int items = kGrouped ? sched.items : p.items;
+    const int my_items = cluster_id < items ? dv.clusters.div(items - cluster_id + n_clusters - 1) : 0;
     nch_item = dv.nch_item.d;  // (p.KB + KCH - 1) / KCH
     if (p.balanced) {
       kbA = 0;
       kbEnd = p.KB;
       nch = nch_item;
       T = my_items * nch_item;  // (the launcher keeps T * ks below 2^31)
-      g0 = dv.ks.div(rank * T);
-      g1 = dv.ks.div((rank + 1) * T);
+      if (kGrouped && T < ks) {  // (grouped: fewer chunks than the plan's estimate) one per rank
+        g0 = min(rank, T);
+        g1 = min(rank + 1, T);
+      } else {
+        g0 = dv.ks.div(rank * T);
+        g1 = dv.ks.div((rank + 1) * T);
+      }
       q = g1 - g0;
     } else {
       kbA = rank * p.kb_per_split;
@@ -112,6 +144,21 @@ struct ItemWalk {
     chunk_cells = int64_t(KCH) * p.N;
   }
   __device__ void set_derived(Cursor& cur) const {
+    if constexpr (kGrouped) {
+      const int g = ragged::group_of_item(sched.item_start, sched.G, cur.item);
+      const int local = cur.item - sched.item_start[g], first = sched.row_start[g];
+      const int group_rows = sched.row_start[g + 1] - first;
+      const int m_blocks = (group_rows + ROWS - 1) / ROWS;  // >= 1: an empty group has no items
+      cur.cg = local / m_blocks;
+      cur.mb = local - cur.cg * m_blocks;
+      cur.b = g;
+      cur.col0 = cur.cg * COLS;
+      cur.m0 = first + cur.mb * ROWS;
+      cur.rows = min(ROWS, group_rows - cur.mb * ROWS);
+      cur.cell0 = (int64_t(cur.b) * p.KB + cur.kb) * p.N + cur.col0;
+      cur.x0 = cur.m0 * k + int64_t(cur.kb) * 32;
+      return;
+    }
     const int rest = dv.m_blocks.div(cur.item);
     cur.mb = dv.m_blocks.mod(cur.item, rest);
     cur.b = dv.col_groups.div(rest);
@@ -166,7 +213,10 @@ struct ItemWalk {
     next_item(cur);
   }
   // (balanced) the cluster rank whose range holds chunk g of the sequence
-  __device__ int rank_of(int g) const { return ((g + 1) * ks + T - 1) / T - 1; }
+  __device__ int rank_of(int g) const {
+    if (kGrouped && T < ks) return g;  // (see the constructor: ranks without chunks come last)
+    return ((g + 1) * ks + T - 1) / T - 1;
+  }
   // (balanced) what the end of the piece at `cur` does with its sum: kPieceStore (a whole item),
   // kPieceSend to rank `peer` (a piece after the item's first chunk), or kPieceOwn (the item's
   // first piece; `peer` = the later ranks that hold the rest of it).

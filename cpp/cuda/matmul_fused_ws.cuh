@@ -49,10 +49,23 @@ namespace kbit::cuda::fused {
 //   smap  the scale bytes: B * KB rows of N bytes; box KCH rows x COLS bytes.
 //   xmap  the activations as 16-bit elements, 3-D {32 (a k-block), B * M rows, KB k-blocks};
 //         box {32, x_rows, KCH}, 64-byte swizzle.
-template <int BITS, class Act, int MT, int V>
+//
+// Grouped (kbit_ragged_dot: one GroupParams after the tensor maps; without it the kernel is the
+// batched matmul's, the same code): batch entry b is expert b, whose items are those of the
+// device-built schedule (ragged_schedule.cuh, ItemWalk), built by the whole CTA at entry into the
+// shared memory after the ring; x and y are [M, K] and [M, N(/2)] for all experts, the xmap has
+// M rows, and an item's box starts at its absolute first row (it may hold the next group's rows,
+// computed and dropped by the store, and rows past M arrive as zeros). A change of expert loads
+// the expert's codebook and rebuilds the table only where it differs from the one the table holds
+// (experts quantized with one codebook share it); the tensor scale is loaded per expert. Rows at
+// or past sum(group_sizes) are zeroed by the consumer threads of every CTA after their items.
+template <int BITS, class Act, int MT, int V, class... Grouped>
 __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     kbit_matmul_ws_kernel(const Params p, const WalkDivs dv, const __grid_constant__ CUtensorMap wmap,
-                          const __grid_constant__ CUtensorMap smap, const __grid_constant__ CUtensorMap xmap) {
+                          const __grid_constant__ CUtensorMap smap, const __grid_constant__ CUtensorMap xmap,
+                          Grouped... grouped) {
+  static_assert(sizeof...(Grouped) <= 1, "one GroupParams at most");
+  constexpr bool kGrouped = sizeof...(Grouped) == 1;
   using Cfg = Config<BITS, MT, V>;
   using WC = WsConfig<BITS, MT, V>;
   using WP = typename Cfg::Path;
@@ -64,7 +77,25 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
 
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const ItemWalk<KCH, COLS, 8 * MT> walk(p, dv);
+  // (grouped) the schedule, after the ring; group_sizes may be the previous kernel's output
+  const GroupSched sched = [&] {
+    GroupSched gs;
+    if constexpr (kGrouped) {
+      const GroupParams gp{grouped...};
+      const uint32_t ring = (smem_u32(smem) + uint32_t(WC::kRingOffset) + 1023u) & ~1023u;
+      uint8_t* base = smem + (ring - smem_u32(smem)) + size_t(p.stages) * WC::slot_bytes(p.x_rows);
+      int* row_start = reinterpret_cast<int*>(base + 256);
+      int* item_start = row_start + gp.G + 1;
+      pdl_wait();
+      gs.items = ragged::build_schedule(gp.group_sizes, gp.G, p.M, 8 * MT, p.col_groups, row_start, item_start,
+                                        reinterpret_cast<long long*>(base));
+      gs.row_start = row_start;
+      gs.item_start = item_start;
+      gs.G = gp.G;
+    }
+    return gs;
+  }();
+  const ItemWalk<KCH, COLS, 8 * MT, kGrouped> walk(p, dv, sched);
   const int KS = walk.ks, rank = walk.rank, Q = walk.q;
 
   // ---- shared memory: [LUT][reducer][sf][full x 8, empty x 8][ring: D x (weights | scales | x)]
@@ -99,7 +130,8 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     else
       tma_load_2d(base, &wmap, c.col0 * BITS, wrow, full);
     tma_load_2d(base + Cfg::kWChunk, &smap, c.col0, wrow, full);
-    tma_load_3d(base + kXOffset, &xmap, 0, int(int64_t(c.b) * p.M + c.m0 - x_shift(c)), c.kb, full);
+    const int64_t x_row = kGrouped ? c.m0 : int64_t(c.b) * p.M + c.m0;  // (grouped: x is shared)
+    tma_load_3d(base + kXOffset, &xmap, 0, int(x_row - x_shift(c)), c.kb, full);
   };
   // The producer's lane 0 sends its first request before anything else, so DRAM works while the
   // CTA sets up:
@@ -142,7 +174,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
   // This build computes each entry once (build_table's order by entry: 0.976x the time of the
   // order by piece over 240 cases without PDL, the small layers' bits 5 0.87-0.96x); the rebuild
   // in the consumers' item loop keeps the order by piece (see build_table).
-  const bool early_table = ready && p.items == p.col_groups * p.m_blocks;
+  const bool early_table = !kGrouped && ready && p.items == p.col_groups * p.m_blocks;
   if (early_table && warp < NW) build_table<WP, Act, true>(s_lut, p.codebook, tid, NT);
   asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
@@ -311,7 +343,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       if (KS > 1 && item_seq == 0) cluster_wait();  // the other ranks' reducer barriers exist
       Cursor wc = cur;
       if constexpr (V == Tiling::kNSplit) wc.col0 += 16 * TN * warp;  // the warp's own columns
-      const ItemStore<MT, T, NACC> store{p, wc, g, t, ts};
+      const ItemStore<MT, T, NACC, kGrouped> store{p, wc, g, t, ts};
       if constexpr (V != Tiling::kNSplit) {
         if (p.balanced) {
           int peer = 0;
@@ -323,6 +355,12 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       reducer.finish(acc, item_seq++, last_item, warp, lane, store);
     };
 
+    // (grouped) lane l < 2^BITS: entry l of the codebook the table holds, as bits
+    auto codebook_entry = [&](int b) {
+      return lane < (1 << BITS) ? __float_as_uint(p.codebook[int64_t(b) * (1 << BITS) + lane]) : 0u;
+    };
+    uint32_t held_entry = 0;
+
     Cursor cc = walk.first();
     if constexpr (V != Tiling::kNSplit) set_x_offsets(cc);
     int lut_b = -1;
@@ -333,6 +371,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       else
         build_lut(cc.b);
       lut_b = cc.b;
+      if constexpr (kGrouped) held_entry = codebook_entry(cc.b);
     }
     named_bar_sync<NT>(1);
 
@@ -374,14 +413,30 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       if (q == Q) break;  // (before next_item: its divisions would sit on the CTA's exit, 0.29 us)
       walk.next_item(cc);
       if constexpr (V != Tiling::kNSplit) set_x_offsets(cc);  // the next item's block of M may have fewer rows
-      if (cc.b != lut_b) {       // the next item belongs to another batch entry
-        named_bar_sync<NT>(1);   // (every warp finished reading the old table)
+      if constexpr (kGrouped) {
+        if (cc.b != lut_b) {  // another expert: its tensor scale, and its table if its codebook differs
+          const uint32_t entry = codebook_entry(cc.b);
+          ts = p.tensor_scale[cc.b];
+          lut_b = cc.b;
+          if (__any_sync(0xffffffffu, entry != held_entry)) {  // (the same answer in every warp)
+            named_bar_sync<NT>(1);
+            build_table<WP, Act>(s_lut, p.codebook + int64_t(cc.b) * (1 << BITS), tid, NT);
+            held_entry = entry;
+            named_bar_sync<NT>(1);
+          }
+        }
+      } else if (cc.b != lut_b) {  // the next item belongs to another batch entry
+        named_bar_sync<NT>(1);     // (every warp finished reading the old table)
         build_lut(cc.b);
         lut_b = cc.b;
         named_bar_sync<NT>(1);
       }
     }
     if (KS > 1 && item_seq == 0) cluster_wait();  // (no item: still pair the start's arrive)
+    if constexpr (kGrouped) {
+      const int64_t n_out = p.glu != kGluNone ? p.N / 2 : p.N;
+      ragged::zero_rows(static_cast<T*>(p.y), sched.row_start[sched.G], p.M, n_out, tid, NT);
+    }
   }  // consumer warps
   // no rank's shared memory may still be addressed by another (relaxed: the reducers leave nothing
   // in flight between the CTAs after their last item, item_reduce.cuh)

@@ -30,18 +30,26 @@ struct RaggedDotArgs {
 
 // Knobs for tests and benchmarks; the defaults mean "let the launcher decide".
 struct RaggedDotTuning {
-  bool force_generic = false;  // the SIMT kernel even where the tensor-core kernel applies
-  int ctas = 0;                // persistent CTAs to launch (0: as many as fit on the device)
+  bool force_generic = false;  // the SIMT kernel even where the fused kernel applies
+  int ctas = 0;                // the SIMT kernel's CTAs (0: as many as fit on the device)
+  int block_rows = 0;          // the fused kernel's tiling as for this many rows per expert (0: M / min(G, M))
 };
 
-// The kernel launch_ragged_dot uses for these arguments, for logs and tests: "mma" or
+// The kernel launch_ragged_dot uses for these arguments, for logs and tests: "fused" or
 // "generic (<reason>)".
 std::string ragged_dot_path(const RaggedDotArgs& a);
 
-// Largest G either kernel takes (their schedule keeps per-group prefix sums in shared memory).
+// Largest G the kernels take (their schedule keeps per-group prefix sums in shared memory; the
+// fused kernel's launch reports a G whose schedule leaves its ring no room, by name).
 constexpr int64_t kRaggedDotMaxGroups = 8192;
 
 std::string launch_ragged_dot(const RaggedDotArgs& a, cudaStream_t stream,
                               const RaggedDotTuning* tuning = nullptr);
+
+namespace fused {
+// The fused kernel's grouped launch for bits = BITS (ragged_dot_ws.cuh; ragged_dot_ws_b<bits>.cu).
+template <int BITS>
+std::string launch_ragged_dot_ws_bits(const RaggedDotArgs& a, cudaStream_t stream, const RaggedDotTuning* tuning);
+}  // namespace fused
 
 }  // namespace kbit::cuda
