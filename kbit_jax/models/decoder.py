@@ -30,6 +30,13 @@ embedding and norms replicated (a tied output projection too: it is the embeddin
 KV cache sharded over its kv-head axis. Each device holds its heads' slice of every weight;
 quantized weights are placed with ``kbit_jax.shard_weight`` and multiplied shard by shard
 (never gathered).
+
+Mixture-of-experts layers are expert-parallel over the same axis: each device holds ``G / tp``
+of every MoE layer's stacked experts (``P(axis, None, None)``, bf16 or quantized) and computes
+them under ``shard_map`` (`kbit_jax.flax.moe`): every device routes all tokens, multiplies the
+rows of its own experts and one all-reduce of the ``[tokens, dim]`` result combines them, so a
+MoE layer has two all-reduces as a dense one does and no expert weight moves. Routers and
+shared experts are replicated. `moe_path` names the expert product a step runs.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .. import flax as kflax
 from ..flax.convert import _nbytes, _progress
 from ..flax.layers import _LEAVES
-from ..flax.moe import MoE
+from ..flax.moe import KbitMoE, MoE, dense_method
 from ..examples import decode_attention as _decode
 from ..examples import fused_norm as _norm
 from ..ops import interleave_glu, quantize
@@ -58,7 +65,7 @@ __all__ = [
     "LLAMA3_70B", "LLAMA3_8B", "Llama", "LlamaConfig", "MLP", "MLP_GATE_MODES", "RMSNorm",
     "RopeScaling", "TINY", "TINY_TP", "TP_LAYOUT", "attend", "build_model", "cache_sharding",
     "check_tp", "decode", "decode_step", "fuse_gate_up", "fuse_qkv", "generate", "init_cache",
-    "linear_spec", "prefill", "quantized_tied_head", "variable_shardings", "rope", "rope_tables", "shard_model",
+    "linear_spec", "moe_path", "prefill", "quantized_tied_head", "variable_shardings", "rope", "rope_tables", "shard_model",
 ]
 
 #: ``attention=`` values: "xla" (jnp rotary embedding, cache update, einsums and softmax),
@@ -298,7 +305,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         if moe:
             self.mlp = MoE(cfg.dim, cfg.moe_hidden_dim, cfg.n_experts, cfg.experts_per_token,
-                           norm_topk_prob=cfg.norm_topk_prob, param_dtype=param_dtype, rngs=rngs)
+                           norm_topk_prob=cfg.norm_topk_prob, param_dtype=param_dtype,
+                           shared_intermediate=cfg.shared_expert_dim or None, rngs=rngs)
         else:
             self.mlp = MLP(cfg, param_dtype, rngs, gate=mlp_gate)
 
@@ -386,13 +394,32 @@ def _tp_size(mesh, axis: str) -> int:
 
 
 def check_tp(cfg: DecoderConfig, tp: int) -> None:
-    """ValueError unless ``cfg`` splits into ``tp`` tensor-parallel shards of whole heads."""
-    problems = [f"{name}={value}" for name, value in
-                (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
-                 ("hidden_dim", cfg.hidden_dim)) if value % tp]
+    """ValueError unless ``cfg`` splits into ``tp`` tensor-parallel shards of whole heads (and,
+    with dense MLP layers, of hidden_dim; with MoE layers, of whole experts)."""
+    sizes = [("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads)]
+    if len(cfg.moe_layers) < cfg.n_layers:
+        sizes.append(("hidden_dim", cfg.hidden_dim))
+    if cfg.moe_layers:
+        sizes.append(("n_experts", cfg.n_experts))
+    problems = [f"{name}={value}" for name, value in sizes if value % tp]
     if problems:
-        raise ValueError(f"tensor parallelism over {tp} devices needs n_heads, n_kv_heads and "
-                         f"hidden_dim divisible by {tp}; got {', '.join(problems)}")
+        raise ValueError(f"tensor parallelism over {tp} devices needs "
+                         f"{', '.join(name for name, _ in sizes)} divisible by {tp}; "
+                         f"got {', '.join(problems)}")
+
+
+def moe_path(cfg: DecoderConfig, bits: int | None, tokens: int, tp: int = 1) -> str | None:
+    """The routed-expert product a step over ``tokens`` tokens runs (None without MoE layers):
+    "kbit ragged_dot" (quantized), "gather-einsum" or "lax.ragged_dot" (bf16,
+    ``kbit_jax.flax.moe.dense_method``), prefixed "ep " when expert-parallel (``tp > 1``)."""
+    if not cfg.moe_layers:
+        return None
+    if bits is not None:
+        path = "kbit ragged_dot"
+    else:
+        path = {"gather": "gather-einsum", "ragged": "lax.ragged_dot"}[
+            dense_method(tokens * cfg.experts_per_token, cfg.n_experts)]
+    return f"ep {path}" if tp > 1 else path
 
 
 def cache_sharding(mesh, axis: str = "tp") -> NamedSharding:
@@ -422,7 +449,20 @@ def variable_shardings(model, mesh, axis: str = "tp") -> dict:
     (``nnx.eval_shape``), e.g. to restore a checkpoint straight into its shards."""
     tp = _tp_size(mesh, axis)
     out = {}
+    stacked = P(axis, None, None)
     for path, module in nnx.iter_modules(model):
+        if isinstance(module, MoE):          # experts over the axis: expert parallelism
+            for var in (module.gate, module.up, module.down):
+                out[id(var)] = (var, NamedSharding(mesh, stacked), tuple(stacked))
+            continue
+        if isinstance(module, KbitMoE):
+            names = kflax.leaf_sharding(tuple(stacked))
+            for weight in (module.gate_up, module.down):
+                shardings = weight_shardings(_weight_value(weight), mesh, stacked)
+                for leaf in _LEAVES:
+                    var = getattr(weight, leaf)
+                    out[id(var)] = (var, getattr(shardings, leaf), names[leaf])
+            continue
         if not isinstance(module, (nnx.Linear, kflax.KbitLinear)) or not path:
             continue
         spec = linear_spec(path[-1], module.in_features, module.out_features, axis, tp)
@@ -445,6 +485,12 @@ def variable_shardings(model, mesh, axis: str = "tp") -> dict:
     return out
 
 
+def _weight_value(weight):
+    """A KbitWeight of QuantizedWeight variables as one of their values (arrays or, on an
+    abstract model, shape structs)."""
+    return jax.tree.map(lambda v: v.get_value(), weight, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
 def shard_model(model, mesh, axis: str = "tp"):
     """Place ``model`` (a `Llama`, or any sub-module such as one `Block`) tensor-parallel over
     ``mesh``'s axis ``axis``, in place; returns it.
@@ -455,10 +501,14 @@ def shard_model(model, mesh, axis: str = "tp"):
     that would cut a 32-element block, e.g. o_proj's K/tp not a multiple of 32); a dense
     kernel by ``jax.device_put``. Each placed variable records its spec as ``out_sharding``
     metadata, so ``nnx.get_partition_spec(nnx.state(model))`` describes the placement.
-    Everything else (embedding, norms) is replicated over the mesh.
+    Everything else (embedding, norms) is replicated over the mesh. Mixture-of-experts blocks
+    (`MoE`, `KbitMoE`) are expert-parallel: their stacked experts ``P(axis, None, None)``, their
+    ``ep_axis`` set to ``axis`` (they then compute under ``shard_map``), router and shared
+    expert replicated.
 
-    Raises ValueError when ``axis`` is not in the mesh or ``n_heads``, ``n_kv_heads`` or
-    ``hidden_dim`` is not divisible by the axis size.
+    Raises ValueError when ``axis`` is not in the mesh or ``n_heads``, ``n_kv_heads``,
+    ``hidden_dim`` (with dense MLPs) or ``n_experts`` (with MoE layers) is not divisible by the
+    axis size.
     """
     tp = _tp_size(mesh, axis)
     if isinstance(model, Llama):
@@ -472,6 +522,11 @@ def shard_model(model, mesh, axis: str = "tp"):
                 raise ValueError(f"tensor parallelism over {tp} devices needs n_heads and "
                                  f"n_kv_heads divisible by {tp}; got {', '.join(problems)}")
             module.tp_axis = axis
+        if isinstance(module, (MoE, KbitMoE)):
+            if module.num_experts % tp:
+                raise ValueError(f"expert parallelism over {tp} devices needs num_experts divisible "
+                                 f"by {tp}; got {module.num_experts}")
+            module.ep_axis = axis
     for var, sharding, names in variable_shardings(model, mesh, axis).values():
         var.set_value(jax.device_put(var.get_value(), sharding))
         if names is not None:
