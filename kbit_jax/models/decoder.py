@@ -403,9 +403,9 @@ def check_tp(cfg: DecoderConfig, tp: int) -> None:
         sizes.append(("n_experts", cfg.n_experts))
     problems = [f"{name}={value}" for name, value in sizes if value % tp]
     if problems:
-        raise ValueError(f"tensor parallelism over {tp} devices needs "
-                         f"{', '.join(name for name, _ in sizes)} divisible by {tp}; "
-                         f"got {', '.join(problems)}")
+        names = [name for name, _ in sizes]
+        raise ValueError(f"tensor parallelism over {tp} devices needs {', '.join(names[:-1])} and "
+                         f"{names[-1]} divisible by {tp}; got {', '.join(problems)}")
 
 
 def moe_path(cfg: DecoderConfig, bits: int | None, tokens: int, tp: int = 1) -> str | None:
