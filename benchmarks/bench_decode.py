@@ -103,7 +103,7 @@ DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tin
 #: flag takes a comma list, and every combination is a row. Spelled out here: the driver parses
 #: its arguments before importing jax and flax (the decoder module would pull them in).
 MODES = {"attention": ("auto", "xla", "pallas"), "norm": ("auto", "xla", "pallas"),
-         "mlp_gate": ("auto", "xla")}
+         "mlp_gate": ("auto", "xla"), "moe_method": ("auto", "gather", "ragged", "all")}
 
 
 # -- worker: one model, all batch sizes -------------------------------------------------------
@@ -296,7 +296,7 @@ def run_worker(args) -> list[dict]:
         rows.append({
             **base, "status": "ok", "batch": batch,
             # The routed-expert product of a decode step (None: no MoE layers).
-            "moe_path": decoder.moe_path(cfg, bits, batch, tp),
+            "moe_path": decoder.moe_path(cfg, bits, batch, tp, args.moe_method),
             "decode_tokens_per_s": batch * steps / decode_s,
             "decode_ms_per_step": 1e3 * decode_s / steps,
             "prefill_ms": 1e3 * prefill_s,
@@ -550,6 +550,8 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"axis); attention: the single-token attention (`decoder.ATTENTION_MODES`; auto = the "
         f"Pallas kernel on a GPU); norm: the residual add + RMSNorm (auto = its Pallas kernel on "
         f"a GPU); mlp gate: where silu(gate) * up runs (auto = inside the kbit gate/up kernel); "
+        f"moe method: the bf16 MoE layers' expert path (`kbit_jax.flax.moe.MOE_METHODS`), and moe "
+        f"the product a decode step runs (k-bit: kbit ragged_dot; ep: experts over the tp devices); "
         f"vs bf16 compares with bf16 at the same tp and modes; "
         f"model GiB is the whole model, "
         f"GiB/dev the first device's share. "
@@ -559,9 +561,9 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         + (" Rows ran concurrently on disjoint GPUs (--concurrent)."
            if any(r.get("concurrent") for r in rows) else ""),
         "",
-        "| config | tp | attention | norm | mlp gate | " + ("xla flags | " if show_flags else "")
+        "| config | tp | attention | norm | mlp gate | moe method | " + ("xla flags | " if show_flags else "")
         + "batch | weights | moe | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
-        "|---|---:|---|---|---|" + ("---|" if show_flags else "") + "---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---|---|---|" + ("---|" if show_flags else "") + "---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         tp, mode_cells = r.get("tp", 1), " | ".join(modes(r))
@@ -631,6 +633,10 @@ def parse_args(argv=None):
     p.add_argument("--mlp-gate", default="auto",
                    help="comma list of MLP gate modes, each a row (with every other mode): auto "
                         "(silu(gate) * up inside the kbit gate/up kernel), xla (default auto)")
+    p.add_argument("--moe-method", default="auto",
+                   help="comma list of the bf16 MoE layers' expert paths, each a row (with every "
+                        "other mode): auto (gather-einsum at decode sizes, else lax.ragged_dot), "
+                        "gather, ragged, all (every expert; the reference) (default auto)")
     p.add_argument("--out", default=None, help="directory for <name>.json and <name>.md")
     p.add_argument("--name", default="decode", help="file name stem under --out (default: decode)")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")
@@ -688,6 +694,8 @@ def main(argv=None):
                 for values in itertools.product(*(getattr(args, m).split(",") for m in MODES)):
                     modes = dict(zip(MODES, values))
                     for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
+                        if weights != "bf16" and modes["moe_method"] != args.moe_method.split(",")[0]:
+                            continue      # k-bit MoE layers have one path: one row
                         jobs.append((config, weights, tp, modes, xla_flags))
     if args.in_process:
         for config, weights, tp, modes, _ in jobs:

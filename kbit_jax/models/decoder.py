@@ -299,14 +299,15 @@ class Block(nnx.Module):
     quantize it into a ``KbitMoE``)."""
 
     def __init__(self, cfg: DecoderConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto",
-                 norm: str = "auto", mlp_gate: str = "auto", moe: bool = False):
+                 norm: str = "auto", mlp_gate: str = "auto", moe: bool = False, moe_method: str = "auto"):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         self.attn = Attention(cfg, param_dtype, rngs, attention=attention)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         if moe:
             self.mlp = MoE(cfg.dim, cfg.moe_hidden_dim, cfg.n_experts, cfg.experts_per_token,
                            norm_topk_prob=cfg.norm_topk_prob, param_dtype=param_dtype,
-                           shared_intermediate=cfg.shared_expert_dim or None, rngs=rngs)
+                           shared_intermediate=cfg.shared_expert_dim or None, method=moe_method,
+                           rngs=rngs)
         else:
             self.mlp = MLP(cfg, param_dtype, rngs, gate=mlp_gate)
 
@@ -330,19 +331,21 @@ class Llama(nnx.Module):
     (optional) runs on each block as soon as it is built, e.g. to quantize it before the next
     one is allocated. ``attention`` picks the single-token attention (`ATTENTION_MODES`;
     prompts always take the XLA path), ``norm`` the residual add + RMSNorm (`KERNEL_MODES`),
-    ``mlp_gate`` where the MLP's silu(gate) * up runs (`MLP_GATE_MODES`).
+    ``mlp_gate`` where the MLP's silu(gate) * up runs (`MLP_GATE_MODES`), ``moe_method`` how
+    a dense MoE layer multiplies its experts (``kbit_jax.flax.moe.MOE_METHODS``).
 
     With ``cfg.tie_embeddings`` the output projection is the embedding (``lm_head`` is None)
     unless a separate, quantized head was made from it (``quantize_head``)."""
 
     def __init__(self, cfg: DecoderConfig, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
-                 block_hook=None, attention: str = "auto", norm: str = "auto", mlp_gate: str = "auto"):
+                 block_hook=None, attention: str = "auto", norm: str = "auto", mlp_gate: str = "auto",
+                 moe_method: str = "auto"):
         self.config = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, param_dtype=param_dtype, rngs=rngs)
         blocks = []
         for _ in range(cfg.n_layers):
             blocks.append(Block(cfg, param_dtype, rngs, attention=attention, norm=norm, mlp_gate=mlp_gate,
-                                moe=len(blocks) in cfg.moe_layers))
+                                moe=len(blocks) in cfg.moe_layers, moe_method=moe_method))
             if block_hook is not None:
                 block_hook(blocks[-1])
         self.layers = nnx.List(blocks)
@@ -408,17 +411,20 @@ def check_tp(cfg: DecoderConfig, tp: int) -> None:
                          f"{names[-1]} divisible by {tp}; got {', '.join(problems)}")
 
 
-def moe_path(cfg: DecoderConfig, bits: int | None, tokens: int, tp: int = 1) -> str | None:
+def moe_path(cfg: DecoderConfig, bits: int | None, tokens: int, tp: int = 1,
+             method: str = "auto") -> str | None:
     """The routed-expert product a step over ``tokens`` tokens runs (None without MoE layers):
-    "kbit ragged_dot" (quantized), "gather-einsum" or "lax.ragged_dot" (bf16,
-    ``kbit_jax.flax.moe.dense_method``), prefixed "ep " when expert-parallel (``tp > 1``)."""
+    "kbit ragged_dot" (quantized), else by the dense block's ``method`` ("auto":
+    ``kbit_jax.flax.moe.dense_method``) "gather-einsum", "lax.ragged_dot" or "all experts";
+    prefixed "ep " when expert-parallel (``tp > 1``)."""
     if not cfg.moe_layers:
         return None
     if bits is not None:
         path = "kbit ragged_dot"
     else:
-        path = {"gather": "gather-einsum", "ragged": "lax.ragged_dot"}[
-            dense_method(tokens * cfg.experts_per_token, cfg.n_experts)]
+        if method == "auto":
+            method = dense_method(tokens * cfg.experts_per_token, cfg.n_experts)
+        path = {"gather": "gather-einsum", "ragged": "lax.ragged_dot", "all": "all experts"}[method]
     return f"ep {path}" if tp > 1 else path
 
 
@@ -546,7 +552,7 @@ def quantized_tied_head(embed: nnx.Embed, bits: int, codebook: Any = "nf") -> kf
 def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
                 param_dtype=jnp.bfloat16, quantize_head: bool = False, progress: bool = False,
                 mesh=None, axis: str = "tp", attention: str = "auto", norm: str = "auto",
-                mlp_gate: str = "auto"):
+                mlp_gate: str = "auto", moe_method: str = "auto"):
     """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
 
     With ``bits``, each block goes through ``kbit_jax.flax.quantize_model`` as soon as it is
@@ -564,9 +570,11 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
     kernel of ``decode_attention.decode_attention_step`` on a GPU, rotary embedding and cache
     write included). ``norm`` picks the residual add + RMSNorm: `KERNEL_MODES` ("auto": the
     Pallas kernel of ``fused_norm.add_rms_norm`` on a GPU). ``mlp_gate``: `MLP_GATE_MODES`
-    ("auto": silu(gate) * up inside the quantized gate/up projection's kernel).
+    ("auto": silu(gate) * up inside the quantized gate/up projection's kernel). ``moe_method``:
+    the dense MoE layers' path, ``kbit_jax.flax.moe.MOE_METHODS`` ("auto": gather the chosen
+    experts at decode sizes, `moe_path`; quantized layers always run ``kbit_jax.ragged_dot``).
     """
-    modes = dict(attention=attention, norm=norm, mlp_gate=mlp_gate)
+    modes = dict(attention=attention, norm=norm, mlp_gate=mlp_gate, moe_method=moe_method)
     if mesh is not None:
         check_tp(cfg, _tp_size(mesh, axis))
     if bits is None:
