@@ -4,8 +4,11 @@ Experts are spread over a mesh axis: each device holds ``G / E`` consecutive exp
 `KbitWeight` sharded on its expert axis, ``P(axis, None, None)``). `expert_parallel_ragged_dot`
 is the per-device body of the all-gather + psum pattern: every device sees all rows (sorted by
 expert) and the global group sizes, multiplies the rows of its own experts, and the devices'
-products are summed over the axis. Under plain ``jit`` the same happens without shard_map
-when the weight is sharded on its expert axis (see `kbit_jax.primitives.ragged_dot`).
+products are summed over the axis. `local_ragged_dot` is the same product without the sum,
+for several products on one set of rows with one sum at the end (the decoder's expert-parallel
+MoE layers: `kbit_jax.flax.moe.KbitMoE` under ``shard_map``). Under plain ``jit`` the same
+happens without shard_map when the weight is sharded on its expert axis (see
+`kbit_jax.primitives.ragged_dot`).
 """
 
 from __future__ import annotations
