@@ -103,7 +103,7 @@ DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tin
 #: flag takes a comma list, and every combination is a row. Spelled out here: the driver parses
 #: its arguments before importing jax and flax (the decoder module would pull them in).
 MODES = {"attention": ("auto", "xla", "pallas"), "norm": ("auto", "xla", "pallas"),
-         "mlp_gate": ("auto", "xla"), "moe_method": ("auto", "gather", "ragged", "all")}
+         "mlp_gate": ("auto", "xla"), "moe_method": ("auto", "gather", "gather-reduce", "ragged", "all")}
 
 
 # -- worker: one model, all batch sizes -------------------------------------------------------
@@ -636,7 +636,8 @@ def parse_args(argv=None):
     p.add_argument("--moe-method", default="auto",
                    help="comma list of the bf16 MoE layers' expert paths, each a row (with every "
                         "other mode): auto (gather-einsum at decode sizes, else lax.ragged_dot), "
-                        "gather, ragged, all (every expert; the reference) (default auto)")
+                        "gather, gather-reduce, ragged, all (every expert; the reference) "
+                        "(default auto)")
     p.add_argument("--out", default=None, help="directory for <name>.json and <name>.md")
     p.add_argument("--name", default="decode", help="file name stem under --out (default: decode)")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")

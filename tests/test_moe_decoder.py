@@ -63,7 +63,7 @@ def test_dense_method_rule():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dense_paths_match_every_expert_reference(rng, dtype):
-    """gather-einsum and lax.ragged_dot read only the chosen experts; both round where the
+    """gather-einsum, gather-reduce and lax.ragged_dot read only the chosen experts; they round where the
     every-expert reference does (the GLU's output and each expert's output to the computation
     dtype, sums in float32), so they differ only in float32 summation order."""
     moe = MoE(64, 32, 8, 3, shared_intermediate=64, param_dtype=dtype, method="all",
@@ -73,7 +73,7 @@ def test_dense_paths_match_every_expert_reference(rng, dtype):
     # Eager against eager, jit against jit: under jit XLA may keep excess precision where the
     # code rounds to bf16 (the router's logits too, which can change a near-tie's routing).
     refs = {"eager": np.asarray(moe(x), np.float64), "jit": np.asarray(jitted(moe, x), np.float64)}
-    for method in ("gather", "ragged"):
+    for method in ("gather", "gather-reduce", "ragged"):
         moe.method = method
         for mode, ref in refs.items():
             y = np.asarray(moe(x) if mode == "eager" else jitted(moe, x), np.float64)

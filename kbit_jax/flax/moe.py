@@ -54,9 +54,12 @@ from .layers import KbitLinear, QuantizedWeight, _check_quant_config
 __all__ = ["KbitMoE", "MOE_METHODS", "MoE", "dense_method", "route"]
 
 #: How the dense `MoE` multiplies the routed experts: "auto" (`dense_method`), "gather" (the
-#: chosen experts' kernels gathered per row, a batched einsum), "ragged" (rows sorted by expert,
-#: ``jax.lax.ragged_dot``), "all" (every expert on every token; the float reference).
-MOE_METHODS = ("auto", "gather", "ragged", "all")
+#: chosen experts' kernels gathered per row, a batched einsum), "gather-reduce" (the same
+#: product written as a float32 multiply and a sum over K, which XLA can fuse with the gather
+#: into one pass over the chosen kernels instead of a gathered copy and a batched matmul),
+#: "ragged" (rows sorted by expert, ``jax.lax.ragged_dot``), "all" (every expert on every
+#: token; the float reference).
+MOE_METHODS = ("auto", "gather", "gather-reduce", "ragged", "all")
 
 
 def dense_method(rows: int, num_experts: int) -> str:
@@ -187,7 +190,7 @@ class MoE(nnx.Module):
         self.ep_axis = None   # the mesh axis the experts are sharded over (shard_model sets it)
 
     def method_for(self, tokens: int) -> str:
-        """The path `__call__` takes for ``tokens`` tokens ("gather", "ragged" or "all")."""
+        """The path `__call__` takes for ``tokens`` tokens (one of `MOE_METHODS` but "auto")."""
         return dense_method(tokens * self.top_k, self.num_experts) if self.method == "auto" else self.method
 
     def __call__(self, x):
@@ -227,13 +230,17 @@ class MoE(nnx.Module):
         local, k = gate.shape[0], self.top_k
         first = _first_expert(ep_axis, local)
         precision = jax.lax.Precision.HIGHEST
-        if method == "gather":
+        if method in ("gather", "gather-reduce"):
             flat = ids.reshape(-1) - first
             mine = (flat >= 0) & (flat < local)
             flat = jnp.where(mine, flat, 0)
             rows = jnp.repeat(tokens, k, axis=0)                                  # [T * k, K]
-            dot = lambda x, w: jnp.einsum("rk,rkn->rn", x, w[flat], precision=precision,  # noqa: E731
-                                          preferred_element_type=jnp.float32)
+            if method == "gather":
+                dot = lambda x, w: jnp.einsum("rk,rkn->rn", x, w[flat], precision=precision,  # noqa: E731
+                                              preferred_element_type=jnp.float32)
+            else:
+                dot = lambda x, w: jnp.sum(x.astype(jnp.float32)[:, :, None]  # noqa: E731
+                                           * w[flat].astype(jnp.float32), axis=1)
             h = (act(dot(rows, gate)) * dot(rows, up)).astype(dtype)
             out = dot(h, down).astype(dtype)
             return _combine(out, jnp.where(mine.reshape(weights.shape), weights, 0.0))

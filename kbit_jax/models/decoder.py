@@ -415,7 +415,8 @@ def moe_path(cfg: DecoderConfig, bits: int | None, tokens: int, tp: int = 1,
              method: str = "auto") -> str | None:
     """The routed-expert product a step over ``tokens`` tokens runs (None without MoE layers):
     "kbit ragged_dot" (quantized), else by the dense block's ``method`` ("auto":
-    ``kbit_jax.flax.moe.dense_method``) "gather-einsum", "lax.ragged_dot" or "all experts";
+    ``kbit_jax.flax.moe.dense_method``) "gather-einsum", "gather-reduce", "lax.ragged_dot" or
+    "all experts";
     prefixed "ep " when expert-parallel (``tp > 1``)."""
     if not cfg.moe_layers:
         return None
@@ -424,7 +425,8 @@ def moe_path(cfg: DecoderConfig, bits: int | None, tokens: int, tp: int = 1,
     else:
         if method == "auto":
             method = dense_method(tokens * cfg.experts_per_token, cfg.n_experts)
-        path = {"gather": "gather-einsum", "ragged": "lax.ragged_dot", "all": "all experts"}[method]
+        path = {"gather": "gather-einsum", "gather-reduce": "gather-reduce", "ragged": "lax.ragged_dot",
+                "all": "all experts"}[method]
     return f"ep {path}" if tp > 1 else path
 
 
