@@ -10,8 +10,8 @@ Both compute, per token ``x[K]``::
 ``[G, K, H]``, ``down`` ``[G, H, K]``): the float model, and the block a checkpoint is loaded
 into before quantization. It reads only the chosen experts when few rows are routed
 (`MOE_METHODS`, `dense_method`): "gather" gathers the ``T * k`` chosen experts' kernels
-(``gate[ids]`` -> ``[T * k, K, H]``) and multiplies each row by its own with a batched einsum;
-"ragged" sorts the rows by expert for ``jax.lax.ragged_dot`` (which on GPUs reads every expert);
+(``gate[ids]`` -> ``[T * k, K, H]``) and multiplies each row by its own with a batched einsum
+("gather-reduce": as a multiply and a sum XLA can fuse with the gather); "ragged" sorts the rows by expert for ``jax.lax.ragged_dot`` (which on GPUs reads every expert);
 "all" runs every expert on every token and zero-weights the others (the reference).
 ``KbitMoE.from_dense`` (or ``kbit_jax.flax.quantize_model``) turns it into ``KbitMoE``: gate
 and up interleaved into one ``KbitWeight`` ``[G, K, 2H]`` (``kbit_jax.interleave_glu``),
@@ -40,10 +40,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from ..format import BLOCK, KbitWeight
 from jax.sharding import PartitionSpec as P
 
+from ..format import BLOCK, KbitWeight
 from ..moe import _axis_index_and_size, local_ragged_dot
 from ..ops import interleave_glu, quantize, ragged_dot
 from ..primitives.ragged_dot import local_experts_product
@@ -203,10 +202,10 @@ class MoE(nnx.Module):
         if method == "all":
             y = self._all_experts(tokens, weights, ids, dtype)
         else:
-            body = lambda tokens, weights, ids, gate, up, down: self._routed(  # noqa: E731
-                tokens, weights, ids, gate, up, down, method, dtype, ep)
             mesh = _ep_mesh(self.ep_axis)
             ep = self.ep_axis if mesh is not None else None
+            body = lambda tokens, weights, ids, gate, up, down: self._routed(  # noqa: E731
+                tokens, weights, ids, gate, up, down, method, dtype, ep)
             experts = (self.gate[...], self.up[...], self.down[...])
             if ep is None:
                 y = body(tokens, weights, ids, *experts)
