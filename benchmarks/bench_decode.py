@@ -33,6 +33,26 @@ CPU smoke test of the tensor-parallel path ("tiny-tp" splits over up to 4 device
         --configs tiny-tp --tp 1,2,4 --batches 1,2 --weights bf16,4 --prompt 16 --new-tokens 8 \\
         --reps 1 --out /tmp/decode_tp
 
+Mixture-of-experts configs (random weights, the routed- and shared-expert sizes of the real
+models: ``kbit_jax.models.config``). The Qwen3-Coder-Next-class model (~80B) at K=4 on one H200
+(bf16 does not fit), and its 12-layer variant in bf16 and K=4 (the "moe" column names the
+routed-expert product: bf16 through ``kbit_jax.flax.MoE``'s gather-einsum or lax.ragged_dot, k-bit
+through kbit ragged_dot; "ep" with --tp > 1: experts sharded over the devices):
+    python benchmarks/bench_decode.py --configs qwen3-coder-next-12l --weights bf16,4 \
+        --batches 1,8 --prompt 32 --new-tokens 64 --reps 2 --progress --out /tmp/decode_moe
+    python benchmarks/bench_decode.py --configs qwen3-coder-next --weights 4 --batches 1,8 \
+        --prompt 32 --new-tokens 64 --reps 2 --progress --out /tmp/decode_moe80b
+    python benchmarks/bench_decode.py --configs glm-4.7-flash,qwen3-30b-a3b --weights bf16,4 \
+        --batches 1,8 --prompt 32 --new-tokens 64 --reps 2 --out /tmp/decode_moe30b
+``--layers N`` keeps the first N layers of every config (e.g. ``--configs qwen3-coder-next
+--layers 12`` is qwen3-coder-next-12l). Expert parallelism over 2 GPUs:
+    python benchmarks/bench_decode.py --configs qwen3-coder-next --weights 4 --tp 1,2 \
+        --batches 1,8 --prompt 32 --new-tokens 64 --reps 2 --out /tmp/decode_moe_ep
+CPU smoke test of the MoE paths (8 experts; expert parallelism over 8 simulated devices):
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_decode.py \
+        --configs tiny-moe --tp 1,8 --batches 1,4 --weights bf16,4 --prompt 8 --new-tokens 4 \
+        --reps 1 --out /tmp/decode_moe_cpu
+
 The whole Llama-3-70B sweep on a 4-GPU machine in one command (tp 4, 2, 1; batch 1 and 8;
 bf16, K = 4, K = 2): ``--concurrent`` runs workers whose GPUs do not overlap at the same time
 (the tp-4 rows alone, then two tp-2 rows side by side, then tp 2 next to the tp-1 rows), each
@@ -66,6 +86,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,12 +96,14 @@ RESULT = "RESULT "  # prefix of the worker's stdout line carrying its rows as JS
 #: Weights benchmarked per config by default ("bf16" or a bit width). The 70B config in bf16
 #: does not fit one H200 (141 GB of weights); it is attempted and reported as not fitting.
 DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tiny": "bf16,2,3,4,5",
-                   "tiny-tp": "bf16,2,3,4,5"}
+                   "tiny-tp": "bf16,2,3,4,5", "tiny-moe": "bf16,4", "qwen3-coder-next": "4",
+                   "qwen3-coder-next-12l": "bf16,4", "glm-4.7-flash": "bf16,4",
+                   "qwen3-30b-a3b": "bf16,4"}
 #: The decoder's kernel choices (`decoder.build_model` keywords) and their values; each
 #: flag takes a comma list, and every combination is a row. Spelled out here: the driver parses
 #: its arguments before importing jax and flax (the decoder module would pull them in).
 MODES = {"attention": ("auto", "xla", "pallas"), "norm": ("auto", "xla", "pallas"),
-         "mlp_gate": ("auto", "xla")}
+         "mlp_gate": ("auto", "xla"), "moe_method": ("auto", "gather", "gather-reduce", "ragged", "all")}
 
 
 # -- worker: one model, all batch sizes -------------------------------------------------------
@@ -108,6 +131,42 @@ def hlo_collectives(text: str) -> dict:
     return {**collective_counts(text), "all_gather_shapes": all_gather_shapes(text)}
 
 
+class _Lines:
+    """stderr for the worker's progress bar: tqdm redraws with carriage returns, which a pipe
+    read line by line would hold back; each redraw becomes a line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        for part in text.replace("\r", "\n").split("\n"):
+            if part.strip():
+                self.stream.write(part.rstrip() + "\n")
+        self.stream.flush()
+
+    def flush(self):
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def weight_bytes(cfg, bits, tp: int = 1) -> float:
+    """Bytes of one device's weights: attention, dense MLPs and routed experts split over the
+    ``tp`` devices (tensor / expert parallel), k-bit at ``bits + 0.25`` bits per weight (codes and
+    one E4M4 scale per 32) when quantized; embedding, routers, norms and shared experts
+    replicated (lm_head split), bf16 unless quantized."""
+    per_weight = 2.0 if bits is None else (bits + 0.25) / 8
+    attn = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    n_moe = len(cfg.moe_layers)
+    split = (cfg.n_layers * attn + (cfg.n_layers - n_moe) * 3 * cfg.dim * cfg.hidden_dim
+             + n_moe * cfg.n_experts * 3 * cfg.dim * cfg.moe_hidden_dim)
+    shared = n_moe * 3 * cfg.dim * cfg.shared_expert_dim
+    head = 0 if cfg.tie_embeddings else cfg.dim * cfg.vocab_size
+    rest = cfg.num_params() - split - shared - head          # embedding, routers, norms
+    return split * per_weight / tp + shared * per_weight + 2 * head / tp + 2 * rest
+
+
 def run_worker(args) -> list[dict]:
     sys.path.insert(0, ROOT)
     import jax
@@ -116,7 +175,7 @@ def run_worker(args) -> list[dict]:
     from flax import nnx
 
     import kbit_jax
-    from kbit_jax.models import decoder
+    from kbit_jax.models import config, decoder
 
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -127,9 +186,12 @@ def run_worker(args) -> list[dict]:
         # not make every process's key different.
         jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
     cfg = decoder.CONFIGS[args.config]
+    if args.layers:
+        cfg = config.with_layers(cfg, args.layers)
     bits = None if args.weights == "bf16" else int(args.weights)
     tp = args.tp
-    base = {"config": args.config, "weights": args.weights, "bits": bits, "tp": tp,
+    base = {"config": args.config, "layers": cfg.n_layers, "layers_override": bool(args.layers),
+            "weights": args.weights, "bits": bits, "tp": tp,
             **{m: getattr(args, m) for m in MODES}, "quantize_head": args.quantize_head,
             "prompt": args.prompt, "new_tokens": args.new_tokens,
             "xla_flags": args.xla_flags[0] if args.xla_flags else "",
@@ -143,18 +205,13 @@ def run_worker(args) -> list[dict]:
         return [{**base, "status": f"cannot split: {e}"}]
     devices = jax.devices()[:tp]
 
-    # Would the model fit? Per device: its share of the linear layers and lm_head, the whole
-    # embedding (replicated), the largest KV cache's share; activations are small at decode.
-    n = cfg.num_params()
-    linear = cfg.n_layers * (cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-                             + 3 * cfg.dim * cfg.hidden_dim)
-    head = cfg.dim * cfg.vocab_size
-    linear_bytes = 2 * linear if bits is None else linear * (bits + 0.25) / 8
-    weight_bytes = linear_bytes / tp + 2 * head / tp + 2 * (n - linear - head)
+    # Would the model fit? Per device: its share of the weights (`weight_bytes`), the largest
+    # KV cache's share; activations are small at decode.
+    weight_bytes_ = weight_bytes(cfg, bits, tp)
     cache_bytes = 4 * cfg.n_layers * max(args.batches) * max_len * cfg.n_kv_heads * cfg.head_dim / tp
     limit, _ = _device_memory(devices)
-    if limit is not None and weight_bytes + cache_bytes > limit:
-        return [{**base, "status": f"does not fit: needs ~{(weight_bytes + cache_bytes) / GIB:.1f} GiB "
+    if limit is not None and weight_bytes_ + cache_bytes > limit:
+        return [{**base, "status": f"does not fit: needs ~{(weight_bytes_ + cache_bytes) / GIB:.1f} GiB "
                                    f"per device, device has {limit / GIB:.1f} GiB"}]
 
     mesh = None
@@ -163,6 +220,8 @@ def run_worker(args) -> list[dict]:
         mesh = jax.make_mesh((tp,), ("tp",), axis_types=(axis_type,), devices=devices)
         base["axis_type"] = args.axis_type
     t0 = time.perf_counter()
+    if args.progress:
+        sys.stderr = _Lines(sys.stderr)
     model, report = decoder.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
                                       param_dtype=jnp.bfloat16, quantize_head=args.quantize_head,
                                       progress=args.progress, mesh=mesh,
@@ -236,6 +295,8 @@ def run_worker(args) -> list[dict]:
         _, peak = _device_memory(devices)
         rows.append({
             **base, "status": "ok", "batch": batch,
+            # The routed-expert product of a decode step (None: no MoE layers).
+            "moe_path": decoder.moe_path(cfg, bits, batch, tp, args.moe_method),
             "decode_tokens_per_s": batch * steps / decode_s,
             "decode_ms_per_step": 1e3 * decode_s / steps,
             "prefill_ms": 1e3 * prefill_s,
@@ -364,15 +425,18 @@ def environment() -> dict:
 
 
 def start_worker(args, config: str, weights: str, tp: int, modes: dict, xla_flags: str = "",
-                 gpus=None) -> dict:
+                 gpus=None, live: bool = False) -> dict:
     """Start the worker of one (config, weights, tp, modes) in its own process, with
     ``xla_flags`` added to XLA_FLAGS and, given ``gpus``, CUDA_VISIBLE_DEVICES set to them.
+    With ``live`` its stderr (progress) is also echoed as it comes.
     Its output goes to temporary files (pipes could fill while other workers run)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config,
            "--weights", weights, "--batches", ",".join(map(str, args.batches)),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
            "--reps", str(args.reps), "--codebook", args.codebook, "--tp", str(tp),
            "--axis-type", args.axis_type]
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
     for m, value in modes.items():
         cmd += [f"--{m.replace('_', '-')}", value]
     if args.profile:
@@ -390,8 +454,18 @@ def start_worker(args, config: str, weights: str, tp: int, modes: dict, xla_flag
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=ROOT)
-    return {"proc": proc, "out": out, "err": err, "gpus": gpus, "start": time.perf_counter(),
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE if live else err, text=True,
+                            env=env, cwd=ROOT)
+    echo = None
+    if live:
+        def copy():
+            for line in proc.stderr:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+                err.write(line)
+        echo = threading.Thread(target=copy, daemon=True)
+        echo.start()
+    return {"proc": proc, "out": out, "err": err, "echo": echo, "gpus": gpus, "start": time.perf_counter(),
             "row": {"config": config, "weights": weights, "tp": tp, **modes, "xla_flags": xla_flags}}
 
 
@@ -399,11 +473,14 @@ def finish_worker(worker: dict) -> list[dict]:
     """Wait for a `start_worker` process; its rows, or one row saying how it failed."""
     proc = worker["proc"]
     proc.wait()
+    if worker.get("echo") is not None:
+        worker["echo"].join()
     out, err = worker["out"], worker["err"]
     out.seek(0), err.seek(0)
     stdout, stderr = out.read(), err.read()
     out.close(), err.close()
-    sys.stderr.write(stderr)      # the worker's progress and any crash report
+    if worker.get("echo") is None:
+        sys.stderr.write(stderr)      # the worker's progress and any crash report
     wall = time.perf_counter() - worker["start"]
     row = worker["row"]
     print(f"worker {row['config']} {row['weights']} tp {row['tp']}"
@@ -419,7 +496,7 @@ def finish_worker(worker: dict) -> list[dict]:
 
 
 def run_subprocess(args, config: str, weights: str, tp: int, modes: dict, xla_flags: str = "") -> list[dict]:
-    return finish_worker(start_worker(args, config, weights, tp, modes, xla_flags))
+    return finish_worker(start_worker(args, config, weights, tp, modes, xla_flags, live=True))
 
 
 def run_concurrent(args, jobs: list[tuple], gpus: list[str]) -> list[dict]:
@@ -442,6 +519,11 @@ def run_concurrent(args, jobs: list[tuple], gpus: list[str]) -> list[dict]:
                 free += worker["gpus"]
                 del running[i]
     return [r for i in range(len(jobs)) for r in rows[i]]
+
+
+def config_cell(row: dict) -> str:
+    """The config's name, with its layer count when --layers changed it."""
+    return f"{row['config']} ({row['layers']} layers)" if row.get("layers_override") else row["config"]
 
 
 def to_markdown(env: dict, args, rows: list[dict]) -> str:
@@ -468,6 +550,8 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"axis); attention: the single-token attention (`decoder.ATTENTION_MODES`; auto = the "
         f"Pallas kernel on a GPU); norm: the residual add + RMSNorm (auto = its Pallas kernel on "
         f"a GPU); mlp gate: where silu(gate) * up runs (auto = inside the kbit gate/up kernel); "
+        f"moe method: the bf16 MoE layers' expert path (`kbit_jax.flax.moe.MOE_METHODS`), and moe "
+        f"the product a decode step runs (k-bit: kbit ragged_dot; ep: experts over the tp devices); "
         f"vs bf16 compares with bf16 at the same tp and modes; "
         f"model GiB is the whole model, "
         f"GiB/dev the first device's share. "
@@ -477,21 +561,22 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         + (" Rows ran concurrently on disjoint GPUs (--concurrent)."
            if any(r.get("concurrent") for r in rows) else ""),
         "",
-        "| config | tp | attention | norm | mlp gate | " + ("xla flags | " if show_flags else "")
-        + "batch | weights | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
-        "|---|---:|---|---|---|" + ("---|" if show_flags else "") + "---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | tp | attention | norm | mlp gate | moe method | " + ("xla flags | " if show_flags else "")
+        + "batch | weights | moe | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
+        "|---|---:|---|---|---|---|" + ("---|" if show_flags else "") + "---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         tp, mode_cells = r.get("tp", 1), " | ".join(modes(r))
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | {tp} | {mode_cells} | | {r['weights']} | {r['status']} | | | | | | |")
+            lines.append(f"| {config_cell(r)} | {tp} | {mode_cells} | | {r['weights']} | | {r['status']} | | | | | | |")
             continue
         base = dense.get(key(r))
         speedup = f"{r['decode_tokens_per_s'] / base:.2f}x" if base else "-"
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         weights = "bf16" if r["bits"] is None else f"K={r['bits']}"
         per_device = r.get("device_model_gib", r["model_gib"])
-        lines.append(f"| {r['config']} | {tp} | {mode_cells} | {r['batch']} | {weights} | {r['decode_tokens_per_s']:.1f} | "
+        lines.append(f"| {config_cell(r)} | {tp} | {mode_cells} | {r['batch']} | {weights} | "
+                     f"{r.get('moe_path') or '-'} | {r['decode_tokens_per_s']:.1f} | "
                      f"{speedup} | {r['decode_ms_per_step']:.2f} | {r['prefill_ms']:.1f} | "
                      f"{r['model_gib']:.2f} | {per_device:.2f} | {peak} |")
     checked = [r for r in rows if r.get("decode_collectives")]
@@ -522,7 +607,9 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="llama3-8b,llama3-70b",
-                   help="comma list of: tiny, tiny-tp, llama3-8b, llama3-70b")
+                   help="comma list of: " + ", ".join(DEFAULT_WEIGHTS))
+    p.add_argument("--layers", default=None, type=int,
+                   help="keep the first N layers of each config (kbit_jax.models.config.with_layers)")
     p.add_argument("--weights", default=None,
                    help="comma list of bf16 and/or bit widths 2..5 (default per config: "
                         + "; ".join(f"{k}: {v}" for k, v in DEFAULT_WEIGHTS.items()) + ")")
@@ -546,6 +633,11 @@ def parse_args(argv=None):
     p.add_argument("--mlp-gate", default="auto",
                    help="comma list of MLP gate modes, each a row (with every other mode): auto "
                         "(silu(gate) * up inside the kbit gate/up kernel), xla (default auto)")
+    p.add_argument("--moe-method", default="auto",
+                   help="comma list of the bf16 MoE layers' expert paths, each a row (with every "
+                        "other mode): auto (gather-einsum at decode sizes, else lax.ragged_dot), "
+                        "gather, gather-reduce, ragged, all (every expert; the reference) "
+                        "(default auto)")
     p.add_argument("--out", default=None, help="directory for <name>.json and <name>.md")
     p.add_argument("--name", default="decode", help="file name stem under --out (default: decode)")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")
@@ -603,6 +695,8 @@ def main(argv=None):
                 for values in itertools.product(*(getattr(args, m).split(",") for m in MODES)):
                     modes = dict(zip(MODES, values))
                     for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
+                        if weights != "bf16" and modes["moe_method"] != args.moe_method.split(",")[0]:
+                            continue      # k-bit MoE layers have one path: one row
                         jobs.append((config, weights, tp, modes, xla_flags))
     if args.in_process:
         for config, weights, tp, modes, _ in jobs:

@@ -89,3 +89,26 @@ def test_in_process_refuses_xla_flags_and_concurrency(capsys):
         assert "--in-process runs in this process" in capsys.readouterr().err
     args = bench_decode.parse_args(["--xla-flags=", "--xla-flags=--xla_a=1 --xla_b=2"])
     assert args.xla_flags == ["", "--xla_a=1 --xla_b=2"]
+
+
+def test_moe_configs_fit_estimate_and_layers():
+    """The fit check of the MoE-class configs on one 141 GB H200: the 80B class fits at K=4 and
+    not in bf16, its 12-layer variant in bf16 with room; expert parallelism splits the experts."""
+    from kbit_jax.models import config, decoder
+
+    h200 = 141e9
+    qcn = decoder.CONFIGS["qwen3-coder-next"]
+    assert bench_decode.weight_bytes(qcn, 4) < 0.35 * h200 < h200 < bench_decode.weight_bytes(qcn, None)
+    assert bench_decode.weight_bytes(decoder.CONFIGS["qwen3-coder-next-12l"], None) < 0.35 * h200
+    assert bench_decode.weight_bytes(qcn, None, tp=2) < 0.6 * bench_decode.weight_bytes(qcn, None)
+    for name in ("glm-4.7-flash", "qwen3-30b-a3b"):
+        assert bench_decode.weight_bytes(decoder.CONFIGS[name], None) < 0.5 * h200
+    # bf16 bytes of a model are its parameters times 2 (the estimate misses nothing).
+    for cfg in (decoder.CONFIGS["tiny-moe"], decoder.LLAMA3_8B, qcn):
+        assert bench_decode.weight_bytes(cfg, None) == 2 * cfg.num_params()
+    assert set(bench_decode.DEFAULT_WEIGHTS) == set(decoder.CONFIGS)
+    args = bench_decode.parse_args(["--configs", "qwen3-coder-next", "--layers", "12"])
+    assert args.layers == 12 and config.with_layers(qcn, args.layers) == decoder.CONFIGS["qwen3-coder-next-12l"]
+    row = {"config": "qwen3-coder-next", "layers": 12, "layers_override": True}
+    assert bench_decode.config_cell(row) == "qwen3-coder-next (12 layers)"
+    assert bench_decode.config_cell({**row, "layers_override": False}) == "qwen3-coder-next"

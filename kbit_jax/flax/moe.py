@@ -7,8 +7,12 @@ Both compute, per token ``x[K]``::
     y = sum_j w[j] * down[e[j]](act(x @ gate[e[j]]) * (x @ up[e[j]]))  (+ shared expert)
 
 ``MoE`` holds the stacked expert kernels as float ``nnx.Param``\\ s (``gate``/``up``
-``[G, K, H]``, ``down`` ``[G, H, K]``) and evaluates every expert on every token: the float
-reference, and the block a checkpoint is loaded into before quantization.
+``[G, K, H]``, ``down`` ``[G, H, K]``): the float model, and the block a checkpoint is loaded
+into before quantization. It reads only the chosen experts when few rows are routed
+(`MOE_METHODS`, `dense_method`): "gather" gathers the ``T * k`` chosen experts' kernels
+(``gate[ids]`` -> ``[T * k, K, H]``) and multiplies each row by its own with a batched einsum
+("gather-reduce": as a multiply and a sum XLA can fuse with the gather); "ragged" sorts the rows by expert for ``jax.lax.ragged_dot`` (which on GPUs reads every expert);
+"all" runs every expert on every token and zero-weights the others (the reference).
 ``KbitMoE.from_dense`` (or ``kbit_jax.flax.quantize_model``) turns it into ``KbitMoE``: gate
 and up interleaved into one ``KbitWeight`` ``[G, K, 2H]`` (``kbit_jax.interleave_glu``),
 ``down`` a ``KbitWeight`` ``[G, H, K]``, the router kept dense. ``KbitMoE`` sorts the
@@ -20,6 +24,13 @@ State layout of ``KbitMoE`` (``nnx.state``): ``router/kernel`` (Param), ``gate_u
 scales,codebook,tensor_scale}`` and ``down/...`` (`QuantizedWeight`), and with a shared expert
 ``shared_gate_up`` / ``shared_down`` (`KbitLinear`). Orbax round trips go through
 `kbit_jax.flax.save_checkpoint` / `restore_checkpoint` like any NNX module.
+
+Expert parallelism: with ``ep_axis`` set (``kbit_jax.models.decoder.shard_model`` sets it and
+places the stacked experts ``P(ep_axis, None, None)``) and a mesh active (``jax.set_mesh``), both
+blocks run their experts under ``shard_map``: every device routes all tokens, multiplies the rows
+of its own experts (zeros for the others), sums each token's experts with its routing weights,
+and one psum of the ``[T, K]`` result combines the devices. No expert weight moves. The router
+and the shared expert are replicated.
 """
 
 from __future__ import annotations
@@ -29,13 +40,38 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ..format import BLOCK, KbitWeight
+from ..moe import _axis_index_and_size, local_ragged_dot
 from ..ops import interleave_glu, quantize, ragged_dot
+from ..primitives.ragged_dot import local_experts_product
 from ..reference import GLU_ACTIVATIONS
+from ..sharding import weight_specs
 from .layers import KbitLinear, QuantizedWeight, _check_quant_config
 
-__all__ = ["KbitMoE", "MoE", "route"]
+__all__ = ["KbitMoE", "MOE_METHODS", "MoE", "dense_method", "route"]
+
+#: How the dense `MoE` multiplies the routed experts: "auto" (`dense_method`), "gather" (the
+#: chosen experts' kernels gathered per row, a batched einsum), "gather-reduce" (the same
+#: product written as a float32 multiply and a sum over K, which XLA can fuse with the gather
+#: into one pass over the chosen kernels instead of a gathered copy and a batched matmul),
+#: "ragged" (rows sorted by expert, ``jax.lax.ragged_dot``), "all" (every expert on every
+#: token; the float reference).
+MOE_METHODS = ("auto", "gather", "gather-reduce", "ragged", "all")
+
+
+def dense_method(rows: int, num_experts: int) -> str:
+    """The dense block's path for ``rows = T * k`` (token, expert) pairs over ``num_experts``:
+    "gather" when ``3 * rows <= num_experts``, else "ragged".
+
+    The gather reads each chosen expert's kernels, writes the ``[rows, K, N]`` copy and reads it
+    again in the einsum: about 3 expert-reads per row. ``jax.lax.ragged_dot`` on a GPU expands
+    to a dense product over every expert: it reads all ``num_experts`` once (and does
+    ``num_experts`` times the FLOPs, which only matters for large ``rows``). So the gather
+    moves fewer bytes while ``3 * rows < num_experts``: at decode (Qwen3-Coder-Next, 512
+    experts, 10 per token: up to 17 tokens per step; 64 experts, 4 per token: up to 5)."""
+    return "gather" if 3 * rows <= num_experts else "ragged"
 
 _LEAVES = ("planes", "scales", "codebook", "tensor_scale")
 
@@ -69,6 +105,43 @@ def _tokens(x, hidden):
     return x.reshape(-1, hidden)
 
 
+def _ep_mesh(ep_axis):
+    """The active (abstract) mesh when ``ep_axis`` names one of its axes, else None."""
+    if ep_axis is None:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = ep_axis if isinstance(ep_axis, tuple) else (ep_axis,)
+    if mesh.empty or any(a not in mesh.axis_names for a in axes):
+        return None
+    return mesh
+
+
+def _first_expert(ep_axis, local: int):
+    """Global id of this device's first expert (0 without expert parallelism)."""
+    if ep_axis is None:
+        return 0
+    index, _ = _axis_index_and_size(ep_axis)
+    return index * local
+
+
+def _sorted_rows(ids, num_experts):
+    """The ``T * k`` (token, expert) pairs sorted by expert: (order, inverse, group sizes).
+    ``order[r]`` is the pair at sorted row r (token ``order[r] // k``); ``inverse`` undoes it."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    return order, inverse, sizes
+
+
+def _combine(out_rows, weights):
+    """``sum_j weights[t, j] * out[t, j]`` in float32 for the pairs' outputs ``[T * k, K]`` in token
+    order (a multiply-reduce XLA fuses with the gather that produced them)."""
+    t, k = weights.shape
+    out = out_rows.reshape(t, k, -1).astype(jnp.float32)
+    return jnp.sum(weights[:, :, None] * out, axis=1)
+
+
 class MoE(nnx.Module):
     """A dense (float) mixture-of-experts block: router, ``num_experts`` gated-MLP experts
     stacked in ``gate``/``up`` ``[G, K, H]`` and ``down`` ``[G, H, K]``, top-k routing, and an
@@ -82,13 +155,18 @@ class MoE(nnx.Module):
       activation: the GLU's gate, "silu" (SwiGLU) or "gelu_tanh".
       shared_intermediate: the shared expert's hidden width, None for none.
       dtype: computation dtype (None: x's). param_dtype: the kernels' dtype.
+      method: how the routed experts are multiplied, one of `MOE_METHODS` ("auto":
+        `dense_method` of ``T * top_k`` and ``num_experts``). Every path rounds the GLU's output
+        and each expert's output to the computation dtype and sums in float32.
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  norm_topk_prob: bool = True, activation: str = "silu",
                  shared_intermediate: int | None = None, dtype: Any = None,
-                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+                 param_dtype: Any = jnp.float32, method: str = "auto", rngs: nnx.Rngs):
         _check_config(hidden, intermediate, num_experts, top_k, activation, shared_intermediate)
+        if method not in MOE_METHODS:
+            raise ValueError(f"method must be one of {MOE_METHODS}, got {method!r}")
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         self.router = nnx.Linear(hidden, num_experts, use_bias=False, param_dtype=param_dtype, rngs=rngs)
         self.gate = nnx.Param(init(rngs.params(), (num_experts, hidden, intermediate), param_dtype))
@@ -107,13 +185,78 @@ class MoE(nnx.Module):
         self.norm_topk_prob, self.activation = norm_topk_prob, activation
         self.shared_intermediate = shared_intermediate
         self.dtype, self.param_dtype = dtype, param_dtype
+        self.method = method
+        self.ep_axis = None   # the mesh axis the experts are sharded over (shard_model sets it)
+
+    def method_for(self, tokens: int) -> str:
+        """The path `__call__` takes for ``tokens`` tokens (one of `MOE_METHODS` but "auto")."""
+        return dense_method(tokens * self.top_k, self.num_experts) if self.method == "auto" else self.method
 
     def __call__(self, x):
-        """``x[..., K]`` -> ``[..., K]``: every expert on every token, weighted by the router
-        (zero weight for experts outside a token's top k)."""
+        """``x[..., K]`` -> ``[..., K]``: each token through its top-k experts, weighted by the
+        router (`method_for` says how), plus the shared expert."""
         dtype = jnp.dtype(self.dtype or x.dtype)
         tokens = _tokens(x, self.hidden).astype(dtype)
         weights, ids = route(self.router(tokens), self.top_k, self.norm_topk_prob)
+        method = self.method_for(tokens.shape[0])
+        if method == "all":
+            y = self._all_experts(tokens, weights, ids, dtype)
+        else:
+            mesh = _ep_mesh(self.ep_axis)
+            ep = self.ep_axis if mesh is not None else None
+            body = lambda tokens, weights, ids, gate, up, down: self._routed(  # noqa: E731
+                tokens, weights, ids, gate, up, down, method, dtype, ep)
+            experts = (self.gate[...], self.up[...], self.down[...])
+            if ep is None:
+                y = body(tokens, weights, ids, *experts)
+            else:
+                stacked = P(ep, None, None)
+                y = jax.shard_map(
+                    lambda *a: jax.lax.psum(body(*a), ep), mesh=mesh,
+                    in_specs=(P(), P(), P(), stacked, stacked, stacked), out_specs=P(),
+                    check_vma=False)(tokens, weights, ids, *experts)
+        if self.shared_gate is not None:
+            act = GLU_ACTIVATIONS[self.activation]
+            s = act(self.shared_gate(tokens).astype(jnp.float32)) * self.shared_up(tokens).astype(jnp.float32)
+            y = y + self.shared_down(s.astype(dtype)).astype(jnp.float32)
+        return y.astype(dtype).reshape(x.shape)
+
+    def _routed(self, tokens, weights, ids, gate, up, down, method, dtype, ep_axis):
+        """The routed experts' weighted sum ``[T, K]`` (float32) over the experts in ``gate``,
+        ``up``, ``down`` (this device's, from global id `_first_expert`, under expert
+        parallelism: pairs routed elsewhere contribute zeros)."""
+        act = GLU_ACTIVATIONS[self.activation]
+        local, k = gate.shape[0], self.top_k
+        first = _first_expert(ep_axis, local)
+        precision = jax.lax.Precision.HIGHEST
+        if method in ("gather", "gather-reduce"):
+            flat = ids.reshape(-1) - first
+            mine = (flat >= 0) & (flat < local)
+            flat = jnp.where(mine, flat, 0)
+            rows = jnp.repeat(tokens, k, axis=0)                                  # [T * k, K]
+            if method == "gather":
+                dot = lambda x, w: jnp.einsum("rk,rkn->rn", x, w[flat], precision=precision,  # noqa: E731
+                                              preferred_element_type=jnp.float32)
+            else:
+                dot = lambda x, w: jnp.sum(x.astype(jnp.float32)[:, :, None]  # noqa: E731
+                                           * w[flat].astype(jnp.float32), axis=1)
+            h = (act(dot(rows, gate)) * dot(rows, up)).astype(dtype)
+            out = dot(h, down).astype(dtype)
+            return _combine(out, jnp.where(mine.reshape(weights.shape), weights, 0.0))
+        order, inverse, sizes = _sorted_rows(ids, self.num_experts)
+
+        def ragged(x, w):
+            kernel = lambda x_, w_, _a, _b, _c, sizes_: jax.lax.ragged_dot(  # noqa: E731
+                x_, w_, sizes_, precision=precision, preferred_element_type=jnp.float32)
+            return local_experts_product(kernel, x, w, None, None, None, sizes, first)
+
+        rows = tokens[order // k]
+        h = (act(ragged(rows, gate)) * ragged(rows, up)).astype(dtype)
+        out = ragged(h, down).astype(dtype)                      # rows of other devices' experts: 0
+        return _combine(out[inverse], weights)
+
+    def _all_experts(self, tokens, weights, ids, dtype):
+        """Every expert on every token (float32, HIGHEST), zero weight outside the top k."""
         combine = jnp.zeros((tokens.shape[0], self.num_experts), jnp.float32)
         combine = combine.at[jnp.arange(tokens.shape[0])[:, None], ids].add(weights)
         act = GLU_ACTIVATIONS[self.activation]
@@ -123,11 +266,7 @@ class MoE(nnx.Module):
         u = jnp.einsum("tk,ekh->teh", t32, self.up[...].astype(jnp.float32), precision=precision)
         h = (act(g) * u).astype(dtype).astype(jnp.float32)
         out = jnp.einsum("teh,ehk->tek", h, self.down[...].astype(jnp.float32), precision=precision)
-        y = jnp.einsum("te,tek->tk", combine, out.astype(dtype).astype(jnp.float32), precision=precision)
-        if self.shared_gate is not None:
-            s = act(self.shared_gate(tokens).astype(jnp.float32)) * self.shared_up(tokens).astype(jnp.float32)
-            y = y + self.shared_down(s.astype(dtype)).astype(jnp.float32)
-        return y.astype(dtype).reshape(x.shape)
+        return jnp.einsum("te,tek->tk", combine, out.astype(dtype).astype(jnp.float32), precision=precision)
 
 
 def _variables(weight: KbitWeight, names) -> KbitWeight:
@@ -184,6 +323,7 @@ class KbitMoE(nnx.Module):
         self.hidden, self.intermediate, self.num_experts = hidden, two_h // 2, g
         self.top_k, self.norm_topk_prob, self.activation = top_k, norm_topk_prob, activation
         self.dtype = dtype
+        self.ep_axis = None   # the mesh axis the experts are sharded over (shard_model sets it)
 
     @classmethod
     def from_dense(cls, moe: MoE, bits: int = 4, codebook: Any = "nf", *,
@@ -220,18 +360,35 @@ class KbitMoE(nnx.Module):
         """``x[..., K]`` -> ``[..., K]``, in the block's dtype (x's when None)."""
         dtype = jnp.dtype(self.dtype or x.dtype)
         tokens = _tokens(x, self.hidden).astype(dtype)
-        t = tokens.shape[0]
         weights, ids = route(self.router(tokens), self.top_k, self.norm_topk_prob)
-        # Sort the (token, expert) pairs by expert once; both products use that order.
-        flat = ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        sizes = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
         gate_up, down = self.weights
-        h = ragged_dot(tokens[order // self.top_k], gate_up, sizes, glu=self.activation)
-        out = ragged_dot(h, down, sizes)                                     # [T * k, K], sorted
-        out = jnp.zeros_like(out).at[order].set(out).reshape(t, self.top_k, self.hidden)
-        y = jnp.einsum("tj,tjk->tk", weights, out.astype(jnp.float32))
+        mesh = _ep_mesh(self.ep_axis)
+        if mesh is None:
+            y = self._routed(tokens, weights, ids, gate_up, down, None)
+        else:
+            ep, stacked = self.ep_axis, P(self.ep_axis, None, None)
+            y = jax.shard_map(
+                lambda *a: jax.lax.psum(self._routed(*a, ep), ep), mesh=mesh,
+                in_specs=(P(), P(), P(), weight_specs(gate_up, stacked), weight_specs(down, stacked)),
+                out_specs=P(), check_vma=False)(tokens, weights, ids, gate_up, down)
         if self.shared_gate_up is not None:
             s = self.shared_down(self.shared_gate_up(tokens, glu=self.activation))
             y = y + s.astype(jnp.float32)
         return y.astype(dtype).reshape(x.shape)
+
+    def _routed(self, tokens, weights, ids, gate_up, down, ep_axis):
+        """The routed experts' weighted sum ``[T, K]`` (float32). The ``T * k`` (token, expert)
+        pairs are sorted by expert once; both grouped products (gate/up with the GLU in the
+        kernel, then down) run on that order, reading only the experts some pair chose; the
+        outputs are gathered back to token order inside the weighted sum over each token's k
+        experts (one fused multiply-reduce). Under expert parallelism (``ep_axis``) the products
+        cover this device's experts, zeros elsewhere (`kbit_jax.moe.local_ragged_dot`)."""
+        order, inverse, sizes = _sorted_rows(ids, self.num_experts)
+        if ep_axis is None:
+            product = ragged_dot
+        else:
+            product = lambda x, w, sizes, glu=None: local_ragged_dot(  # noqa: E731
+                x, w, sizes, axis_name=ep_axis, glu=glu)
+        h = product(tokens[order // self.top_k], gate_up, sizes, glu=self.activation)
+        out = product(h, down, sizes)                                       # [T * k, K], sorted
+        return _combine(out[inverse], weights)

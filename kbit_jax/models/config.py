@@ -11,6 +11,12 @@ Supported architectures (the ``architectures`` entry of ``config.json``):
   routing over ``num_experts`` SwiGLU experts, ``kbit_jax.flax.MoE`` / ``KbitMoE``).
 
 Anything else raises ValueError naming the architecture.
+
+Besides the configs of loadable checkpoints, `CONFIGS` holds "-class" configs of
+mixture-of-experts models for benchmarks with random weights: the real model's sizes of the
+routed and shared experts, the embeddings and the layer count, with attention simplified to the
+decoder's grouped-query attention where the real model differs (see each config's comment).
+`with_layers` reduces the layer count (e.g. so that bf16 weights fit one GPU).
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from typing import Any, Mapping
 import numpy as np
 
 __all__ = ["DecoderConfig", "LlamaConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "from_hf_config",
-           "read_hf_config", "rope_frequencies", "LLAMA3_8B", "LLAMA3_70B", "TINY", "TINY_TP", "CONFIGS"]
+           "read_hf_config", "rope_frequencies", "with_layers", "LLAMA3_8B", "LLAMA3_70B", "TINY", "TINY_TP",
+           "TINY_MOE", "QWEN3_CODER_NEXT", "QWEN3_CODER_NEXT_12L", "GLM_4_7_FLASH",
+           "QWEN3_30B_A3B", "CONFIGS"]
 
 #: ``config.json`` architectures this package builds, and the model_type each has.
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
@@ -54,7 +62,9 @@ class DecoderConfig:
 
     Mixture of experts (Qwen3-MoE): the layers in ``moe_layers`` have ``n_experts`` SwiGLU
     experts of width ``moe_hidden_dim`` instead of the dense MLP, ``experts_per_token`` of
-    them per token (softmax top-k, renormalized when ``norm_topk_prob``).
+    them per token (softmax top-k, renormalized when ``norm_topk_prob``); the other layers
+    have the dense SwiGLU MLP of width ``hidden_dim``. ``shared_expert_dim`` (0: none): the
+    width of a shared SwiGLU expert every token of a MoE layer goes through as well.
     """
 
     vocab_size: int
@@ -75,6 +85,7 @@ class DecoderConfig:
     moe_hidden_dim: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    shared_expert_dim: int = 0
 
     def __post_init__(self):
         if not self.head_dim:
@@ -86,7 +97,8 @@ class DecoderConfig:
     def num_params(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.dim * self.hidden_dim
-        moe = self.n_experts * (self.dim + 3 * self.dim * self.moe_hidden_dim)
+        moe = (self.n_experts * (self.dim + 3 * self.dim * self.moe_hidden_dim)
+               + 3 * self.dim * self.shared_expert_dim)
         norms = 2 * self.dim + (2 * self.head_dim if self.qk_norm else 0)
         embeddings = (1 if self.tie_embeddings else 2) * self.vocab_size * self.dim
         n_moe = len(self.moe_layers)
@@ -111,7 +123,61 @@ TINY = DecoderConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2
 #: 2 kv heads and its o_proj's K = 64 = 2 quantization blocks allow).
 TINY_TP = DecoderConfig(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=4,
                         hidden_dim=512, rope_theta=10_000.0)
-CONFIGS = {"tiny": TINY, "tiny-tp": TINY_TP, "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+
+
+def with_layers(cfg: DecoderConfig, n_layers: int) -> DecoderConfig:
+    """``cfg`` with its first ``n_layers`` layers (the MoE layers among them stay MoE)."""
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
+    return dataclasses.replace(cfg, n_layers=n_layers,
+                               moe_layers=tuple(i for i in cfg.moe_layers if i < n_layers))
+
+
+#: A tiny MoE decoder for tests: a dense first layer, then two layers of 8 experts (2 per token)
+#: and a shared expert; runs quantized over up to 8 devices (kv heads, whole blocks and experts).
+TINY_MOE = DecoderConfig(vocab_size=256, dim=64, n_layers=3, n_heads=8, n_kv_heads=8, head_dim=32,
+                         hidden_dim=256,
+                         rope_theta=10_000.0, qk_norm=True, n_experts=8, experts_per_token=2,
+                         moe_hidden_dim=32, norm_topk_prob=True, moe_layers=(1, 2),
+                         shared_expert_dim=64, architecture="Qwen3MoeForCausalLM")
+#: Qwen3-Coder-Next-class (the Qwen3-Next-80B-A3B architecture, ~80B parameters): 48 layers,
+#: every one with 512 routed experts (10 per token, each gate/up 2048 x 512 and down 512 x 2048)
+#: and one shared expert of width 512, vocabulary 151936, untied embeddings: the sizes of its
+#: config.json. Simplified: all 48 layers use grouped-query attention with the sizes of its
+#: full-attention layers (16 query heads, 2 kv heads, head_dim 256, q/k RMSNorm), where the real
+#: model has Gated DeltaNet linear attention in 3 of every 4 layers, an output gate on the
+#: attention, partial rotary embedding, and a sigmoid gate on the shared expert's output.
+#: bf16: ~158 GB (does not fit one H200); K=4: ~43 GB.
+QWEN3_CODER_NEXT = DecoderConfig(
+    vocab_size=151_936, dim=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256,
+    hidden_dim=5120, norm_eps=1e-6, rope_theta=10_000_000.0, qk_norm=True, n_experts=512,
+    experts_per_token=10, moe_hidden_dim=512, norm_topk_prob=True, moe_layers=tuple(range(48)),
+    shared_expert_dim=512, architecture="Qwen3NextForCausalLM")
+#: The same with 12 layers (~20B parameters, bf16 ~40 GB): bf16 and k-bit on one H200.
+QWEN3_CODER_NEXT_12L = with_layers(QWEN3_CODER_NEXT, 12)
+#: GLM-4.7-Flash-class (~30B parameters): 47 layers, the first with a dense SwiGLU MLP of width
+#: 10240, the other 46 with 64 routed experts (4 per token, gate/up 2048 x 1536, down 1536 x 2048)
+#: and one shared expert of width 1536 (n_shared_experts 1 x moe_intermediate_size), vocabulary
+#: 154880: the sizes of its config.json. Simplified: multi-head latent attention (20 heads) is
+#: replaced by grouped-query attention with 20 query and 20 kv heads of 128 (about the bytes of
+#: its attention weights per layer), and the sigmoid routing with a score-correction bias and
+#: a routed scaling factor by softmax top-k, renormalized. bf16 ~60 GB: fits one H200.
+GLM_4_7_FLASH = DecoderConfig(
+    vocab_size=154_880, dim=2048, n_layers=47, n_heads=20, n_kv_heads=20, head_dim=128,
+    hidden_dim=10_240, norm_eps=1e-5, rope_theta=1_000_000.0, n_experts=64, experts_per_token=4,
+    moe_hidden_dim=1536, norm_topk_prob=True, moe_layers=tuple(range(1, 47)),
+    shared_expert_dim=1536, architecture="Glm4MoeLiteForCausalLM")
+#: Qwen3-30B-A3B (Qwen3MoeForCausalLM, as its config.json): 48 layers of 128 experts, 8 per
+#: token, 2048 x 768 / 768 x 2048, 32 query and 4 kv heads of 128, no shared expert. bf16 ~61 GB.
+QWEN3_30B_A3B = DecoderConfig(
+    vocab_size=151_936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+    hidden_dim=6144, norm_eps=1e-6, rope_theta=1_000_000.0, qk_norm=True, n_experts=128,
+    experts_per_token=8, moe_hidden_dim=768, norm_topk_prob=True, moe_layers=tuple(range(48)),
+    architecture="Qwen3MoeForCausalLM")
+CONFIGS = {"tiny": TINY, "tiny-tp": TINY_TP, "tiny-moe": TINY_MOE, "llama3-8b": LLAMA3_8B,
+           "llama3-70b": LLAMA3_70B, "qwen3-coder-next": QWEN3_CODER_NEXT,
+           "qwen3-coder-next-12l": QWEN3_CODER_NEXT_12L, "glm-4.7-flash": GLM_4_7_FLASH,
+           "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:

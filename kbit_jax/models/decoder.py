@@ -30,6 +30,13 @@ embedding and norms replicated (a tied output projection too: it is the embeddin
 KV cache sharded over its kv-head axis. Each device holds its heads' slice of every weight;
 quantized weights are placed with ``kbit_jax.shard_weight`` and multiplied shard by shard
 (never gathered).
+
+Mixture-of-experts layers are expert-parallel over the same axis: each device holds ``G / tp``
+of every MoE layer's stacked experts (``P(axis, None, None)``, bf16 or quantized) and computes
+them under ``shard_map`` (`kbit_jax.flax.moe`): every device routes all tokens, multiplies the
+rows of its own experts and one all-reduce of the ``[tokens, dim]`` result combines them, so a
+MoE layer has two all-reduces as a dense one does and no expert weight moves. Routers and
+shared experts are replicated. `moe_path` names the expert product a step runs.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .. import flax as kflax
 from ..flax.convert import _nbytes, _progress
 from ..flax.layers import _LEAVES
-from ..flax.moe import MoE
+from ..flax.moe import KbitMoE, MoE, dense_method
 from ..examples import decode_attention as _decode
 from ..examples import fused_norm as _norm
 from ..ops import interleave_glu, quantize
@@ -58,7 +65,7 @@ __all__ = [
     "LLAMA3_70B", "LLAMA3_8B", "Llama", "LlamaConfig", "MLP", "MLP_GATE_MODES", "RMSNorm",
     "RopeScaling", "TINY", "TINY_TP", "TP_LAYOUT", "attend", "build_model", "cache_sharding",
     "check_tp", "decode", "decode_step", "fuse_gate_up", "fuse_qkv", "generate", "init_cache",
-    "linear_spec", "prefill", "quantized_tied_head", "variable_shardings", "rope", "rope_tables", "shard_model",
+    "linear_spec", "moe_path", "prefill", "quantized_tied_head", "variable_shardings", "rope", "rope_tables", "shard_model",
 ]
 
 #: ``attention=`` values: "xla" (jnp rotary embedding, cache update, einsums and softmax),
@@ -292,13 +299,15 @@ class Block(nnx.Module):
     quantize it into a ``KbitMoE``)."""
 
     def __init__(self, cfg: DecoderConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto",
-                 norm: str = "auto", mlp_gate: str = "auto", moe: bool = False):
+                 norm: str = "auto", mlp_gate: str = "auto", moe: bool = False, moe_method: str = "auto"):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         self.attn = Attention(cfg, param_dtype, rngs, attention=attention)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         if moe:
             self.mlp = MoE(cfg.dim, cfg.moe_hidden_dim, cfg.n_experts, cfg.experts_per_token,
-                           norm_topk_prob=cfg.norm_topk_prob, param_dtype=param_dtype, rngs=rngs)
+                           norm_topk_prob=cfg.norm_topk_prob, param_dtype=param_dtype,
+                           shared_intermediate=cfg.shared_expert_dim or None, method=moe_method,
+                           rngs=rngs)
         else:
             self.mlp = MLP(cfg, param_dtype, rngs, gate=mlp_gate)
 
@@ -322,19 +331,21 @@ class Llama(nnx.Module):
     (optional) runs on each block as soon as it is built, e.g. to quantize it before the next
     one is allocated. ``attention`` picks the single-token attention (`ATTENTION_MODES`;
     prompts always take the XLA path), ``norm`` the residual add + RMSNorm (`KERNEL_MODES`),
-    ``mlp_gate`` where the MLP's silu(gate) * up runs (`MLP_GATE_MODES`).
+    ``mlp_gate`` where the MLP's silu(gate) * up runs (`MLP_GATE_MODES`), ``moe_method`` how
+    a dense MoE layer multiplies its experts (``kbit_jax.flax.moe.MOE_METHODS``).
 
     With ``cfg.tie_embeddings`` the output projection is the embedding (``lm_head`` is None)
     unless a separate, quantized head was made from it (``quantize_head``)."""
 
     def __init__(self, cfg: DecoderConfig, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
-                 block_hook=None, attention: str = "auto", norm: str = "auto", mlp_gate: str = "auto"):
+                 block_hook=None, attention: str = "auto", norm: str = "auto", mlp_gate: str = "auto",
+                 moe_method: str = "auto"):
         self.config = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, param_dtype=param_dtype, rngs=rngs)
         blocks = []
         for _ in range(cfg.n_layers):
             blocks.append(Block(cfg, param_dtype, rngs, attention=attention, norm=norm, mlp_gate=mlp_gate,
-                                moe=len(blocks) in cfg.moe_layers))
+                                moe=len(blocks) in cfg.moe_layers, moe_method=moe_method))
             if block_hook is not None:
                 block_hook(blocks[-1])
         self.layers = nnx.List(blocks)
@@ -386,13 +397,37 @@ def _tp_size(mesh, axis: str) -> int:
 
 
 def check_tp(cfg: DecoderConfig, tp: int) -> None:
-    """ValueError unless ``cfg`` splits into ``tp`` tensor-parallel shards of whole heads."""
-    problems = [f"{name}={value}" for name, value in
-                (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
-                 ("hidden_dim", cfg.hidden_dim)) if value % tp]
+    """ValueError unless ``cfg`` splits into ``tp`` tensor-parallel shards of whole heads (and,
+    with dense MLP layers, of hidden_dim; with MoE layers, of whole experts)."""
+    sizes = [("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads)]
+    if len(cfg.moe_layers) < cfg.n_layers:
+        sizes.append(("hidden_dim", cfg.hidden_dim))
+    if cfg.moe_layers:
+        sizes.append(("n_experts", cfg.n_experts))
+    problems = [f"{name}={value}" for name, value in sizes if value % tp]
     if problems:
-        raise ValueError(f"tensor parallelism over {tp} devices needs n_heads, n_kv_heads and "
-                         f"hidden_dim divisible by {tp}; got {', '.join(problems)}")
+        names = [name for name, _ in sizes]
+        raise ValueError(f"tensor parallelism over {tp} devices needs {', '.join(names[:-1])} and "
+                         f"{names[-1]} divisible by {tp}; got {', '.join(problems)}")
+
+
+def moe_path(cfg: DecoderConfig, bits: int | None, tokens: int, tp: int = 1,
+             method: str = "auto") -> str | None:
+    """The routed-expert product a step over ``tokens`` tokens runs (None without MoE layers):
+    "kbit ragged_dot" (quantized), else by the dense block's ``method`` ("auto":
+    ``kbit_jax.flax.moe.dense_method``) "gather-einsum", "gather-reduce", "lax.ragged_dot" or
+    "all experts";
+    prefixed "ep " when expert-parallel (``tp > 1``)."""
+    if not cfg.moe_layers:
+        return None
+    if bits is not None:
+        path = "kbit ragged_dot"
+    else:
+        if method == "auto":
+            method = dense_method(tokens * cfg.experts_per_token, cfg.n_experts)
+        path = {"gather": "gather-einsum", "gather-reduce": "gather-reduce", "ragged": "lax.ragged_dot",
+                "all": "all experts"}[method]
+    return f"ep {path}" if tp > 1 else path
 
 
 def cache_sharding(mesh, axis: str = "tp") -> NamedSharding:
@@ -422,7 +457,20 @@ def variable_shardings(model, mesh, axis: str = "tp") -> dict:
     (``nnx.eval_shape``), e.g. to restore a checkpoint straight into its shards."""
     tp = _tp_size(mesh, axis)
     out = {}
+    stacked = P(axis, None, None)
     for path, module in nnx.iter_modules(model):
+        if isinstance(module, MoE):          # experts over the axis: expert parallelism
+            for var in (module.gate, module.up, module.down):
+                out[id(var)] = (var, NamedSharding(mesh, stacked), tuple(stacked))
+            continue
+        if isinstance(module, KbitMoE):
+            names = kflax.leaf_sharding(tuple(stacked))
+            for weight in (module.gate_up, module.down):
+                shardings = weight_shardings(_weight_value(weight), mesh, stacked)
+                for leaf in _LEAVES:
+                    var = getattr(weight, leaf)
+                    out[id(var)] = (var, getattr(shardings, leaf), names[leaf])
+            continue
         if not isinstance(module, (nnx.Linear, kflax.KbitLinear)) or not path:
             continue
         spec = linear_spec(path[-1], module.in_features, module.out_features, axis, tp)
@@ -445,6 +493,12 @@ def variable_shardings(model, mesh, axis: str = "tp") -> dict:
     return out
 
 
+def _weight_value(weight):
+    """A KbitWeight of QuantizedWeight variables as one of their values (arrays or, on an
+    abstract model, shape structs)."""
+    return jax.tree.map(lambda v: v.get_value(), weight, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
 def shard_model(model, mesh, axis: str = "tp"):
     """Place ``model`` (a `Llama`, or any sub-module such as one `Block`) tensor-parallel over
     ``mesh``'s axis ``axis``, in place; returns it.
@@ -455,10 +509,14 @@ def shard_model(model, mesh, axis: str = "tp"):
     that would cut a 32-element block, e.g. o_proj's K/tp not a multiple of 32); a dense
     kernel by ``jax.device_put``. Each placed variable records its spec as ``out_sharding``
     metadata, so ``nnx.get_partition_spec(nnx.state(model))`` describes the placement.
-    Everything else (embedding, norms) is replicated over the mesh.
+    Everything else (embedding, norms) is replicated over the mesh. Mixture-of-experts blocks
+    (`MoE`, `KbitMoE`) are expert-parallel: their stacked experts ``P(axis, None, None)``, their
+    ``ep_axis`` set to ``axis`` (they then compute under ``shard_map``), router and shared
+    expert replicated.
 
-    Raises ValueError when ``axis`` is not in the mesh or ``n_heads``, ``n_kv_heads`` or
-    ``hidden_dim`` is not divisible by the axis size.
+    Raises ValueError when ``axis`` is not in the mesh or ``n_heads``, ``n_kv_heads``,
+    ``hidden_dim`` (with dense MLPs) or ``n_experts`` (with MoE layers) is not divisible by the
+    axis size.
     """
     tp = _tp_size(mesh, axis)
     if isinstance(model, Llama):
@@ -472,6 +530,11 @@ def shard_model(model, mesh, axis: str = "tp"):
                 raise ValueError(f"tensor parallelism over {tp} devices needs n_heads and "
                                  f"n_kv_heads divisible by {tp}; got {', '.join(problems)}")
             module.tp_axis = axis
+        if isinstance(module, (MoE, KbitMoE)):
+            if module.num_experts % tp:
+                raise ValueError(f"expert parallelism over {tp} devices needs num_experts divisible "
+                                 f"by {tp}; got {module.num_experts}")
+            module.ep_axis = axis
     for var, sharding, names in variable_shardings(model, mesh, axis).values():
         var.set_value(jax.device_put(var.get_value(), sharding))
         if names is not None:
@@ -491,7 +554,7 @@ def quantized_tied_head(embed: nnx.Embed, bits: int, codebook: Any = "nf") -> kf
 def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
                 param_dtype=jnp.bfloat16, quantize_head: bool = False, progress: bool = False,
                 mesh=None, axis: str = "tp", attention: str = "auto", norm: str = "auto",
-                mlp_gate: str = "auto"):
+                mlp_gate: str = "auto", moe_method: str = "auto"):
     """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
 
     With ``bits``, each block goes through ``kbit_jax.flax.quantize_model`` as soon as it is
@@ -509,9 +572,11 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
     kernel of ``decode_attention.decode_attention_step`` on a GPU, rotary embedding and cache
     write included). ``norm`` picks the residual add + RMSNorm: `KERNEL_MODES` ("auto": the
     Pallas kernel of ``fused_norm.add_rms_norm`` on a GPU). ``mlp_gate``: `MLP_GATE_MODES`
-    ("auto": silu(gate) * up inside the quantized gate/up projection's kernel).
+    ("auto": silu(gate) * up inside the quantized gate/up projection's kernel). ``moe_method``:
+    the dense MoE layers' path, ``kbit_jax.flax.moe.MOE_METHODS`` ("auto": gather the chosen
+    experts at decode sizes, `moe_path`; quantized layers always run ``kbit_jax.ragged_dot``).
     """
-    modes = dict(attention=attention, norm=norm, mlp_gate=mlp_gate)
+    modes = dict(attention=attention, norm=norm, mlp_gate=mlp_gate, moe_method=moe_method)
     if mesh is not None:
         check_tp(cfg, _tp_size(mesh, axis))
     if bits is None:

@@ -1,0 +1,179 @@
+"""Mixture-of-experts in the decoder (``kbit_jax.models.decoder``): the MoE-class configs, the
+dense block's paths that read only the chosen experts (gather-einsum, lax.ragged_dot) against
+its every-expert reference, quantizing every expert while building, and expert parallelism
+over 8 simulated CPU devices (numerics of one device; the compiled step all-reduces twice per
+layer and gathers no weight)."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from kbit_jax.flax import KbitLinear
+from kbit_jax.flax.moe import KbitMoE, MoE, dense_method
+from kbit_jax.models import config, decoder
+from kbit_jax.sharding import COLLECTIVES, all_gather_shapes, collective_counts
+
+U32 = float(jnp.finfo(jnp.float32).eps) / 2
+BF16_ULP = 2.0 ** -8          # bfloat16's unit roundoff (8 bits of significand)
+CFG = decoder.CONFIGS["tiny-moe"]
+
+
+def test_moe_class_configs():
+    """The routed and shared expert sizes of the real models, and what fits one 141 GB GPU."""
+    qcn = decoder.CONFIGS["qwen3-coder-next"]
+    assert (qcn.dim, qcn.n_experts, qcn.experts_per_token, qcn.moe_hidden_dim, qcn.n_layers) == (
+        2048, 512, 10, 512, 48)
+    assert (qcn.shared_expert_dim, qcn.n_heads, qcn.n_kv_heads, qcn.head_dim, qcn.vocab_size) == (
+        512, 16, 2, 256, 151_936)
+    assert qcn.moe_layers == tuple(range(48))
+    assert 78e9 < qcn.num_params() < 81e9                      # "80B"
+    assert 2 * qcn.num_params() > 141e9                         # bf16 does not fit one H200
+    small = decoder.CONFIGS["qwen3-coder-next-12l"]
+    assert small == config.with_layers(qcn, 12) and small.moe_layers == tuple(range(12))
+    assert 2 * small.num_params() < 0.4 * 141e9                 # bf16 fits with room
+    glm = decoder.CONFIGS["glm-4.7-flash"]
+    assert (glm.n_experts, glm.experts_per_token, glm.moe_hidden_dim, glm.shared_expert_dim) == (64, 4, 1536, 1536)
+    assert glm.moe_layers == tuple(range(1, 47)) and glm.hidden_dim == 10_240   # layer 0 dense
+    q30 = decoder.CONFIGS["qwen3-30b-a3b"]
+    assert (q30.n_experts, q30.experts_per_token, q30.moe_hidden_dim, q30.n_kv_heads) == (128, 8, 768, 4)
+    assert 29e9 < q30.num_params() < 32e9 and 2 * q30.num_params() < 141e9
+    # Expert, shared-expert and dense-MLP parameters add up as the decoder builds them.
+    model = nnx.eval_shape(lambda: decoder.Llama(CFG, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model)))
+    assert n == CFG.num_params()
+    with pytest.raises(ValueError, match="n_layers must be a positive int"):
+        config.with_layers(qcn, 0)
+
+
+def test_dense_method_rule():
+    assert dense_method(10, 512) == "gather" and dense_method(170, 512) == "gather"
+    assert dense_method(171, 512) == "ragged"
+    assert dense_method(4, 64) == "gather" and dense_method(32, 64) == "ragged"
+    moe = MoE(64, 32, 8, 2, rngs=nnx.Rngs(0))
+    assert moe.method_for(1) == "gather" and moe.method_for(2) == "ragged"
+    assert MoE(64, 32, 8, 2, method="all", rngs=nnx.Rngs(0)).method_for(1) == "all"
+    with pytest.raises(ValueError, match="method must be one of"):
+        MoE(64, 32, 8, 2, method="dense", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_paths_match_every_expert_reference(rng, dtype):
+    """gather-einsum, gather-reduce and lax.ragged_dot read only the chosen experts; they round where the
+    every-expert reference does (the GLU's output and each expert's output to the computation
+    dtype, sums in float32), so they differ only in float32 summation order."""
+    moe = MoE(64, 32, 8, 3, shared_intermediate=64, param_dtype=dtype, method="all",
+              rngs=nnx.Rngs(int(rng.integers(2 ** 31))))
+    x = jnp.asarray(rng.standard_normal((5, 64)), dtype)
+    jitted = nnx.jit(lambda m, x: m(x))
+    # Eager against eager, jit against jit: under jit XLA may keep excess precision where the
+    # code rounds to bf16 (the router's logits too, which can change a near-tie's routing).
+    refs = {"eager": np.asarray(moe(x), np.float64), "jit": np.asarray(jitted(moe, x), np.float64)}
+    for method in ("gather", "gather-reduce", "ragged"):
+        moe.method = method
+        for mode, ref in refs.items():
+            y = np.asarray(moe(x) if mode == "eager" else jitted(moe, x), np.float64)
+            scale = np.abs(ref).max()
+            if dtype == jnp.float32:
+                # K = 64 (and H = 32) products summed in another order: within 64 u32 of the
+                # magnitudes, the result under twice that after the GLU and down product.
+                np.testing.assert_allclose(y, ref, rtol=0, atol=4 * 64 * U32 * scale)
+            else:
+                # A float32 sum that differs in its last bits can round h or an expert's output
+                # to the neighbouring bf16 value (1 ulp); the final bf16 rounding adds another.
+                np.testing.assert_allclose(y, ref, rtol=0, atol=4 * BF16_ULP * scale)
+
+
+def test_build_quantizes_every_expert(rng):
+    cfg = CFG
+    model, report = decoder.build_model(cfg, bits=4, param_dtype=jnp.float32)
+    for i, layer in enumerate(model.layers):
+        if i in cfg.moe_layers:
+            assert isinstance(layer.mlp, KbitMoE), i
+            gate_up, down = layer.mlp.weights
+            assert gate_up.shape == (cfg.n_experts, cfg.dim, 2 * cfg.moe_hidden_dim)
+            assert down.shape == (cfg.n_experts, cfg.moe_hidden_dim, cfg.dim)
+            assert isinstance(layer.mlp.shared_gate_up, KbitLinear)
+            assert isinstance(layer.mlp.shared_down, KbitLinear)
+            assert f"layers/{i}/mlp" in report.replaced
+        else:
+            assert isinstance(layer.mlp.gate_up_proj, KbitLinear)
+    # The same random weights as the dense build: quantized block == from_dense of the dense one.
+    dense, _ = decoder.build_model(cfg, param_dtype=jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, cfg.dim)), jnp.float32)
+    layer = cfg.moe_layers[0]
+    np.testing.assert_array_equal(np.asarray(model.layers[layer].mlp(x)),
+                                  np.asarray(KbitMoE.from_dense(dense.layers[layer].mlp)(x)))
+
+
+PROMPT = np.random.default_rng(2).integers(0, 256, (2, 6)).astype(np.int32)
+
+
+def _logits(model, mesh, tokens, pos_tokens=None):
+    """Prefill logits of ``tokens`` [B, T], then one decode step's logits of ``pos_tokens``."""
+    graphdef, state = nnx.split(model)
+    b, t = tokens.shape
+    sharding = None if mesh is None else decoder.cache_sharding(mesh)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        cache = decoder.init_cache(CFG, b, t + 2, jnp.float32, sharding=sharding)
+        logits, cache = decoder.prefill(graphdef, state, jnp.asarray(tokens), cache)
+        step, _ = decoder.decode_step(graphdef, state, jnp.asarray(tokens[:, 0]), cache, t)
+    return np.asarray(logits, np.float64), np.asarray(step, np.float64)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("bits", [pytest.param(None, id="dense"), pytest.param(4, id="k4")])
+def test_expert_parallel_equals_one_device(bits):
+    """Experts over 8 devices (1 each), attention over 8 kv-head shards: prefill (6 tokens: the
+    dense block's ragged path) and a decode step (1 token: its gather path) give the one-device
+    logits. Float32
+    activations: expert parallelism changes only the order of float32 sums (a device's partial
+    sum of its experts, then the psum), and routing is the same away from exact ties."""
+    one, _ = decoder.build_model(CFG, bits=bits, param_dtype=jnp.float32)
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
+    ep, _ = decoder.build_model(CFG, bits=bits, param_dtype=jnp.float32, mesh=mesh)
+    mlp = ep.layers[CFG.moe_layers[0]].mlp
+    assert mlp.ep_axis == "tp"
+    leaf = mlp.gate if bits is None else mlp.gate_up.planes
+    assert tuple(leaf.get_value().sharding.spec)[:3] == ("tp", None, None)
+    assert leaf.get_value().addressable_shards[0].data.shape[0] == 1          # one expert each
+    prompt = PROMPT[:1]
+    for a, b in zip(_logits(one, None, prompt), _logits(ep, mesh, prompt)):
+        # Each layer's float32 sums of at most 256 terms reassociated; three layers, a final
+        # norm and the head carry it to the logits as a few hundred ulps of their magnitude.
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e3 * U32 * np.abs(a).max())
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("bits", [pytest.param(None, id="bf16"), pytest.param(4, id="k4")])
+def test_expert_parallel_step_moves_no_weight(bits):
+    """The compiled decode step over 8 devices: two all-reduces per layer (o_proj's, and the
+    MLP's: down_proj in the dense layer, the experts' psum in a MoE layer), no all-gather."""
+    mesh = jax.make_mesh((8,), ("tp",))
+    model, _ = decoder.build_model(CFG, bits=bits, mesh=mesh)
+    graphdef, state = nnx.split(model)
+    for batch in (1, 4):       # bf16: the gather path, then lax.ragged_dot
+        with jax.set_mesh(mesh):
+            cache = decoder.init_cache(CFG, batch, 16, sharding=decoder.cache_sharding(mesh))
+            token = jax.device_put(jnp.zeros((batch,), jnp.int32), NamedSharding(mesh, P()))
+            text = decoder.decode_step.lower(graphdef, state, token, cache, 8).compile().as_text()
+        assert collective_counts(text) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 2 * CFG.n_layers}
+        assert all_gather_shapes(text) == []
+    assert decoder.moe_path(CFG, bits, 1, 8) == ("ep gather-einsum" if bits is None else "ep kbit ragged_dot")
+    assert decoder.moe_path(CFG, None, 4, 1) == "lax.ragged_dot"
+    assert decoder.moe_path(decoder.TINY, None, 1) is None
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+def test_expert_parallel_needs_whole_experts():
+    mesh = jax.make_mesh((8,), ("tp",))
+    cfg = config.DecoderConfig(**{**CFG.to_dict(), "n_experts": 4, "experts_per_token": 2})
+    with pytest.raises(ValueError, match=r"n_experts=4"):
+        decoder.build_model(cfg, mesh=mesh)
+    block = MoE(64, 32, 4, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"num_experts divisible by 8; got 4"):
+        decoder.shard_model(block, mesh)
