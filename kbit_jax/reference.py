@@ -93,9 +93,9 @@ def dequantize(planes, scales, codebook, tensor_scale, *, layout="fragment", dty
     """-> w[..., K, N] of ``dtype``: (codebook[code] * decode(scale)) * tensor_scale in f32."""
     codes = unpack_codes(planes, layout)                         # [..., KB, N, 32]
     batch = codes.shape[:-3]
-    flat_cb = codebook.reshape(-1, codebook.shape[-1])
-    flat_codes = codes.reshape(flat_cb.shape[0], -1)
-    values = jnp.take_along_axis(flat_cb, flat_codes, axis=-1).reshape(codes.shape)
+    # Each cell's codes index its own matrix's codebook, broadcast over (KB, N): no axis of the
+    # codes is merged with another, so a sharded weight's shards dequantize in place.
+    values = jnp.take_along_axis(codebook[..., None, None, :], codes, axis=-1)
     values = values * decode_e4m4(scales)[..., None]
     values = values * tensor_scale.reshape(*batch, 1, 1, 1)
     return _uncells(values).astype(dtype)

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import kbit_jax as kj  # noqa: E402
-from kbit_jax import sharding as ks  # noqa: E402
+from kbit_jax import reference, sharding as ks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) < 8,
@@ -251,6 +251,167 @@ def test_grad_column_parallel_jit(weights, axis_type, placed, rng):
     g, coll = run(mesh, jax.grad(loss), put(x, mesh, P()) if placed else x, ks.column_parallel(wq, mesh))
     assert_close(g, jax.grad(loss)(x, wq), rtol=1e-4)
     assert coll["all-gather"] == 0, coll
+
+
+def gathered_sizes(f, mesh, *args) -> list[int]:
+    """The element counts of the all-gathers in f's compiled program under the mesh."""
+    with jax.set_mesh(mesh):
+        shapes = ks.all_gather_shapes(compiled(f, *args))
+    return [int(np.prod([int(d) for d in re.findall(r"\d+", s.split("[")[1])])) for s in shapes]
+
+
+def assert_no_weight_gathered(f, mesh, args, wq):
+    """No all-gather in f's program is as large as the weight's scales (its smallest sharded
+    leaf): what the gradients may gather is the activations' cotangent and group sizes."""
+    gathered = gathered_sizes(f, mesh, *args)
+    assert max(gathered, default=0) < wq.scales.size, (gathered, wq.scales.size)
+
+
+def _gradient_bound(value_and_bound_terms, terms: int, k: int, y_sum_bound: float):
+    """The bound on |sharded - reference| for a float32 gradient that sums ``terms`` products
+    whose absolute values sum to ``value_and_bound_terms`` (elementwise), through a loss
+    sum(sin(y)) whose y (sums of ``k`` products, absolute sums at most ``y_sum_bound``) the two
+    programs add in different orders: cos(y) moves by at most k eps y_sum_bound, and the
+    gradient's own sum by at most terms eps of its absolute sum."""
+    eps = float(np.finfo(np.float32).eps)
+    return eps * (k * y_sum_bound + terms) * np.asarray(value_and_bound_terms)
+
+
+def _abs_weight(wq):
+    return jnp.abs(kj.dequantize(wq))
+
+
+@pytest.mark.parametrize("x_spec", [P(None, "tp"), P()], ids=["x_on_K", "x_replicated"])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_grad_row_parallel_jit(axis_type, x_spec, rng):
+    """x's gradient through a row-parallel matmul under sharded jit: formed on K's shards, so
+    an x replicated over the mesh gathers its [M, K] cotangent, never the weight."""
+    k, n, m = 512, 256, 5
+    wq = kj.quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), 4)
+    mesh = mesh_1d(axis_type)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(kj.matmul(x, w)))
+
+    args = put(x, mesh, x_spec), ks.row_parallel(wq, mesh)
+    g, _ = run(mesh, jax.grad(loss), *args)
+    assert_no_weight_gathered(jax.grad(loss), mesh, args, wq)
+    w_abs = _abs_weight(wq)
+    bound = _gradient_bound(jnp.max(jnp.sum(w_abs, axis=-1)), n, k,
+                            float(jnp.max(jnp.abs(x) @ w_abs)))
+    expected = jax.grad(lambda x: jnp.sum(jnp.sin(jnp.matmul(x, kj.dequantize(wq), precision="highest"))))(x)
+    np.testing.assert_array_less(np.abs(np.asarray(g) - np.asarray(expected)), bound)
+
+
+WEIGHT_GRAD_SPECS = [pytest.param(P(None, "tp"), id="on_N"), pytest.param(P("tp", None), id="on_K")]
+
+
+@pytest.mark.parametrize("layout", ["planes", "fragment"])
+@pytest.mark.parametrize("spec", WEIGHT_GRAD_SPECS)
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_grad_wrt_codebook_and_tensor_scale_sharded_jit(axis_type, spec, layout, rng):
+    """jax.grad(..., allow_int=True) w.r.t. a sharded KbitWeight under sharded jit: the
+    codebook's and tensor_scale's gradients match jax.grad of the reference on unsharded
+    inputs, and no weight leaf is gathered."""
+    k, n, m = 256, 64, 5
+    wq = kj.quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), 4, layout=layout)
+    mesh = mesh_1d(axis_type)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(kj.matmul(x, w)))
+
+    def ref_loss(codebook, tensor_scale, x):
+        w = reference.dequantize(wq.planes, wq.scales, codebook, tensor_scale, layout=layout)
+        return jnp.sum(jnp.sin(jnp.matmul(x, w, precision="highest")))
+
+    grad = jax.grad(loss, argnums=1, allow_int=True)
+    args = put(x, mesh, P()), ks.shard_weight(wq, mesh, spec)
+    g, _ = run(mesh, grad, *args)
+    assert_no_weight_gathered(grad, mesh, args, wq)
+    expected = jax.grad(ref_loss, argnums=(0, 1))(wq.codebook, wq.tensor_scale, x)
+    # The absolute sums: the same gradients with |x|, |codebook| and cos(y) -> 1 (scales >= 0).
+    abs_terms = jax.grad(lambda cb, ts: jnp.sum(jnp.matmul(jnp.abs(x), reference.dequantize(
+        wq.planes, wq.scales, cb, ts, layout=layout), precision="highest")),
+        argnums=(0, 1))(jnp.abs(wq.codebook), wq.tensor_scale)
+    y_sum_bound = float(jnp.max(jnp.abs(x) @ _abs_weight(wq)))
+    for got, want, terms in zip((g.codebook, g.tensor_scale), expected, abs_terms):
+        bound = _gradient_bound(terms, m * k * n, k, y_sum_bound)
+        np.testing.assert_array_less(np.abs(np.asarray(got) - np.asarray(want)), bound + 1e-30)
+
+
+RAGGED_SPECS = [pytest.param(P(None, None, "tp"), id="experts_on_N"),
+                pytest.param(P("tp", None, None), id="experts_on_G"),
+                pytest.param(P(None, "tp", None), id="experts_on_K")]
+
+
+def _ragged_problem(rng, k=256, n=128, groups=8):
+    wq = kj.quantize(jnp.asarray(rng.standard_normal((groups, k, n)), jnp.float32), 4)
+    x = jnp.asarray(rng.standard_normal((13, k)), jnp.float32)
+    # An empty expert and rows past the last group.
+    sizes = rng.multinomial(11, np.ones(groups) / groups).astype(np.int32)
+    sizes[1] = 0
+    sizes[0] += 11 - sizes.sum()
+    return wq, x, jnp.asarray(sizes)
+
+
+@pytest.mark.parametrize("placed", [True, False], ids=["x_replicated", "x_unplaced"])
+@pytest.mark.parametrize("spec", RAGGED_SPECS)
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_ragged_dot_grad_wrt_x_sharded_jit(axis_type, spec, placed, rng):
+    """x's gradient through the grouped expert product with sharded experts under sharded jit
+    against jax.grad of the reference on unsharded inputs; no weight leaf gathered."""
+    wq, x, sizes = _ragged_problem(rng)
+    mesh = mesh_1d(axis_type)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(kj.ragged_dot(x, w, sizes)))
+
+    def ref_loss(x):
+        return jnp.sum(jnp.sin(reference.ragged_dot(x, wq.planes, wq.scales, wq.codebook,
+                                                    wq.tensor_scale, sizes, layout=wq.layout)))
+
+    args = put(x, mesh, P()) if placed else x, ks.shard_weight(wq, mesh, spec)
+    g, _ = run(mesh, jax.grad(loss), *args)
+    assert_no_weight_gathered(jax.grad(loss), mesh, args, wq)
+    expected = jax.grad(ref_loss)(x)
+    k, n = x.shape[1], wq.shape[-1]
+    w_abs = _abs_weight(wq)                                           # [G, K, N]
+    # Each row's gradient sums N products cos(y) W: absolute sums at most sum_n |W[g, k, n]|.
+    bound = _gradient_bound(jnp.max(jnp.sum(w_abs, axis=-1)), n, k,
+                            float(jnp.max(jnp.abs(x) @ jnp.max(w_abs, axis=0))))
+    np.testing.assert_array_less(np.abs(np.asarray(g) - np.asarray(expected)), bound)
+
+
+@pytest.mark.parametrize("spec", RAGGED_SPECS)
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_ragged_dot_grad_wrt_codebook_sharded_jit(axis_type, spec, rng):
+    """The experts' codebook and tensor_scale gradients through the grouped product with
+    sharded experts under sharded jit, against jax.grad of the reference on unsharded inputs."""
+    wq, x, sizes = _ragged_problem(rng)
+    mesh = mesh_1d(axis_type)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(kj.ragged_dot(x, w, sizes)))
+
+    def ref_loss(codebook, tensor_scale, x):
+        return jnp.sum(jnp.sin(reference.ragged_dot(x, wq.planes, wq.scales, codebook,
+                                                    tensor_scale, sizes, layout=wq.layout)))
+
+    grad = jax.grad(loss, argnums=1, allow_int=True)
+    args = put(x, mesh, P()), ks.shard_weight(wq, mesh, spec)
+    g, _ = run(mesh, grad, *args)
+    assert_no_weight_gathered(grad, mesh, args, wq)
+    expected = jax.grad(ref_loss, argnums=(0, 1))(wq.codebook, wq.tensor_scale, x)
+    abs_terms = jax.grad(lambda cb, ts: jnp.sum(reference.ragged_dot(
+        jnp.abs(x), wq.planes, wq.scales, cb, ts, sizes, layout=wq.layout)),
+        argnums=(0, 1))(jnp.abs(wq.codebook), wq.tensor_scale)
+    k, n = x.shape[1], wq.shape[-1]
+    y_sum_bound = float(jnp.max(jnp.abs(x) @ jnp.max(_abs_weight(wq), axis=0)))
+    for got, want, terms in zip((g.codebook, g.tensor_scale), expected, abs_terms):
+        bound = _gradient_bound(terms, x.shape[0] * k * n, k, y_sum_bound)
+        np.testing.assert_array_less(np.abs(np.asarray(got) - np.asarray(want)), bound + 1e-30)
 
 
 # -- shard_map and pmap ------------------------------------------------------------------------

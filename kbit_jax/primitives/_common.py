@@ -169,20 +169,93 @@ def layout_attr(layout: str) -> np.int32:
 
 
 # -- differentiation ---------------------------------------------------------------------------
+def explicit_axes(sharding) -> tuple[str, ...]:
+    """The mesh axes of ``sharding``'s mesh that are of type Explicit (none for a sharding on
+    no mesh, or a mesh of Auto / Manual axes)."""
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        return ()
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+                 if t == jax.sharding.AxisType.Explicit)
+
+
+def with_auto_axes(fn, *args, out_sharding):
+    """``fn(*args)`` with ``out_sharding``'s Explicit mesh axes treated as Auto inside, the
+    result resharded to ``out_sharding``; plain ``fn(*args)`` where there are none.
+
+    The derivative rules use reference.py's dequantize (reshapes that regroup a cell's bits, a
+    gather from the codebook) and XLA's ragged_dot, whose result types JAX cannot infer from
+    sharded operands under Explicit axes (ShardingTypeError / NotImplementedError); under Auto
+    axes XLA propagates the shardings itself, and the operands' shardings are kept, so no
+    weight is gathered."""
+    axes = explicit_axes(out_sharding)
+    if not axes:
+        return fn(*args)
+    return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding)(*args)
+
+
+def _padded_spec(sharding, ndim) -> tuple:
+    spec = tuple(getattr(sharding, "spec", ()))
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _entry_axes(entry) -> set:
+    return set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
+
+
+def x_cotangent(product, ct, w, x_aval, *, k_dim: int):
+    """x's cotangent ``product(ct, w)`` (a contraction of the cotangent with the dense
+    float32 weight ``w`` whose K is axis ``k_dim``) with x's sharding type.
+
+    Under Explicit mesh axes the product is formed where it needs no weight moved - x's
+    sharding on its other axes, K sharded as the weight's K - and then resharded to x's type
+    (an x replicated over a row-parallel weight's mesh gathers the [.., M, K] cotangent, not
+    the weight); an x placed on no mesh gets a cotangent replicated over the weight's mesh."""
+    target = x_aval.sharding
+    if target.mesh.empty:
+        target = jax.sharding.NamedSharding(jax.typeof(w).sharding.mesh, jax.sharding.PartitionSpec())
+    if not explicit_axes(target):
+        return product(ct, w)
+    x_spec = _padded_spec(target, len(x_aval.shape))
+    k_entry = _padded_spec(jax.typeof(w).sharding, w.ndim)[k_dim]
+    if _entry_axes(k_entry) & set().union(*map(_entry_axes, x_spec[:-1])):
+        k_entry = None
+    natural = jax.sharding.NamedSharding(target.mesh, jax.sharding.PartitionSpec(*x_spec[:-1], k_entry))
+    return jax.sharding.reshard(with_auto_axes(product, ct, w, out_sharding=natural), target)
+
+
+def _dense_weight_sharding(planes):
+    """The sharding type of the dense W[B, K, N] of ``planes[B, K/32, N, bits]``: K as the
+    K/32 blocks, N as planes' N (a cell never straddles a shard)."""
+    sharding = jax.typeof(planes).sharding
+    spec = _padded_spec(sharding, planes.ndim)[:-1]
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
 def weight_tangent(planes, scales, codebook, tensor_scale, t_codebook, t_tensor_scale, *, layout):
     """dW[B, K, N] (float32) for tangents of the codebook and tensor_scale (``ad.Zero`` or
     arrays), or None when both are zero. W = codebook[code] * decode(scale) * tensor_scale is
     linear in each of the two for fixed codes and scales, so dW is the reference's dense W with
     the tangent in their place, which JAX transposes itself (the gather over the codebook
-    becomes a scatter-add)."""
-    parts = []
-    if type(t_codebook) is not ad.Zero:
-        parts.append(reference.dequantize(planes, scales, t_codebook, tensor_scale, layout=layout))
-    if type(t_tensor_scale) is not ad.Zero:
-        parts.append(reference.dequantize(planes, scales, codebook, t_tensor_scale, layout=layout))
-    if not parts:
+    becomes a scatter-add). Under Explicit mesh axes dW has the weight's sharding
+    (`with_auto_axes`)."""
+    has_codebook, has_scale = (type(t) is not ad.Zero for t in (t_codebook, t_tensor_scale))
+    if not (has_codebook or has_scale):
         return None
-    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+    def dense(planes, scales, codebook, tensor_scale, t_codebook, t_tensor_scale):
+        dw = None
+        if has_codebook:
+            dw = reference.dequantize(planes, scales, t_codebook, tensor_scale, layout=layout)
+        if has_scale:
+            dw_scale = reference.dequantize(planes, scales, codebook, t_tensor_scale, layout=layout)
+            dw = dw_scale if dw is None else dw + dw_scale
+        return dw
+
+    # Operands go in as arguments (not closed over) so that with_auto_axes retypes them.
+    tangents = [None if type(t) is ad.Zero else t for t in (t_codebook, t_tensor_scale)]
+    return with_auto_axes(dense, planes, scales, codebook, tensor_scale, *tangents,
+                          out_sharding=_dense_weight_sharding(planes))
 
 
 def zero_tangent(y):

@@ -20,7 +20,7 @@ from .. import _ext, reference
 from ..format import BLOCK
 from ..sharding import FactorRule
 from ._common import (_varying_axes, define, fold_batch_into_leading_axis, layout_attr, out_aval,
-                      weight_tangent, zero_tangent)
+                      weight_tangent, with_auto_axes, x_cotangent, zero_tangent)
 from .dequantize import dequantize_kernel_p, dequantize_p
 
 matmul_p = Primitive("kbit_matmul")
@@ -201,8 +201,9 @@ def _jvp(primals, tangents, *, layout, method, glu):
     if type(tx) is not ad.Zero:
         t_plain = plain(tx)
     if dw is not None:
-        t_w = jnp.einsum("bmk,bkn->bmn", x.astype(jnp.float32), dw,
-                         precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        t_w = with_auto_axes(lambda x, dw: jnp.einsum("bmk,bkn->bmn", x.astype(jnp.float32), dw,
+                                                      precision=jax.lax.Precision.HIGHEST),
+                             x, dw, out_sharding=jax.typeof(y_plain).sharding).astype(x.dtype)
         t_plain = t_w if t_plain is None else t_plain + t_w
     if glu is None:
         return y_plain, t_plain
@@ -218,15 +219,9 @@ def _transpose(ct, x, planes, scales, codebook, tensor_scale, *, layout, method,
     if type(ct) is ad.Zero:
         return [ad.Zero(x_aval), None, None, None, None]
     w = dequantize_p.bind(planes, scales, codebook, tensor_scale, layout=layout, dtype=jnp.float32)
-    # Under Explicit mesh axes a contraction over a sharded N needs its result type spelled out:
-    # the cotangent has x's type, or is replicated over the weight's mesh for an x placed on none.
-    out_sharding = x_aval.sharding
-    if out_sharding.mesh.empty:
-        out_sharding = jax.sharding.NamedSharding(jax.typeof(w).sharding.mesh, jax.sharding.PartitionSpec())
-    explicit = jax.sharding.AxisType.Explicit in getattr(out_sharding.mesh, "axis_types", ())
-    ct_x = jnp.einsum("bmn,bkn->bmk", ct.astype(jnp.float32), w,
-                      precision=jax.lax.Precision.HIGHEST,
-                      **({"out_sharding": out_sharding} if explicit else {}))
+    ct_x = x_cotangent(lambda ct, w: jnp.einsum("bmn,bkn->bmk", ct.astype(jnp.float32), w,
+                                                precision=jax.lax.Precision.HIGHEST),
+                       ct, w, x_aval, k_dim=1)
     # Inside shard_map an x that is invariant over a mesh axis the weight varies over was
     # implicitly broadcast (pvary) into the op; its cotangent is the sum over that axis.
     extra = _varying_axes(jax.typeof(ct_x)) - _varying_axes(x_aval)

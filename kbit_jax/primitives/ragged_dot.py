@@ -34,7 +34,8 @@ from jax.interpreters import ad, mlir
 from .. import _ext, reference
 from ..format import BLOCK
 from ..sharding import FactorRule, needs_partitioning, partitioned, strip_aval
-from ._common import _varying_axes, define, layout_attr, out_aval, weight_tangent, zero_tangent
+from ._common import (_varying_axes, define, layout_attr, out_aval, weight_tangent, with_auto_axes,
+                      x_cotangent, zero_tangent)
 from .dequantize import dequantize_kernel_p, dequantize_p
 from .matmul import GLU_IDS
 
@@ -256,8 +257,13 @@ def _jvp(primals, tangents, *, layout, method, glu):
     if dw is not None:
         # XLA's ragged_dot (not `_float_ragged_dot`, whose custom vmap has no transpose): linear
         # in dw, which JAX transposes to the codebook's and tensor_scale's cotangents.
-        t_w = jax.lax.ragged_dot(x.astype(jnp.float32), dw, _sanitized_sizes(group_sizes, x.shape[0]),
-                                 precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        def product(x, dw, group_sizes):
+            return jax.lax.ragged_dot(x.astype(jnp.float32), dw,
+                                      _sanitized_sizes(group_sizes, x.shape[0]),
+                                      precision=jax.lax.Precision.HIGHEST)
+
+        t_w = with_auto_axes(product, x, dw, group_sizes,
+                             out_sharding=jax.typeof(y_plain).sharding).astype(x.dtype)
         t_plain = t_w if t_plain is None else t_plain + t_w
     if glu is None:
         return y_plain, t_plain
@@ -273,7 +279,11 @@ def _transpose(ct, x, planes, scales, codebook, tensor_scale, group_sizes, *, la
     if type(ct) is ad.Zero:
         return [ad.Zero(x_aval)] + [None] * 5
     w = dequantize_p.bind(planes, scales, codebook, tensor_scale, layout=layout, dtype=jnp.float32)
-    ct_x = _float_ragged_dot(ct.astype(jnp.float32), jnp.swapaxes(w, 1, 2), group_sizes)
+    # Under Explicit mesh axes JAX infers no result type for XLA's ragged_dot: x_cotangent
+    # forms it under Auto axes.
+    ct_x = x_cotangent(lambda ct, w: _float_ragged_dot(ct.astype(jnp.float32), jnp.swapaxes(w, 1, 2),
+                                                       group_sizes),
+                       ct, w, x_aval, k_dim=1)
     # Inside shard_map an x that is invariant over a mesh axis the weight varies over was
     # implicitly broadcast (pvary) into the op; its cotangent is the sum over that axis.
     extra = _varying_axes(jax.typeof(ct_x)) - _varying_axes(x_aval)
