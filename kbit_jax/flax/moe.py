@@ -65,8 +65,9 @@ def dense_method(rows: int, num_experts: int) -> str:
     """The dense block's path for ``rows = T * k`` (token, expert) pairs over ``num_experts``:
     "gather" when ``3 * rows <= num_experts``, else "ragged".
 
-    The gather reads each chosen expert's kernels, writes the ``[rows, K, N]`` copy and reads it
-    again in the einsum: about 3 expert-reads per row. ``jax.lax.ragged_dot`` on a GPU expands
+    The gather reads each chosen expert's kernels at most 3 times per row (read, write the
+    ``[rows, K, N]`` copy, read it in the einsum; XLA on a GPU fuses the gather into the
+    einsum's reduction over K, which reads them once, at ~0.2-0.5 TB/s on an H200). ``jax.lax.ragged_dot`` on a GPU expands
     to a dense product over every expert: it reads all ``num_experts`` once (and does
     ``num_experts`` times the FLOPs, which only matters for large ``rows``). So the gather
     moves fewer bytes while ``3 * rows < num_experts``: at decode (Qwen3-Coder-Next, 512
