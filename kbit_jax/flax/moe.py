@@ -11,8 +11,9 @@ Both compute, per token ``x[K]``::
 into before quantization. It reads only the chosen experts when few rows are routed
 (`MOE_METHODS`, `dense_method`): "gather" gathers the ``T * k`` chosen experts' kernels
 (``gate[ids]`` -> ``[T * k, K, H]``) and multiplies each row by its own with a batched einsum
-("gather-reduce": as a multiply and a sum XLA can fuse with the gather); "ragged" sorts the rows by expert for ``jax.lax.ragged_dot`` (which on GPUs reads every expert);
-"all" runs every expert on every token and zero-weights the others (the reference).
+("gather-reduce": as a multiply and a sum XLA can fuse with the gather); "ragged" sorts the
+rows by expert for ``jax.lax.ragged_dot`` (which on GPUs reads every expert); "all" runs every
+expert on every token and zero-weights the others (the reference).
 ``KbitMoE.from_dense`` (or ``kbit_jax.flax.quantize_model``) turns it into ``KbitMoE``: gate
 and up interleaved into one ``KbitWeight`` ``[G, K, 2H]`` (``kbit_jax.interleave_glu``),
 ``down`` a ``KbitWeight`` ``[G, H, K]``, the router kept dense. ``KbitMoE`` sorts the
@@ -67,11 +68,12 @@ def dense_method(rows: int, num_experts: int) -> str:
 
     The gather reads each chosen expert's kernels at most 3 times per row (read, write the
     ``[rows, K, N]`` copy, read it in the einsum; XLA on a GPU fuses the gather into the
-    einsum's reduction over K, which reads them once, at ~0.2-0.5 TB/s on an H200). ``jax.lax.ragged_dot`` on a GPU expands
-    to a dense product over every expert: it reads all ``num_experts`` once (and does
-    ``num_experts`` times the FLOPs, which only matters for large ``rows``). So the gather
-    moves fewer bytes while ``3 * rows < num_experts``: at decode (Qwen3-Coder-Next, 512
-    experts, 10 per token: up to 17 tokens per step; 64 experts, 4 per token: up to 5)."""
+    einsum's reduction over K, which reads them once, at ~0.2-0.5 TB/s on an H200).
+    ``jax.lax.ragged_dot`` on a GPU expands to a dense product over every expert: it reads all
+    ``num_experts`` once (and does ``num_experts`` times the FLOPs, which only matters for large
+    ``rows``). So the gather moves fewer bytes while ``3 * rows < num_experts``: at decode
+    (Qwen3-Coder-Next, 512 experts, 10 per token: up to 17 tokens per step; 64 experts, 4 per
+    token: up to 5)."""
     return "gather" if 3 * rows <= num_experts else "ragged"
 
 _LEAVES = ("planes", "scales", "codebook", "tensor_scale")
