@@ -65,7 +65,8 @@ __all__ = [
     "LLAMA3_70B", "LLAMA3_8B", "Llama", "LlamaConfig", "MLP", "MLP_GATE_MODES", "RMSNorm",
     "RopeScaling", "TINY", "TINY_TP", "TP_LAYOUT", "attend", "build_model", "cache_sharding",
     "check_tp", "decode", "decode_step", "fuse_gate_up", "fuse_qkv", "generate", "init_cache",
-    "linear_spec", "moe_path", "prefill", "quantized_tied_head", "variable_shardings", "rope", "rope_tables", "shard_model",
+    "linear_spec", "moe_path", "prefill", "quantized_tied_head", "variable_shardings", "rope",
+    "rope_tables", "shard_model",
 ]
 
 #: ``attention=`` values: "xla" (jnp rotary embedding, cache update, einsums and softmax),
@@ -416,8 +417,7 @@ def moe_path(cfg: DecoderConfig, bits: int | None, tokens: int, tp: int = 1,
     """The routed-expert product a step over ``tokens`` tokens runs (None without MoE layers):
     "kbit ragged_dot" (quantized), else by the dense block's ``method`` ("auto":
     ``kbit_jax.flax.moe.dense_method``) "gather-einsum", "gather-reduce", "lax.ragged_dot" or
-    "all experts";
-    prefixed "ep " when expert-parallel (``tp > 1``)."""
+    "all experts"; prefixed "ep " when expert-parallel (``tp > 1``)."""
     if not cfg.moe_layers:
         return None
     if bits is not None:
