@@ -237,12 +237,14 @@ class _Filler:
 
     def stacked(self, read, n: int, shape: tuple[int, ...]):
         """``[n, *shape]``: ``read(j)`` (a host array of ``shape``) stacked over j, placed as the
-        experts are. Each device's experts are read for it alone, so the host holds one
-        device's share of the stack at a time."""
+        experts are. Each device's experts are read for it alone and sent to it before the next
+        device's are read."""
         if self.mesh is None:
             return self.to_device(np.stack([read(j) for j in range(n)]))
-        return jax.make_array_from_callback(
-            (n, *shape), self.experts, lambda index: np.stack([read(j) for j in range(n)[index[0]]]))
+        shape = (n, *shape)
+        shards = [jax.device_put(np.stack([read(j) for j in range(n)[index[0]]]), device)
+                  for device, index in self.experts.addressable_devices_indices_map(shape).items()]
+        return jax.make_array_from_single_device_arrays(shape, self.experts, shards)
 
     def _sharding(self, spec):
         return self.device if self.mesh is None else NamedSharding(self.mesh, spec or P())
