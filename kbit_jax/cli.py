@@ -229,7 +229,8 @@ def generate(argv) -> int:
                         help="0 (default): greedy; > 0: sample at this temperature")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel over the first N devices")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel over the first N devices (MoE layers expert-parallel)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -342,7 +343,8 @@ def perplexity(argv) -> int:
     parser.add_argument("--context", type=int, default=1024, help="window length in tokens (default 1024)")
     parser.add_argument("--stride", type=int, default=512, help="window step in tokens (default 512)")
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel over the first N devices")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel over the first N devices (MoE layers expert-parallel)")
     args = parser.parse_args(argv)
     if not 0 < args.stride <= args.context or args.context < 2:
         raise UsageError(f"need 0 < --stride <= --context and --context >= 2, got {args.stride}, {args.context}")

@@ -1,5 +1,6 @@
 """kbit_jax.models: configs from config.json, loading safetensors directories (dense, quantized,
-tensor-parallel), the package's own saved format, and the errors for bad checkpoints.
+tensor-parallel, Qwen3-MoE expert-parallel), the package's own saved format, and the errors for
+bad checkpoints.
 
 The checkpoints here are written with ``safetensors.numpy`` from random tensors (no torch);
 tests/test_models_transformers.py compares against transformers itself.
@@ -22,6 +23,7 @@ import kbit_jax.flax as kflax  # noqa: E402
 from kbit_jax import models  # noqa: E402
 from kbit_jax.models import config as mconfig  # noqa: E402
 from kbit_jax.models import decoder, loader  # noqa: E402
+from kbit_jax.sharding import COLLECTIVES, all_gather_shapes, collective_counts  # noqa: E402
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -43,6 +45,10 @@ QWEN3_MOE = {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "q
 LLAMA_TP8 = {**LLAMA, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8,
              "intermediate_size": 256}
 QWEN3_TP8 = {**QWEN3, "num_attention_heads": 16, "num_key_value_heads": 8, "intermediate_size": 256}
+#: Qwen3-MoE over up to 8 devices: whole kv heads and one expert (of 8) per device, whole
+#: 32-element blocks of o_proj's and the dense layer's down_proj's K per device.
+QWEN3_MOE_TP8 = {**QWEN3_MOE, "num_attention_heads": 16, "num_key_value_heads": 8, "intermediate_size": 256}
+U32 = float(jnp.finfo(jnp.float32).eps) / 2     # float32's unit roundoff
 
 
 def random_tensors(hf: dict, rng, dtype=np.float32) -> dict:
@@ -171,7 +177,7 @@ def test_config_qwen3_moe():
 def test_qwen3_moe_load_save(tmp_path, rng):
     """Qwen3-MoE: expert layers load as MoE (dense) or KbitMoE (quantized, the stacked experts
     equal to kbit_jax.quantize of the dense stacks), the dense-MLP layer as the MLP; a saved
-    quantized model restores exactly; a mesh is refused."""
+    quantized model restores exactly."""
     path = write_checkpoint(tmp_path / "hf", QWEN3_MOE, random_tensors(QWEN3_MOE, rng), shards=2)
     dense = models.load(path, dtype=jnp.float32, progress=False)
     model = models.load(path, bits=4, dtype=jnp.float32, progress=False)
@@ -190,9 +196,6 @@ def test_qwen3_moe_load_save(tmp_path, rng):
     for a, b in zip(leaves(model), leaves(back)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(decoder.generate(back, tokens, 4), decoder.generate(model, tokens, 4))
-    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
-    with pytest.raises(NotImplementedError, match="Qwen3MoeForCausalLM: loading onto a mesh"):
-        models.load(path, mesh=mesh, progress=False)
 
 
 def test_missing_expert(tmp_path, rng):
@@ -323,6 +326,160 @@ def test_sharded_load_equals_single_device(hf, bits, quantize_head, tmp_path, rn
         got = sharded(jax.device_put(prompt, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
     assert rel_err(got, want) < 1e-5
     np.testing.assert_array_equal(decoder.generate(sharded, prompt, 5), decoder.generate(single, prompt, 5))
+
+
+def _expert_leaves(model):
+    """Every MoE block's stacked expert arrays (dense kernels or quantized leaves)."""
+    out = []
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, kflax.MoE):
+            out += [v.get_value() for v in (module.gate, module.up, module.down)]
+        elif isinstance(module, kflax.KbitMoE):
+            out += [x for w in module.weights for x in jax.tree.leaves(w)]
+    return out
+
+
+def _check_expert_parallel(model, n: int) -> None:
+    """Every MoE block computes expert-parallel over "tp": its expert leaves split into n shards
+    of G / n experts each, one per device; its router replicated."""
+    blocks = [m for _, m in nnx.iter_modules(model) if isinstance(m, (kflax.MoE, kflax.KbitMoE))]
+    assert len(blocks) == len(model.config.moe_layers)
+    for block in blocks:
+        assert block.ep_axis == "tp"
+        router = block.router.kernel.get_value()
+        assert len(router.sharding.device_set) == n and router.sharding.is_fully_replicated
+    g = model.config.n_experts
+    for x in _expert_leaves(model):
+        assert x.shape[0] == g and len(x.sharding.device_set) == n
+        assert sorted(s.index[0].start for s in x.addressable_shards) == list(range(0, g, g // n))
+        assert all(s.data.shape[0] * n == g for s in x.addressable_shards)
+
+
+def _step_logits(model, prompt):
+    """The prefill logits of ``prompt`` [B, T] and one decode step's after it (float64), under
+    the model's mesh when it has one."""
+    graphdef, state = nnx.split(model)
+    b, t = prompt.shape
+    tokens, first = jnp.asarray(prompt), jnp.asarray(prompt[:, 0])
+    if model.tp is None:
+        cache = decoder.init_cache(model.config, b, t + 1, jnp.float32)
+        logits, cache = decoder.prefill(graphdef, state, tokens, cache)
+        step, _ = decoder.decode_step(graphdef, state, first, cache, t)
+    else:
+        mesh, axis = model.tp
+        with jax.set_mesh(mesh):
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            cache = decoder.init_cache(model.config, b, t + 1, jnp.float32,
+                                       sharding=decoder.cache_sharding(mesh, axis))
+            logits, cache = decoder.prefill(graphdef, state, jax.device_put(tokens, replicated), cache)
+            step, _ = decoder.decode_step(graphdef, state, jax.device_put(first, replicated), cache, t)
+    return np.asarray(logits, np.float64), np.asarray(step, np.float64)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("bits, counts", [pytest.param(None, (2, 8), id="dense"),
+                                          pytest.param(4, (4, 8), id="k4")])
+def test_moe_sharded_load_equals_single_device(bits, counts, tmp_path, rng, monkeypatch):
+    """A Qwen3-MoE checkpoint (bf16 tensors) loaded over 2, 4 or 8 devices: the same weights as
+    on one device, every expert stack at its expert-parallel shards (G / n experts per device;
+    none of them passed through the first device), the same prefill and decode logits up to
+    float32 reassociation, and the same greedy tokens."""
+    hf = QWEN3_MOE_TP8
+    path = write_checkpoint(tmp_path, hf, random_tensors(hf, rng, jnp.bfloat16), shards=2)
+    kw = dict(bits=bits, dtype=jnp.float32, progress=False)
+    single = models.load(path, **kw)
+    prompt = tokens_for(hf, rng, (2, 6))
+    one, tokens = _step_logits(single, prompt), decoder.generate(single, prompt, 5)
+    for n in counts:
+        mesh = jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n])
+        to_device = loader._Filler.to_device
+        first_device = []
+        monkeypatch.setattr(loader._Filler, "to_device",
+                            lambda self, a: first_device.append(a.shape) or to_device(self, a))
+        sharded = models.load(path, mesh=mesh, **kw)
+        monkeypatch.setattr(loader._Filler, "to_device", to_device)
+        assert first_device and not [s for s in first_device if len(s) == 3], first_device
+        for a, b in zip(leaves(single), leaves(sharded)):
+            np.testing.assert_array_equal(a, b)
+        _check_expert_parallel(sharded, n)
+        for got, want in zip(_step_logits(sharded, prompt), one):
+            # The devices' partial sums (o_proj's K = 512 over n shards, the experts' psum, the
+            # dense down_proj's K = 256) reassociate float32 sums: each of the 3 layers is off by
+            # at most K * u32 of its sums' magnitudes, which the norms carry to the logits.
+            k = hf["num_attention_heads"] * hf["head_dim"]
+            np.testing.assert_allclose(got, want, rtol=0, atol=hf["num_hidden_layers"] * k * U32 * np.abs(want).max())
+        np.testing.assert_array_equal(decoder.generate(sharded, prompt, 5), tokens)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("bits", [pytest.param(None, id="bf16"), pytest.param(4, id="k4")])
+def test_moe_sharded_load_step_moves_no_weight(bits, tmp_path, rng):
+    """The compiled decode step of a Qwen3-MoE checkpoint loaded over 8 devices (bf16): two
+    all-reduces per layer (o_proj's; the MLP's: down_proj's in the dense layer, the experts'
+    psum in a MoE layer) and no all-gather, so no weight moves."""
+    hf = QWEN3_MOE_TP8
+    path = write_checkpoint(tmp_path, hf, random_tensors(hf, rng, jnp.bfloat16))
+    mesh = jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8])
+    model = models.load(path, bits=bits, mesh=mesh, progress=False)
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(mesh):
+        cache = decoder.init_cache(model.config, 2, 16, sharding=decoder.cache_sharding(mesh))
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        token = jax.device_put(jnp.zeros((2,), jnp.int32), replicated)
+        text = decoder.decode_step.lower(graphdef, state, token, cache, 8).compile().as_text()
+    want = {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 2 * hf["num_hidden_layers"]}
+    assert collective_counts(text) == want
+    assert all_gather_shapes(text) == []
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("change, bits, match", [
+    ({}, None, r"over 8 devices needs n_heads, n_kv_heads, hidden_dim and n_experts divisible by 8; "
+               r"got n_heads=4, n_kv_heads=2"),
+    ({"num_attention_heads": 16, "num_key_value_heads": 8, "num_experts": 4}, None,
+     r"n_experts divisible by 8; got n_experts=4$"),
+    ({"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 8}, 4,
+     r"needs o_proj's in_features \(n_heads \* head_dim = 128\) divisible by 32 \* 8 = 256"),
+])
+def test_moe_mesh_must_divide(change, bits, match, tmp_path, rng, monkeypatch):
+    """A Qwen3-MoE checkpoint that does not split over the mesh is refused before any tensor is
+    read, naming what does not divide."""
+    hf = {**QWEN3_MOE, **change}
+    path = write_checkpoint(tmp_path, hf, random_tensors(hf, rng))
+    mesh = jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8])
+    reads, read = [], loader.SafetensorsCheckpoint.read
+    monkeypatch.setattr(loader.SafetensorsCheckpoint, "read",
+                        lambda self, name: reads.append(name) or read(self, name))
+    with pytest.raises(ValueError, match=match):
+        models.load(path, bits=bits, mesh=mesh, progress=False)
+    assert reads == []
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+def test_moe_save_restore_on_mesh(tmp_path, rng):
+    """A quantized Qwen3-MoE saved (from its expert-parallel placement over 8 devices) restores
+    onto 4 devices straight into its expert shards and onto one device: the same leaves and
+    greedy tokens; a mesh that does not divide it is refused naming the sizes."""
+    hf = QWEN3_MOE_TP8
+    path = write_checkpoint(tmp_path / "hf", hf, random_tensors(hf, rng))
+    mesh8 = jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8])
+    model = models.load(path, bits=4, dtype=jnp.float32, mesh=mesh8, progress=False)
+    saved = models.save(model, tmp_path / "k4")
+    mesh4 = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+    back = models.load(saved, mesh=mesh4, dtype=jnp.float32, progress=False)
+    single = models.load(saved, dtype=jnp.float32, progress=False)
+    _check_expert_parallel(back, 4)
+    for a, b, c in zip(leaves(model), leaves(back), leaves(single)):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    prompt = tokens_for(hf, rng, (2, 6))
+    want = decoder.generate(single, prompt, 5)
+    np.testing.assert_array_equal(decoder.generate(back, prompt, 5), want)
+    np.testing.assert_array_equal(decoder.generate(model, prompt, 5), want)
+    mesh3 = jax.make_mesh((3,), ("tp",), devices=jax.devices()[:3])
+    with pytest.raises(ValueError, match="over 3 devices needs .* divisible by 3; got n_heads=16, "
+                                         "n_kv_heads=8, hidden_dim=256, n_experts=8"):
+        models.load(saved, mesh=mesh3, progress=False)
 
 
 def test_save_load_round_trip(tmp_path, rng):

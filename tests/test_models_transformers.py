@@ -1,5 +1,6 @@
 """kbit_jax.models against transformers: tiny random Llama-3 and Qwen3 models made and saved by
-transformers (torch on the CPU), loaded by kbit_jax.models.load.
+transformers (torch on the CPU), loaded by kbit_jax.models.load (Qwen3-MoE also expert-parallel
+over 2 devices).
 
 - float32: logits within 1e-4 relative (max |difference| / max |logit|), greedy continuations
   identical;
@@ -96,6 +97,25 @@ def test_matches_transformers(kind, shard, dtype, tmp_path, rng):
     model = models.load(tmp_path, dtype=jnp.float32, progress=False)
     tokens = rng.integers(0, 256, (2, 12)).astype(np.int32)
     assert rel_err(model(tokens), hf_logits(hf, tokens)) < 1e-4
+    hf.generation_config.pad_token_id, hf.generation_config.eos_token_id = 0, None
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(tokens, dtype=torch.long), do_sample=False, max_new_tokens=8,
+                           attention_mask=torch.ones(tokens.shape, dtype=torch.long)).numpy()[:, 12:]
+    np.testing.assert_array_equal(decoder.generate(model, tokens, 8), want)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (simulated) devices")
+def test_moe_expert_parallel_matches_transformers(tmp_path, rng):
+    """Qwen3-MoE loaded expert-parallel over 2 devices (4 experts each), float32: logits within
+    1e-4 relative of transformers' and the same greedy continuation, as on one device."""
+    hf = hf_model("qwen3-moe", rng, tmp_path, shard=True)
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    model = models.load(tmp_path, dtype=jnp.float32, mesh=mesh, progress=False)
+    assert model.layers[0].mlp.ep_axis == "tp"
+    tokens = rng.integers(0, 256, (2, 12)).astype(np.int32)
+    with jax.set_mesh(mesh):
+        got = model(jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    assert rel_err(got, hf_logits(hf, tokens)) < 1e-4
     hf.generation_config.pad_token_id, hf.generation_config.eos_token_id = 0, None
     with torch.no_grad():
         want = hf.generate(torch.tensor(tokens, dtype=torch.long), do_sample=False, max_new_tokens=8,

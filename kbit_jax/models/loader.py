@@ -5,8 +5,11 @@ Reading uses ``safetensors`` with NumPy (no torch). Weights go one layer at a ti
 the shard files, moved to the first device, fused into the decoder's layout there (q/k/v into
 ``qkv_proj``, gate/up interleaved into ``gate_up_proj``, every kernel transposed to ``[K, N]``),
 quantized there when ``bits`` is given, then placed at their tensor-parallel shards when a mesh
-is given. Host memory holds about one layer's tensors at a time; a device holds the model (its
-share of it) plus one layer's dense tensors.
+is given. A mixture-of-experts layer's experts go straight to their expert-parallel shards
+instead: each device receives the experts it owns (``G / tp`` of them, read for it alone) and
+fuses and quantizes them there. Host memory holds about one layer's tensors at a time; a device
+holds the model (its share of it) plus one layer's dense tensors (of a MoE layer: its experts'
+share).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .. import flax as kflax
 from ..flax.convert import _progress
 from ..flax.layers import _check_quant_config
+from ..format import BLOCK
 from ..ops import quantize
 from ..sharding import shard_weight
 from . import decoder
@@ -218,15 +222,29 @@ def _experts_kernel(w):
 
 class _Filler:
     """Puts checkpoint tensors into an abstract model (from ``nnx.eval_shape``): dense in
-    ``dtype`` or quantized, on ``device`` or at their tensor-parallel shards."""
+    ``dtype`` or quantized, on ``device`` or at their tensor-parallel (experts: expert-parallel)
+    shards."""
 
     def __init__(self, dtype, bits, codebook, device, mesh, axis):
         self.dtype, self.bits, self.codebook = dtype, bits, codebook
         self.device, self.mesh, self.axis = device, mesh, axis
         self.tp = 1 if mesh is None else int(mesh.shape[axis])
+        # the stacked experts [G, ...]: on ``device``, or G over the axis (expert parallelism)
+        self.experts = device if mesh is None else NamedSharding(mesh, P(axis, None, None))
 
     def to_device(self, array: np.ndarray):
         return jax.device_put(array, self.device)
+
+    def stacked(self, read, n: int, shape: tuple[int, ...]):
+        """``[n, *shape]``: ``read(j)`` (a host array of ``shape``) stacked over j, placed as the
+        experts are. Each device's experts are read for it alone and sent to it before the next
+        device's are read."""
+        if self.mesh is None:
+            return self.to_device(np.stack([read(j) for j in range(n)]))
+        shape = (n, *shape)
+        shards = [jax.device_put(np.stack([read(j) for j in range(n)[index[0]]]), device)
+                  for device, index in self.experts.addressable_devices_indices_map(shape).items()]
+        return jax.make_array_from_single_device_arrays(shape, self.experts, shards)
 
     def _sharding(self, spec):
         return self.device if self.mesh is None else NamedSharding(self.mesh, spec or P())
@@ -240,15 +258,21 @@ class _Filler:
         stacked ``[experts, out, in]`` gate, up and down (device arrays), as a KbitMoE when
         ``quantized``. Experts are stored ``[experts, in, out]``, gate and up interleaved."""
         moe = block.mlp
-        moe.router.kernel.set_value(jax.device_put(_kernel(router).astype(self.dtype), self.device))
+        moe.router.kernel.set_value(
+            jax.device_put(_kernel(router).astype(self.dtype), self._sharding(None)))
+        # The experts arrive placed as `stacked` puts them (one device, or G over the axis); the
+        # layout changes and quantize work per expert, so each device fuses and quantizes its own.
         if quantized:
             gate_up = quantize(_experts_gate_up(gate, up), self.bits, self.codebook)
             down = quantize(_experts_kernel(down), self.bits, self.codebook)
+            if self.mesh is not None:
+                stacked = P(self.axis, None, None)
+                gate_up, down = (shard_weight(w, self.mesh, stacked) for w in (gate_up, down))
             block.mlp = kflax.KbitMoE(moe.router, gate_up, down, top_k=cfg.experts_per_token,
                                       norm_topk_prob=cfg.norm_topk_prob)
         else:
             for var, w in ((moe.gate, gate), (moe.up, up), (moe.down, down)):
-                var.set_value(_experts_kernel(w).astype(self.dtype))
+                var.set_value(jax.device_put(_experts_kernel(w).astype(self.dtype), self.experts))
 
     def set_linear(self, parent, key: str, kernel, quantized: bool) -> None:
         """``parent.key`` (an nnx.Linear) gets ``kernel [K, N]`` (a device array), quantized
@@ -279,13 +303,26 @@ def _check_args(bits, codebook, dtype, mesh, axis):
     return dtype
 
 
-def _check_mesh(cfg: DecoderConfig, mesh, axis: str) -> None:
+def _check_mesh(cfg: DecoderConfig, mesh, axis: str, bits: int | None = None) -> None:
+    """ValueError, before anything is read, unless ``cfg`` splits over ``mesh``'s axis: whole
+    heads and kv heads per device, the dense MLP width (where there are dense MLP layers) and
+    the experts (where there are MoE layers) divisible by the device count
+    (``decoder.check_tp``); quantized, whole 32-element blocks of the row-parallel layers'
+    input features per device."""
     if mesh is None:
         return
-    if cfg.moe_layers:
-        raise NotImplementedError(f"{cfg.architecture}: loading onto a mesh is not supported for "
-                                  f"mixture-of-experts models yet (mesh={mesh}); load on one device")
-    decoder.check_tp(cfg, int(mesh.shape[axis]))
+    tp = int(mesh.shape[axis])
+    decoder.check_tp(cfg, tp)
+    if bits is None:
+        return
+    rows = [("o_proj", "n_heads * head_dim", cfg.n_heads * cfg.head_dim)]
+    if len(cfg.moe_layers) < cfg.n_layers:
+        rows.append(("down_proj", "hidden_dim", cfg.hidden_dim))
+    for name, what, k in rows:
+        if k % (BLOCK * tp):
+            raise ValueError(f"quantized tensor parallelism over {tp} devices needs {name}'s in_features "
+                             f"({what} = {k}) divisible by {BLOCK} * {tp} = {BLOCK * tp} (whole "
+                             f"{BLOCK}-element blocks per device)")
 
 
 def is_saved_model(path) -> bool:
@@ -308,14 +345,19 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
       dtype: float32, bfloat16 or float16: the dense weights (embedding, norms, dense layers)
         and so the computation (a saved model's dense weights are cast to it as restored).
       mesh, axis: place the model tensor-parallel over ``mesh``'s axis ``axis`` as it is loaded
-        (``decoder.shard_model``'s layout); None: the default device.
+        (``decoder.shard_model``'s layout: a mixture-of-experts layer's stacked experts
+        expert-parallel, ``G / tp`` per device, each device's read and quantized on it); None:
+        the default device.
       quantize_head: quantize the output projection too (a tied one gets a quantized copy of
         the embedding; the embedding itself stays dense).
       progress: a progress bar on stderr (tqdm).
       attention, norm, mlp_gate: the decoder's kernel choices (``decoder.build_model``).
 
     Raises ValueError naming the file and tensor for a missing tensor, a wrong shape or dtype
-    or a truncated shard, and naming the architecture for one this package does not build.
+    or a truncated shard, naming the architecture for one this package does not build, and,
+    with a mesh, naming the sizes the axis does not divide (heads, kv heads, the MLP width,
+    the experts; quantized, o_proj's and down_proj's input features in whole 32-element
+    blocks per device).
     """
     path = os.fspath(path)
     dtype = _check_args(bits, codebook, dtype, mesh, axis)
@@ -323,7 +365,7 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
     if is_saved_model(path):
         return _restore(path, bits=bits, dtype=dtype, mesh=mesh, axis=axis, modes=modes)
     cfg = from_hf_config(read_hf_config(path))
-    _check_mesh(cfg, mesh, axis)
+    _check_mesh(cfg, mesh, axis, bits)
     ckpt = SafetensorsCheckpoint(path)
     ckpt.check(expected_tensors(cfg))
 
@@ -338,8 +380,9 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
     def read(name):
         return fill.to_device(ckpt.read(name))
 
-    def read_stacked(pattern, n):       # the experts' tensors as one [n, ...] device array
-        return fill.to_device(np.stack([ckpt.read(pattern.format(j)) for j in range(n)]))
+    def read_stacked(pattern, n):       # the experts' tensors as one [n, ...] array, placed
+        _, shape = ckpt.info(pattern.format(0))
+        return fill.stacked(lambda j: ckpt.read(pattern.format(j)), n, shape)
 
     next(steps)
     embedding = ckpt.read("model.embed_tokens.weight")
@@ -480,7 +523,7 @@ def _restore(path, *, bits, dtype, mesh, axis, modes) -> decoder.Llama:
         raise ValueError(f"{path} holds a model saved with bits={saved_bits or None}; load it "
                          f"with bits=None, or quantize the original checkpoint with bits={bits}")
     cfg = DecoderConfig(**meta["config"])
-    _check_mesh(cfg, mesh, axis)
+    _check_mesh(cfg, mesh, axis, saved_bits[0] if saved_bits else None)
     model = nnx.eval_shape(lambda: _skeleton(cfg, dtype, meta["quantized"], modes))
     if mesh is not None:
         placement = {i: s for i, (_, s, _) in decoder.variable_shardings(model, mesh, axis).items()}
