@@ -21,18 +21,23 @@ Each row reports, for bf16 activations:
 Times are device busy time per product (`--time busy`, the default on a GPU: the union of the
 kernels' intervals in a profile, as bench_matmul.py measures it), or call time (`--time call`,
 kbit_jax.timing.products_seconds). Results: JSON and a markdown table at --out (a path prefix),
-rewritten after every row.
+rewritten after every row; `--merge` joins runs made in parts (e.g. shapes on several GPUs of
+one host) into one table and draws the plot (floor / kbit and % of copy by T, bits 4; it needs
+matplotlib).
 
     python benchmarks/bench_moe.py --out benchmarks/results/moe_h200
     python benchmarks/bench_moe.py --shapes qwen3_30b_gate_up --tokens 16 64 --bits 4 --out /tmp/m
+    python benchmarks/bench_moe.py --merge benchmarks/results/moe_h200 /tmp/a.json /tmp/b.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -88,8 +93,15 @@ def measure(product, x, weights, args):
 
 
 def markdown(result):
-    lines = [f"# kbit_jax.ragged_dot on {result['device']} ({result['time']} time, "
-             f"copy bandwidth {result['copy_bandwidth_tbs']:.2f} TB/s)", "",
+    lines = [f"# kbit_jax.ragged_dot on {result['device']}", "",
+             f"{result['date']}, commit {result.get('commit') or 'unknown'}, jax {result['jax']}; "
+             f"{result['time']} time per product (cold weights); copy bandwidth "
+             f"{result['copy_bandwidth_tbs']:.2f} TB/s measured in the same run. bf16 activations. "
+             "`floor`: the active experts' bf16 bytes at copy bandwidth (an ideal grouped kernel on "
+             "bf16 experts); `dense bf16`: `jnp.dot` of [M, K] x [K, N] (the same FLOPs); "
+             "`lax.ragged_dot`: jax.lax.ragged_dot on the bf16 experts (on a GPU it expands to a "
+             "dense product over every expert; timed up to T = 64).", "",
+             "\n".join("    " + c for c in result.get("commands") or [result.get("command", "")]), "",
              "| shape | routing | T | M | active | bits | kbit us | MB read | % copy | bf16 floor us | "
              "floor / kbit | dense bf16 us | dense / kbit | lax.ragged_dot us |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -102,6 +114,63 @@ def markdown(result):
                      f"{r['bf16_floor_us']:.1f} | {r['bf16_floor_us'] / r['kbit_us']:.2f} | {dense} | {ratio} | "
                      f"{lax} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(result, path, bits=4):
+    """Two panels by T (log scale), one line per shape and routing at `bits`: the bf16 floor over
+    the kbit time, and the kbit product's % of copy bandwidth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    series = collections.defaultdict(list)
+    for r in result["rows"]:
+        if r["bits"] == bits:
+            series[(r["shape"], r["routing"])].append((r["tokens"], r["bf16_floor_us"] / r["kbit_us"], r["pct_copy"]))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    for (shape, routing), pts in sorted(series.items()):
+        pts.sort()
+        style = "-" if routing == "uniform" else "--"
+        for ax, i in zip(axes, (1, 2)):
+            ax.plot([p[0] for p in pts], [p[i] for p in pts], style, marker="o", label=f"{shape} ({routing})")
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].set_ylabel("bf16 floor / kbit time (> 1: faster than any bf16 grouped kernel)")
+    axes[1].set_ylabel("% of copy bandwidth")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per step T")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"kbit_jax.ragged_dot, bits {bits}, on {result['device']} (commit {result.get('commit') or '?'})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def merge(out, parts):
+    """Join the rows of runs made in parts on one device into `out` (.json, .md, .png)."""
+    runs = []
+    for path in parts:
+        with open(path) as f:
+            runs.append(json.load(f))
+    result = dict(runs[0])
+    result["rows"] = [r for run in runs for r in run["rows"]]
+    result["copy_bandwidth_tbs"] = min(run["copy_bandwidth_tbs"] for run in runs)
+    result["commands"] = [run.get("command", "") for run in runs]
+    write(result, out)
+    try:
+        plot(result, out + ".png")
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    return result
+
+
+def _commit():
+    """The source's commit: $KBIT_JAX_COMMIT (a copied tree whose .git is not its own), else git's."""
+    if os.environ.get("KBIT_JAX_COMMIT"):
+        return os.environ["KBIT_JAX_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def write(result, out):
@@ -131,7 +200,13 @@ def main(argv=None):
     p.add_argument("--max-passes", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="path prefix of the .json and .md results")
+    p.add_argument("--merge", nargs="+", metavar=("OUT", "PART"),
+                   help="join the .json results PART... into OUT (.json, .md, .png) and exit")
     args = p.parse_args(argv)
+    if args.merge:
+        if len(args.merge) < 2:
+            p.error("--merge needs OUT and at least one PART")
+        return merge(args.merge[0], args.merge[1:])
     on_gpu = jax.default_backend() == "gpu"
     args.time = args.time or ("busy" if on_gpu else "call")
     shapes = {"custom": (*args.kn, None)} if args.kn else {s: SHAPES[s] for s in args.shapes}
@@ -141,8 +216,10 @@ def main(argv=None):
     xla_bw = copy_bandwidth(args.repeats)
     memcpy_bw = memcpy_bandwidth() if on_gpu else None
     bw = max(xla_bw, memcpy_bw or 0.0)
+    command = "python benchmarks/bench_moe.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = dict(device=jax.devices()[0].device_kind, time=args.time, jax=jax.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  commit=_commit(), command=command.strip(),
                   copy_bandwidth_tbs=bw / 1e12, xla_copy_bandwidth_tbs=xla_bw / 1e12,
                   memcpy_bandwidth_tbs=(memcpy_bw or 0.0) / 1e12, rows=[])
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s ({args.time} time)", flush=True)
