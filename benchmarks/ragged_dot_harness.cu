@@ -86,7 +86,8 @@ struct Case {
   int bits, layout, glu;
   DType dtype;
   bool force_generic;
-  int wgmma_rows = 0;  // > 0: the grouped wgmma kernel with this row tile (RaggedDotTuning)
+  int wgmma = 0;  // 1: the grouped wgmma kernel, -1: not it (RaggedDotTuning)
+  int wgmma_tile = 0;
 };
 
 static std::mt19937 rng(1234);
@@ -131,10 +132,11 @@ static bool run_case(const Case& c) {
   a.m = c.m; a.k = c.k; a.n = c.n; a.groups = G; a.bits = c.bits; a.layout = c.layout; a.glu = c.glu;
   RaggedDotTuning tune;
   tune.force_generic = c.force_generic;
-  tune.wgmma_rows = c.wgmma_rows;
-  const std::string path = c.force_generic    ? "generic (forced)"
-                           : c.wgmma_rows > 0 ? "wgmma (forced, rows " + std::to_string(c.wgmma_rows) + ")"
-                                              : ragged_dot_path(a);
+  tune.wgmma = c.wgmma;
+  tune.wgmma_tile = c.wgmma_tile;
+  const std::string path = c.force_generic ? "generic (forced)"
+                           : c.wgmma > 0   ? "wgmma (forced, tile " + std::to_string(c.wgmma_tile) + ")"
+                                           : ragged_dot_path(a);
   const std::string err = launch_ragged_dot(a, nullptr, &tune);
   if (!err.empty()) { std::printf("launch error: %s\n", err.c_str()); return false; }
   CK(cudaDeviceSynchronize());
@@ -258,7 +260,7 @@ static int check() {
     Case c3{29, 128, 128, {3, 0, 9, 1, 0, 16}, bits, 1, 1, DType::kBF16, true};
     ++total; fails += !run_case(c3);
   }
-  // The grouped wgmma kernel, each row tile forced (64, 128, 256): a one-row group whose box
+  // The grouped wgmma kernel, forced, each tile (96 x 256, 128 x 256, 128 x 128): a one-row group whose box
   // reaches into the next group, groups of several row tiles with a partial last one, tiles that
   // end exactly at a group's end, empty groups at both ends and inside, sum < M and sum > M, a
   // negative size; K with an odd number of k-blocks (a half chunk), N = 160 (a partial column
@@ -270,11 +272,11 @@ static int check() {
       {250, {100, 100, 100}},  // sum above M: the last group clamps
   };
   for (int bits = 2; bits <= 5; ++bits)
-    for (int rows : {64, 128, 256})
+    for (int tile : {1, 2, 3})
       for (size_t i = 0; i < wg.size(); ++i) {
-        const DType d = (i + rows / 64 + bits) % 2 ? DType::kF16 : DType::kBF16;
+        const DType d = (i + tile + bits) % 2 ? DType::kF16 : DType::kBF16;
         const int glu = (i + bits) % 3 == 0 ? 0 : (i + bits) % 3;
-        Case c{wg[i].first, i % 2 ? 96 : 256, glu ? 512 : 160, wg[i].second, bits, 1, glu, d, false, rows};
+        Case c{wg[i].first, i % 2 ? 96 : 256, glu ? 512 : 160, wg[i].second, bits, 1, glu, d, false, 1, tile};
         ++total;
         fails += !run_case(c);
       }
@@ -364,9 +366,9 @@ static int time_mode(int reps) {
       CK(cudaMalloc(&x, size_t(max_t) * s.topk * s.k * 2));
       CK(cudaMalloc(&y, size_t(max_t) * s.topk * s.n * 2));
       fill_bf16<<<1024, 256>>>(x, size_t(max_t) * s.topk * s.k);
-      for (int run = 0; run < 9; ++run) {
-        const int T = run < 7 ? std::array<int, 7>{1, 4, 16, 64, 256, 1024, 4096}[run] : (run == 7 ? 16 : 64);
-        const bool skewed = run >= 7;  // expert of popularity rank r drawn with weight (r + 1)^-1.2
+      for (int run = 0; run < 12; ++run) {
+        const int T = run < 10 ? std::array<int, 10>{1, 4, 16, 64, 256, 512, 768, 1024, 2048, 4096}[run] : (run == 10 ? 16 : 64);
+        const bool skewed = run >= 10;  // expert of popularity rank r drawn with weight (r + 1)^-1.2
         if (T > max_t || (skewed && bits != 4) || (bits != 4 && T != 1 && T != 16 && T != 4096)) continue;
         const int64_t M = int64_t(T) * s.topk;
         std::vector<int32_t> hg(s.g, 0);
@@ -391,16 +393,17 @@ static int time_mode(int reps) {
         a.group_sizes = gs; a.y = y; a.m = M; a.k = s.k; a.n = s.n; a.groups = s.g; a.bits = bits;
         a.layout = 1; a.glu = s.glu;
         // (at T >= 256, bits 4, uniform: also each of the fused kernel's tilings forced, by the rows
-        // per expert it is chosen for, and each of the grouped wgmma kernel's row tiles; at T =
-        // 4096, other bits: the wgmma kernel's 128 and 256 and the fused kernel's 64; "auto" is the
-        // launcher's choice)
+        // per expert it is chosen for, and the grouped wgmma kernel with each of its tiles (96 x 256,
+        // 128 x 256, 128 x 128); at T = 4096, other bits, all but the fused kernel's smaller
+        // tilings; "auto" is the launcher's choice)
         const bool tilings = T >= 256 && bits == 4 && !skewed, wide = T == 4096 && bits != 4;
         const double dense_us = dense_bf16_us(s.name, T);
-        for (int forced : {0, 8, 32, 64, -64, -128, -256}) {
-          if (forced && !tilings && !(wide && (forced == 64 || forced <= -128))) continue;
+        for (int forced : {0, 8, 32, 64, -1, -2, -3}) {
+          if (forced && !tilings && !(wide && (forced == 64 || forced < 0))) continue;
           RaggedDotTuning tune;
           tune.block_rows = forced > 0 ? forced : 0;
-          tune.wgmma_rows = forced < 0 ? -forced : forced > 0 ? -1 : 0;
+          tune.wgmma = forced < 0 ? 1 : forced > 0 ? -1 : 0;
+          tune.wgmma_tile = forced < 0 ? -forced : 0;
           std::vector<float> times;
           for (int rep = 0; rep < reps; ++rep) {
             CK(cudaMemsetAsync(flush, rep & 0xff, flush_bytes));
@@ -417,7 +420,7 @@ static int time_mode(int reps) {
           const double bytes = wbytes + M * s.k * 2.0 + M * (s.glu ? s.n / 2 : s.n) * 2.0;
           const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
           const std::string tiling = forced > 0   ? "ws rows=" + std::to_string(forced)
-                                     : forced < 0 ? "wgmma rows=" + std::to_string(-forced)
+                                     : forced < 0 ? std::string(forced == -1 ? "wgmma 96x256" : forced == -2 ? "wgmma 128x256" : "wgmma 128x128")
                                                   : std::string("auto");
           char dense[64] = "";
           if (dense_us > 0) std::snprintf(dense, sizeof dense, " dense %.1f us, dense/us %.2f", dense_us, dense_us / us);

@@ -90,15 +90,14 @@ def test_fused_kernel_tilings_and_edges(rng, case, bits, dtype, glu):
     assert np.all(np.asarray(y[int(sizes.sum()):], np.float32) == 0)
 
 
-# (M, group sizes) for the grouped wgmma kernel (bf16/f16 at prefill sizes), by the row tile its
-# estimate of rows per active expert, ceil(M / min(G, M)), picks: 64 rows (50), 128 (100) and 256
-# (200). Each starts with a one-row group whose box of x reaches into the next group, has a group
-# of several row tiles with a partial last one, empty groups at both ends and inside, and rows
-# past sum(group_sizes).
+# (M, group sizes) for the grouped wgmma kernel (bf16/f16 at prefill sizes: an estimate of 50,
+# 100 and 200 rows per active expert, ceil(M / min(G, M))): 96-row tiles, then 128. Each starts with a
+# one-row group whose box of x reaches into the next group, has groups of several row tiles with a
+# partial last one, empty groups at both ends and inside, and rows past sum(group_sizes).
 WGMMA_CASES = {
-    "tile64": (400, [0, 1, 150, 0, 3, 200, 30, 0]),
-    "tile128": (600, [0, 1, 300, 3, 250, 0]),
-    "tile256": (1200, [0, 1, 600, 0, 530, 0]),
+    "rows50": (400, [0, 1, 150, 0, 3, 200, 30, 0]),
+    "rows100": (600, [0, 1, 300, 3, 250, 0]),
+    "rows200": (1200, [0, 1, 600, 0, 530, 0]),
 }
 
 

@@ -97,18 +97,25 @@ struct GroupedWgLauncher {
   }
 };
 
-// The row tile by the rows per active expert of the dispatch's estimate (M / min(G, M)), or
-// tuning->wgmma_rows: 64 rows up to 64 (a 64 x 256 tile), 128 up to 160 (128 x 256), above that
-// 256 (256 x 128: each decoded weight feeds 256 rows, WgConfig's header).
+// The tile by the rows per active expert of the estimate M / min(G, M): 96 x 256 up to 96 rows
+// (Qwen3-Coder-Next experts get ~80 rows at 4096 tokens: a 128-row tile would compute 48 rows
+// that no one stores), else 128 x 256 (two warpgroups, J = 2). tuning->wgmma_tile forces one, or
+// 128 x 128 over two warpgroup pairs that split each tile's k-blocks (WgConfig::kGroups).
+// Timed on the harness (H200, uniform routing, the three models' experts): 128 x 256 tiles take
+// 0.69-0.90x the time of 64 x 256 tiles at 64-256 rows per expert (bits 4: an expert's rows fill
+// one tile instead of two), and 0.95-1.06x the time of 256 x 128 tiles at 256 rows (bits 2-5).
 template <int BITS>
 std::string launch_ragged_dot_wgmma_bits(const RaggedDotArgs& a, cudaStream_t stream, const RaggedDotTuning* tuning) {
-  const int64_t active = std::max<int64_t>(1, std::min(a.groups, a.m));
-  const int64_t rows = tuning && tuning->wgmma_rows > 0 ? tuning->wgmma_rows : (a.m + active - 1) / active;
+  int tile = tuning ? tuning->wgmma_tile : 0;
+  if (tile == 0) {
+    const int64_t active = std::max<int64_t>(1, std::min(a.groups, a.m));
+    tile = (a.m + active - 1) / active <= 96 ? 1 : 2;
+  }
   auto with = [&](auto act) -> std::string {
     using A = decltype(act);
-    if (rows <= 64) return GroupedWgLauncher<BITS, 64, 2, A>::launch(a, stream);
-    if (rows <= 160) return GroupedWgLauncher<BITS, 128, 2, A>::launch(a, stream);
-    return GroupedWgLauncher<BITS, 256, 1, A>::launch(a, stream);
+    if (tile == 1) return GroupedWgLauncher<BITS, 96, 2, A>::launch(a, stream);
+    if (tile == 3) return GroupedWgLauncher<BITS, 128, 1, A>::launch(a, stream);
+    return GroupedWgLauncher<BITS, 128, 2, A>::launch(a, stream);
   };
   if (a.dtype == DType::kF16) return with(ActF16{});
   return with(ActBF16{});
