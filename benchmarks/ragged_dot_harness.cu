@@ -260,7 +260,7 @@ static int check() {
     Case c3{29, 128, 128, {3, 0, 9, 1, 0, 16}, bits, 1, 1, DType::kBF16, true};
     ++total; fails += !run_case(c3);
   }
-  // The grouped wgmma kernel, forced, each tile (96 x 256, 128 x 256, 128 x 128): a one-row group whose box
+  // The grouped wgmma kernel, forced, each tile (96 x 256, 128 x 256): a one-row group whose box
   // reaches into the next group, groups of several row tiles with a partial last one, tiles that
   // end exactly at a group's end, empty groups at both ends and inside, sum < M and sum > M, a
   // negative size; K with an odd number of k-blocks (a half chunk), N = 160 (a partial column
@@ -272,7 +272,7 @@ static int check() {
       {250, {100, 100, 100}},  // sum above M: the last group clamps
   };
   for (int bits = 2; bits <= 5; ++bits)
-    for (int tile : {1, 2, 3})
+    for (int tile : {1, 2})
       for (size_t i = 0; i < wg.size(); ++i) {
         const DType d = (i + tile + bits) % 2 ? DType::kF16 : DType::kBF16;
         const int glu = (i + bits) % 3 == 0 ? 0 : (i + bits) % 3;
@@ -394,11 +394,11 @@ static int time_mode(int reps) {
         a.layout = 1; a.glu = s.glu;
         // (at T >= 256, bits 4, uniform: also each of the fused kernel's tilings forced, by the rows
         // per expert it is chosen for, and the grouped wgmma kernel with each of its tiles (96 x 256,
-        // 128 x 256, 128 x 128); at T = 4096, other bits, all but the fused kernel's smaller
-        // tilings; "auto" is the launcher's choice)
+        // 128 x 256); at T = 4096, other bits, all but the fused kernel's smaller tilings; "auto"
+        // is the launcher's choice)
         const bool tilings = T >= 256 && bits == 4 && !skewed, wide = T == 4096 && bits != 4;
         const double dense_us = dense_bf16_us(s.name, T);
-        for (int forced : {0, 8, 32, 64, -1, -2, -3}) {
+        for (int forced : {0, 8, 32, 64, -1, -2}) {
           if (forced && !tilings && !(wide && (forced == 64 || forced < 0))) continue;
           RaggedDotTuning tune;
           tune.block_rows = forced > 0 ? forced : 0;
@@ -420,7 +420,7 @@ static int time_mode(int reps) {
           const double bytes = wbytes + M * s.k * 2.0 + M * (s.glu ? s.n / 2 : s.n) * 2.0;
           const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
           const std::string tiling = forced > 0   ? "ws rows=" + std::to_string(forced)
-                                     : forced < 0 ? std::string(forced == -1 ? "wgmma 96x256" : forced == -2 ? "wgmma 128x256" : "wgmma 128x128")
+                                     : forced < 0 ? std::string(forced == -1 ? "wgmma 96x256" : "wgmma 128x256")
                                                   : std::string("auto");
           char dense[64] = "";
           if (dense_us > 0) std::snprintf(dense, sizeof dense, " dense %.1f us, dense/us %.2f", dense_us, dense_us / us);

@@ -174,10 +174,11 @@ std::string launch_generic(const RaggedDotArgs& a, cudaStream_t stream, const Ra
 
 // The grouped wgmma kernel (ragged_dot_wgmma.cuh) from this many rows per active expert (the
 // estimate M / min(G, M)); the warp-specialized kernel below. Harness, H200, bits 4, uniform
-// routing: at 16-20 rows the warp-specialized kernel's 32-row blocks take 0.67-0.86x the time of
-// the wgmma kernel's 128-row tiles (Qwen3-30B-A3B, GLM-4.7-Flash and Qwen3-Coder-Next experts), at
-// 64 rows the wgmma kernel 0.72-0.75x the time of the other's best tiling.
-constexpr int64_t kGroupedWgmmaMinRows = 40;
+// routing, each kernel's tilings forced: at 32 rows (Qwen3-30B-A3B and GLM-4.7-Flash experts,
+// 512 tokens) the wgmma kernel takes 0.92-0.95x the time of the other's best tiling, at 40 rows
+// (Qwen3-Coder-Next, 2048 tokens) 0.95x (gate/up) and 1.03x (down); at 16-20 rows (256 and 1024
+// tokens) the warp-specialized kernel's 32-row blocks take 0.74-0.78x the wgmma kernel's time.
+constexpr int64_t kGroupedWgmmaMinRows = 32;
 
 // Compiled for sm_90a (CMake's KBIT_WGMMA) and running on compute capability 9.0.
 bool grouped_wgmma_here() {

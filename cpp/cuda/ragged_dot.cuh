@@ -35,8 +35,8 @@ struct RaggedDotTuning {
   int block_rows = 0;          // the fused kernel's tiling as for this many rows per expert (0: M / min(G, M))
   int wgmma = 0;               // 1: the grouped wgmma kernel where it applies, -1: never (0: the dispatch
                                // decides; block_rows > 0 alone: the fused kernel)
-  int wgmma_tile = 0;          // the grouped wgmma kernel's tile (rows x columns): 1: 96 x 256, 2: 128 x 256,
-                               // 3: 128 x 128 in two warpgroup pairs (0: the launcher's choice)
+  int wgmma_tile = 0;          // the grouped wgmma kernel's tile (rows x columns): 1: 96 x 256, 2: 128 x 256
+                               // (0: the launcher's choice)
 };
 
 // The kernel launch_ragged_dot uses for these arguments, for logs and tests: "fused" or

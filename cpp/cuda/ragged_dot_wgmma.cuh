@@ -97,13 +97,14 @@ struct GroupedWgLauncher {
   }
 };
 
-// The tile by the rows per active expert of the estimate M / min(G, M): 96 x 256 up to 96 rows
-// (Qwen3-Coder-Next experts get ~80 rows at 4096 tokens: a 128-row tile would compute 48 rows
-// that no one stores), else 128 x 256 (two warpgroups, J = 2). tuning->wgmma_tile forces one, or
-// 128 x 128 over two warpgroup pairs that split each tile's k-blocks (WgConfig::kGroups).
-// Timed on the harness (H200, uniform routing, the three models' experts): 128 x 256 tiles take
-// 0.69-0.90x the time of 64 x 256 tiles at 64-256 rows per expert (bits 4: an expert's rows fill
-// one tile instead of two), and 0.95-1.06x the time of 256 x 128 tiles at 256 rows (bits 2-5).
+// The tile by the rows per active expert of the estimate M / min(G, M): 96 x 256 up to 96 rows,
+// else 128 x 256 (both two warpgroups side by side, J = 2); tuning->wgmma_tile forces one.
+// Timed on the harness (H200, uniform routing, the three models' routed experts, every tile
+// forced): 96-row tiles take 0.89-0.97x the time of 128-row ones at 5-80 rows per expert (a
+// 128-row tile holds an ~80-row Qwen3-Coder-Next expert and 48 rows that are computed and
+// dropped), 1.05-1.15x at 128 and 256 rows (bits 2-5). Other tiles timed the same way: 64 x 256
+// took 1.12-1.45x the time of 128 x 256 at 64-256 rows, 256 x 128 0.94-1.06x at 256 rows, and
+// 128 x 128 over two warpgroup pairs 1.01-1.51x the time of the tile chosen here at 5-256 rows.
 template <int BITS>
 std::string launch_ragged_dot_wgmma_bits(const RaggedDotArgs& a, cudaStream_t stream, const RaggedDotTuning* tuning) {
   int tile = tuning ? tuning->wgmma_tile : 0;
@@ -114,7 +115,6 @@ std::string launch_ragged_dot_wgmma_bits(const RaggedDotArgs& a, cudaStream_t st
   auto with = [&](auto act) -> std::string {
     using A = decltype(act);
     if (tile == 1) return GroupedWgLauncher<BITS, 96, 2, A>::launch(a, stream);
-    if (tile == 3) return GroupedWgLauncher<BITS, 128, 1, A>::launch(a, stream);
     return GroupedWgLauncher<BITS, 128, 2, A>::launch(a, stream);
   };
   if (a.dtype == DType::kF16) return with(ActF16{});
