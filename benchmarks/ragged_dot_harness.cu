@@ -1,15 +1,20 @@
-// Standalone harness of the grouped expert product's CUDA kernels (cpp/cuda/ragged_dot.cu and the
-// fused kernel's grouped mode, ragged_dot_ws.cuh), without JAX:
+// Standalone harness of the grouped expert product's CUDA kernels (cpp/cuda/ragged_dot.cu, the
+// fused kernel's grouped mode, ragged_dot_ws.cuh, and the wgmma kernel's, ragged_dot_wgmma.cuh),
+// without JAX:
 //   check: every bits, dtype, layout and GLU on group sizes with zeros, empty ends, one group,
 //          sum < M, one-row groups whose block of activations reaches into the next group, groups
 //          of several row blocks, and row counts that take each of the fused kernel's tilings,
-//          against a float64 host reference; exits 1 on a mismatch.
+//          and each of the grouped wgmma kernel's row tiles (forced), against a float64 host
+//          reference; exits 1 on a mismatch.
 //   time:  the routed-expert shapes of three MoE models at T tokens with uniform or skewed top-k
 //          routing, cold weights (L2 flushed before each launch), the kernel's device time by CUDA
 //          events against the copy bandwidth measured in the same run, and the bf16 floor (the
-//          active experts' bf16 bytes at that bandwidth) over the kernel's time.
+//          active experts' bf16 bytes at that bandwidth) over the kernel's time; at T >= 256, each
+//          kernel's tilings forced too, and the dense bf16 dot of the same FLOPs (jnp.dot, from
+//          benchmarks/results/moe_h200.md) over the kernel's time.
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -Icpp
-//        benchmarks/ragged_dot_harness.cu cpp/cuda/ragged_dot.cu cpp/cuda/ragged_dot_ws_b[2-5].cu
+//        -DKBIT_WGMMA=1 benchmarks/ragged_dot_harness.cu cpp/cuda/ragged_dot.cu
+//        cpp/cuda/ragged_dot_ws_b[2-5].cu cpp/cuda/ragged_dot_wgmma_b[2-5].cu
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -81,6 +86,8 @@ struct Case {
   int bits, layout, glu;
   DType dtype;
   bool force_generic;
+  int wgmma = 0;  // 1: the grouped wgmma kernel, -1: not it (RaggedDotTuning)
+  int wgmma_tile = 0;
 };
 
 static std::mt19937 rng(1234);
@@ -125,7 +132,11 @@ static bool run_case(const Case& c) {
   a.m = c.m; a.k = c.k; a.n = c.n; a.groups = G; a.bits = c.bits; a.layout = c.layout; a.glu = c.glu;
   RaggedDotTuning tune;
   tune.force_generic = c.force_generic;
-  const std::string path = c.force_generic ? "generic (forced)" : ragged_dot_path(a);
+  tune.wgmma = c.wgmma;
+  tune.wgmma_tile = c.wgmma_tile;
+  const std::string path = c.force_generic ? "generic (forced)"
+                           : c.wgmma > 0   ? "wgmma (forced, tile " + std::to_string(c.wgmma_tile) + ")"
+                                           : ragged_dot_path(a);
   const std::string err = launch_ragged_dot(a, nullptr, &tune);
   if (!err.empty()) { std::printf("launch error: %s\n", err.c_str()); return false; }
   CK(cudaDeviceSynchronize());
@@ -225,7 +236,7 @@ static int check() {
   for (int bits = 2; bits <= 5; ++bits)
     for (const auto& [m, sz] : tiled)
       for (DType d : {DType::kBF16, DType::kF16}) {
-        Case c{m, 256, 192, sz, bits, 1, d == DType::kF16 ? 1 : 0, d, false};
+        Case c{m, 256, 192, sz, bits, 1, d == DType::kF16 ? 1 : 0, d, false, -1};  // (-1: not the wgmma kernel)
         ++total;
         fails += !run_case(c);
       }
@@ -249,6 +260,26 @@ static int check() {
     Case c3{29, 128, 128, {3, 0, 9, 1, 0, 16}, bits, 1, 1, DType::kBF16, true};
     ++total; fails += !run_case(c3);
   }
+  // The grouped wgmma kernel, forced, each tile (96 x 256, 128 x 256): a one-row group whose box
+  // reaches into the next group, groups of several row tiles with a partial last one, tiles that
+  // end exactly at a group's end, empty groups at both ends and inside, sum < M and sum > M, a
+  // negative size; K with an odd number of k-blocks (a half chunk), N = 160 (a partial column
+  // tile), GLU; bits 2..5, bf16 and f16.
+  const std::vector<std::pair<int64_t, std::vector<int>>> wg = {
+      {300, {0, 1, 150, 0, 3, 130, 2, 0}},  // sum 286 < M
+      {200, {0, 0, 64, 128, 1, 0}},
+      {270, {-2, 260, 0, 5}},
+      {250, {100, 100, 100}},  // sum above M: the last group clamps
+  };
+  for (int bits = 2; bits <= 5; ++bits)
+    for (int tile : {1, 2})
+      for (size_t i = 0; i < wg.size(); ++i) {
+        const DType d = (i + tile + bits) % 2 ? DType::kF16 : DType::kBF16;
+        const int glu = (i + bits) % 3 == 0 ? 0 : (i + bits) % 3;
+        Case c{wg[i].first, i % 2 ? 96 : 256, glu ? 512 : 160, wg[i].second, bits, 1, glu, d, false, 1, tile};
+        ++total;
+        fails += !run_case(c);
+      }
   Case c0{9, 64, 64, {}, 4, 1, 0, DType::kBF16, false};
   ++total; fails += !run_case(c0);
   std::printf("check: %d of %d cases failed\n", fails, total);
@@ -270,6 +301,20 @@ __global__ void fill_scales(uint8_t* p, size_t n) {
 __global__ void fill_bf16(__nv_bfloat16* p, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     p[i] = __float2bfloat16(float(int(i % 17) - 8) * 0.05f);
+}
+
+// jnp.dot of [M, K] x [K, N] bf16 (the same FLOPs as the expert product at T tokens) on the
+// H200, jax 0.11.2: benchmarks/results/moe_h200.md's `dense bf16 us`; 0 where it has none.
+static double dense_bf16_us(const std::string& shape, int T) {
+  struct Row { const char* shape; double t256, t4096; };
+  static const Row rows[] = {
+      {"qwen3-next gate_up", 24.7, 257.1}, {"qwen3-next down", 20.8, 138.8},
+      {"qwen3-30b gate_up", 29.3, 310.3},  {"qwen3-30b down", 18.7, 159.6},
+      {"glm4.7-flash gate_up", 31.0, 305.8}, {"glm4.7-flash down", 17.4, 166.0},
+  };
+  for (const Row& r : rows)
+    if (shape == r.shape) return T == 256 ? r.t256 : T == 4096 ? r.t4096 : 0.0;
+  return 0.0;
 }
 
 static int time_mode(int reps) {
@@ -317,14 +362,14 @@ static int time_mode(int reps) {
       CK(cudaMalloc(&cb, hcb.size() * 4)); CK(cudaMalloc(&ts, s.g * 4)); CK(cudaMalloc(&gs, s.g * 4));
       CK(cudaMemcpy(cb, hcb.data(), hcb.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(ts, hts.data(), s.g * 4, cudaMemcpyHostToDevice));
-      const int max_t = bits == 4 ? 4096 : 16;
+      const int max_t = 4096;
       CK(cudaMalloc(&x, size_t(max_t) * s.topk * s.k * 2));
       CK(cudaMalloc(&y, size_t(max_t) * s.topk * s.n * 2));
       fill_bf16<<<1024, 256>>>(x, size_t(max_t) * s.topk * s.k);
-      for (int run = 0; run < 8; ++run) {
-        const int T = run < 6 ? std::array<int, 6>{1, 4, 16, 64, 256, 4096}[run] : (run == 6 ? 16 : 64);
-        const bool skewed = run >= 6;  // expert of popularity rank r drawn with weight (r + 1)^-1.2
-        if (T > max_t || (skewed && bits != 4) || (bits != 4 && T != 1 && T != 16)) continue;
+      for (int run = 0; run < 12; ++run) {
+        const int T = run < 10 ? std::array<int, 10>{1, 4, 16, 64, 256, 512, 768, 1024, 2048, 4096}[run] : (run == 10 ? 16 : 64);
+        const bool skewed = run >= 10;  // expert of popularity rank r drawn with weight (r + 1)^-1.2
+        if (T > max_t || (skewed && bits != 4) || (bits != 4 && T != 1 && T != 16 && T != 4096)) continue;
         const int64_t M = int64_t(T) * s.topk;
         std::vector<int32_t> hg(s.g, 0);
         std::mt19937 r2(T * 31 + bits);
@@ -348,12 +393,17 @@ static int time_mode(int reps) {
         a.group_sizes = gs; a.y = y; a.m = M; a.k = s.k; a.n = s.n; a.groups = s.g; a.bits = bits;
         a.layout = 1; a.glu = s.glu;
         // (at T >= 256, bits 4, uniform: also each of the fused kernel's tilings forced, by the rows
-        // per expert it is chosen for; "auto" is the launcher's choice)
-        const bool tilings = T >= 256 && bits == 4 && !skewed;
-        for (int forced : {0, 8, 32, 64}) {
-          if (forced && !tilings) break;
+        // per expert it is chosen for, and the grouped wgmma kernel with each of its tiles (96 x 256,
+        // 128 x 256); at T = 4096, other bits, all but the fused kernel's smaller tilings; "auto"
+        // is the launcher's choice)
+        const bool tilings = T >= 256 && bits == 4 && !skewed, wide = T == 4096 && bits != 4;
+        const double dense_us = dense_bf16_us(s.name, T);
+        for (int forced : {0, 8, 32, 64, -1, -2}) {
+          if (forced && !tilings && !(wide && (forced == 64 || forced < 0))) continue;
           RaggedDotTuning tune;
-          tune.block_rows = forced;
+          tune.block_rows = forced > 0 ? forced : 0;
+          tune.wgmma = forced < 0 ? 1 : forced > 0 ? -1 : 0;
+          tune.wgmma_tile = forced < 0 ? -forced : 0;
           std::vector<float> times;
           for (int rep = 0; rep < reps; ++rep) {
             CK(cudaMemsetAsync(flush, rep & 0xff, flush_bytes));
@@ -369,10 +419,14 @@ static int time_mode(int reps) {
           const double wbytes = double(active) * KB * s.n * (bits * 4 + 1);
           const double bytes = wbytes + M * s.k * 2.0 + M * (s.glu ? s.n / 2 : s.n) * 2.0;
           const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
-          const std::string tiling = forced ? "rows=" + std::to_string(forced) : std::string("auto");
-          std::printf("%-22s %5d %4d %5lld %6d %9.1f %9.2f %6.1f%% %9.1f %7.2f %s %s\n", s.name, T, bits, (long long)M,
+          const std::string tiling = forced > 0   ? "ws rows=" + std::to_string(forced)
+                                     : forced < 0 ? std::string(forced == -1 ? "wgmma 96x256" : "wgmma 128x256")
+                                                  : std::string("auto");
+          char dense[64] = "";
+          if (dense_us > 0) std::snprintf(dense, sizeof dense, " dense %.1f us, dense/us %.2f", dense_us, dense_us / us);
+          std::printf("%-22s %5d %4d %5lld %6d %9.1f %9.2f %6.1f%% %9.1f %7.2f %s %s%s\n", s.name, T, bits, (long long)M,
                       active, us, bytes / 1e6, 100.0 * bytes / (us * 1e-6) / bw, floor_us, floor_us / us,
-                      skewed ? "skewed" : "uniform", tiling.c_str());
+                      skewed ? "skewed" : "uniform", tiling.c_str(), dense);
         }
       }
       cudaFree(planes); cudaFree(scales); cudaFree(cb); cudaFree(ts); cudaFree(gs); cudaFree(x); cudaFree(y);

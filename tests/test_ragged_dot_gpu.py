@@ -1,9 +1,10 @@
 """GPU-only checks of kbit_jax.ragged_dot (marked `gpu`, skipped without one): the CUDA kernels
-(the fused matmul kernel's grouped mode for bf16/f16 fragment-layout experts of N % 16 == 0, the
-SIMT kernel for the rest) against a loop of reference products per group, over bits 2..5, the
+(for bf16/f16 fragment-layout experts of N % 16 == 0 the wgmma kernel's grouped mode at prefill
+sizes and the fused matmul kernel's below, the SIMT kernel for the rest) against a loop of reference products per group, over bits 2..5, the
 three activation dtypes, both layouts, the GLU epilogues and the group-size cases of the contract;
 the fused kernel's edges (its tilings, one-row groups whose block of activations reaches into the
-next group, groups of several row blocks, model-sized experts in clusters); the lowering's FFI
+next group, groups of several row blocks, model-sized experts in clusters; the same for each of
+the wgmma kernel's row tiles, at model size too); the lowering's FFI
 target; results the same with XLA's command buffers on and off."""
 
 import os
@@ -69,7 +70,7 @@ TILING_CASES = {
     "rows2_blocks8": (14, [0, 1, 1, 1, 0, 1, 2, 0, 3, 1, 0]),
     "rows9_blocks32": (50, [0, 30, 1, 1, 13, 0]),
     "rows18_blocks32": (140, [0, 1, 1, 1, 130, 0, 1, 2, 0]),
-    "rows41_blocks64": (205, [0, 200, 1, 1, 0]),
+    "rows41_blocks64": (205, [0, 200, 1, 1, 0]),  # (on compute capability 9.0: the wgmma kernel)
 }
 
 
@@ -87,6 +88,47 @@ def test_fused_kernel_tilings_and_edges(rng, case, bits, dtype, glu):
     assert y.shape == (m, n // 2 if glu else n)
     check(y, x, w_q, sizes, glu)
     assert np.all(np.asarray(y[int(sizes.sum()):], np.float32) == 0)
+
+
+# (M, group sizes) for the grouped wgmma kernel (bf16/f16 at prefill sizes: an estimate of 50,
+# 100 and 200 rows per active expert, ceil(M / min(G, M))): 96-row tiles, then 128. Each starts with a
+# one-row group whose box of x reaches into the next group, has groups of several row tiles with a
+# partial last one, empty groups at both ends and inside, and rows past sum(group_sizes).
+WGMMA_CASES = {
+    "rows50": (400, [0, 1, 150, 0, 3, 200, 30, 0]),
+    "rows100": (600, [0, 1, 300, 3, 250, 0]),
+    "rows200": (1200, [0, 1, 600, 0, 530, 0]),
+}
+
+
+@pytest.mark.parametrize("glu", [None, "silu"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("case", list(WGMMA_CASES))
+def test_grouped_wgmma_edges(rng, case, bits, dtype, glu):
+    m, sizes = WGMMA_CASES[case]
+    sizes = np.asarray(sizes, np.int32)
+    g, k, n = len(sizes), 224, 160  # (K = 224: an odd number of k-blocks; N = 160: a partial column tile)
+    w_q = _gpu_weight(rng, g, k, n, bits)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 4 / np.sqrt(k), dtype)
+    y = _run(x, w_q, sizes, glu)
+    assert y.shape == (m, n // 2 if glu else n)
+    check(y, x, w_q, sizes, glu)
+    assert np.all(np.asarray(y[int(sizes.sum()):], np.float32) == 0)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 5])
+def test_grouped_wgmma_model_sized_prefill(rng, bits):
+    """Qwen3-30B-A3B-like gate/up experts at prefill (K = 2048, N = 1536), 8 experts of 150-260
+    rows and one empty, rows past the sum; with SwiGLU and without."""
+    g, k, n = 8, 2048, 1536
+    w_q = _gpu_weight(rng, g, k, n, bits)
+    sizes = rng.integers(150, 260, g).astype(np.int32)
+    sizes[5] = 0
+    m = int(sizes.sum()) + 9
+    x = jnp.asarray(rng.standard_normal((m, k)) / np.sqrt(k), jnp.bfloat16)
+    check(_run(x, w_q, sizes, "silu"), x, w_q, sizes, "silu")
+    check(_run(x, w_q, sizes), x, w_q, sizes)
 
 
 @pytest.mark.parametrize("bits", BITS)

@@ -9,7 +9,7 @@ N_VALUES or TYPES:
     python tools/gen_wgmma.py > cpp/cuda/wgmma.cuh
 """
 
-N_VALUES = (64, 128, 256)  # matmul_wgmma.cuh's row tiles (WgConfig's BM)
+N_VALUES = (64, 96, 128, 256)  # matmul_wgmma.cuh's row tiles (WgConfig's BM)
 TYPES = (("BF16", "bf16"), ("F16", "f16"))  # (wrapper suffix, PTX type of A and B)
 
 HEADER = """\

@@ -73,6 +73,7 @@
 #include "cuda/common.cuh"
 #include "cuda/fast_div.cuh"
 #include "cuda/item_reduce.cuh"  // mbar_init, mbar_wait
+#include "cuda/ragged_tiles.cuh"
 #include "cuda/tma.cuh"
 #include "cuda/weight_path.cuh"
 #include "cuda/wgmma.cuh"
@@ -267,12 +268,29 @@ __device__ __forceinline__ int f16_weight_exponent(float cb_abs) {
   return min(11, max(-10, 10 - frexp_exponent));
 }
 
-template <int BITS, int BM, int J, int WG, class Act>
+// Grouped (kbit_ragged_dot: one WgGroups after the tensor maps; without it the kernel is the
+// batched matmul's, the same code): expert b is batch entry b for its weights (k-block rows
+// b KB + kb), codebook and tensor scale, but x and y are [M, K] and [M, N(/2)] for all experts.
+// Each CTA computes one whole tile (no k-split cluster): CTA i finds its expert, row tile and
+// column tile from group_sizes (ragged_tiles.cuh: expert g's ceil(R_g / BM) row tiles x n_tiles,
+// numbered expert by expert, row tile fastest, so neighbouring CTAs share the expert's weights in
+// L2); its box of x starts at the tile's absolute first row (rows of the next expert in it are
+// computed and never stored, rows past M arrive as zeros), and it stores only its expert's rows.
+// CTAs past the tile count, and then every other, write the rows at or past sum(group_sizes) as
+// zeros. The launch is a plain one (stream-ordered), so group_sizes may be the previous kernel's.
+struct WgGroups {
+  const int32_t* group_sizes;  // [G], on the device
+  int G;
+};
+
+template <int BITS, int BM, int J, int WG, class Act, class... Grouped>
 __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     kbit_matmul_wgmma_kernel(const WgParams p, const __grid_constant__ CUtensorMap xmap,
                              const __grid_constant__ CUtensorMap xmap_tail, const __grid_constant__ CUtensorMap wmap,
-                             const __grid_constant__ CUtensorMap smap) {
+                             const __grid_constant__ CUtensorMap smap, Grouped... grouped) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(sizeof...(Grouped) <= 1, "one WgGroups at most");
+  constexpr bool kGrouped = sizeof...(Grouped) == 1;
   using Cfg = WgConfig<BITS, BM, J, WG>;
   using WP = typename Cfg::Path;
   constexpr bool kF16 = std::is_same_v<Act, ActF16>;
@@ -289,17 +307,28 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   const int wq = warp & 3, g = lane >> 2, t = lane & 3;
 
   // (cluster-uniform: whole_ctas is a multiple of the cluster size)
-  const bool whole = int(blockIdx.x) < p.whole_ctas;
+  const bool whole = kGrouped || int(blockIdx.x) < p.whole_ctas;
   const int split = whole ? 0 : int(blockIdx.x) - p.whole_ctas;
   const int ks = whole ? 1 : p.ks;
   const FastDiv ks_div = whole ? FastDiv(1) : p.ks_div;
   const int split_cluster = ks_div.div(split), rank = ks_div.mod(split, split_cluster);
   const int tile = whole ? int(blockIdx.x) : p.whole_ctas + split_cluster;
-  const int mn = p.m_tiles_div.div(tile), b = p.n_tiles_div.div(mn);  // (tile = (b n_tiles + nt) m_tiles + mt)
-  const int mt = p.m_tiles_div.mod(tile, mn), nt = p.n_tiles_div.mod(mn, b);
+  // (grouped) the CTA's expert, its rows and the tile (its shared memory is free until the table)
+  [[maybe_unused]] ragged::GroupTile gt{};
+  if constexpr (kGrouped) {
+    const WgGroups gp{grouped...};
+    gt = ragged::group_tile<BM>(gp.group_sizes, gp.G, p.M, p.n_tiles, int(blockIdx.x), smem);
+    if (!gt.valid) {
+      ragged::zero_rows(static_cast<typename Act::T*>(p.y), gt.total_rows, p.M, p.glu != kGluNone ? p.N / 2 : p.N,
+                        tid, Cfg::kThreads);
+      return;
+    }
+  }
+  const int mn = kGrouped ? 0 : p.m_tiles_div.div(tile), b = kGrouped ? gt.g : p.n_tiles_div.div(mn);  // (tile = (b n_tiles + nt) m_tiles + mt)
+  const int mt = kGrouped ? gt.mt : p.m_tiles_div.mod(tile, mn), nt = kGrouped ? gt.nt : p.n_tiles_div.mod(mn, b);
   const int n0 = nt * BN;
-  const int64_t m0 = int64_t(mt) * BM;
-  const int rows = int(min(int64_t(BM), p.M - m0));
+  const int64_t m0 = kGrouped ? int64_t(gt.row_start) + int64_t(mt) * BM : int64_t(mt) * BM;
+  const int rows = kGrouped ? min(BM, gt.row_end - int(m0)) : int(min(int64_t(BM), p.M - m0));
   const int kbA = rank * p.kps, kbE = whole ? p.KB : min(p.KB, kbA + p.kps);
   const int nch = kbE > kbA ? (kbE - kbA + KCH - 1) / KCH : 0;
   const bool copier = P == 1 ? warp == 0 : warp % GW == 0;  // the group's warp 0: it copies the group's chunks
@@ -339,7 +368,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   // uniform (tensor maps, chunk coordinates): bulk copies of computed addresses cost warp 0 ~240
   // instructions per chunk.
   const int w_row0 = b * p.KB;  // the weight's first k-block row of batch entry b
-  const bool tail = mt == p.m_tiles - 1 && p.tail_rows < BM;
+  const bool tail = !kGrouped && mt == p.m_tiles - 1 && p.tail_rows < BM;
   const CUtensorMap* x_map = tail ? &xmap_tail : &xmap;
   const uint32_t x_bytes = tail ? uint32_t(p.tail_rows * Cfg::kXRowBytes) : uint32_t(Cfg::kXBytes);
   const int lane_pinned = pinned_to_lane(lane, lane);  // (see the decode's constants below)
@@ -348,7 +377,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
     const int kb0 = kblock0(pr, c);
     const bool me = lane_pinned == 0;
     mbar_arrive_expect_tx_if(me, full, x_bytes + Cfg::kWBytes + Cfg::kSBytes);
-    tma_load_2d_if(me, st, x_map, 32 * kb0, int(int64_t(b) * p.M + m0), full);
+    tma_load_2d_if(me, st, x_map, 32 * kb0, int(kGrouped ? m0 : int64_t(b) * p.M + m0), full);
     tma_load_3d_if(me, st + Cfg::kXBytes, &wmap, 0, n0 / 16, w_row0 + kb0, full);
     tma_load_2d_if(me, st + Cfg::kXBytes + Cfg::kWBytes, &smap, n0, w_row0 + kb0, full);
   };
@@ -589,7 +618,7 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   // A thread takes E consecutive tile columns of one row (8, or 16 with a GLU: 8 outputs, one
   // 16-byte store); E is a constant, so the item's row and columns are shifts and masks.
   const int n_out = p.glu != kGluNone ? p.N / 2 : p.N;
-  typename Act::T* y = static_cast<typename Act::T*>(p.y) + (int64_t(b) * p.M + m0) * n_out;
+  typename Act::T* y = static_cast<typename Act::T*>(p.y) + (kGrouped ? m0 : int64_t(b) * p.M + m0) * n_out;
   // The pull's sums of an item (only tiles whose receive slots do not fit every cluster size
   // compile it): E columns at tile offset `own` from every rank's tile, pieces in the order sw,
   // sw ^ 1, ... (see sum_and_store), scaled into v. The loads from every rank go out before the
@@ -692,6 +721,8 @@ __global__ void __launch_bounds__(WgConfig<BITS, BM, J, WG>::kThreads, 1)
   else
     sum_and_store(std::integral_constant<int, 8>());
   if (ks > 1 && !push) cluster.sync();  // (pull) no rank leaves while another reads its tile
+  if constexpr (kGrouped)
+    ragged::zero_rows(static_cast<typename Act::T*>(p.y), gt.total_rows, p.M, n_out, tid, Cfg::kThreads);
 #endif
 }
 

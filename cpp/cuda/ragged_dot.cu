@@ -8,7 +8,11 @@
 // its weights are never read. Rows at or past sum(group_sizes) are written as zeros by all CTAs
 // together.
 //
-// Two kernels:
+// Three kernels:
+//  * grouped wgmma (the fused path's conditions below, compute capability 9.0, from
+//    kGroupedWgmmaMinRows rows per active expert): the wgmma kbit matmul in its grouped mode
+//    (ragged_dot_wgmma.cuh, matmul_wgmma.cuh), one whole output tile per CTA, each CTA finding
+//    its expert and tile from group_sizes (ragged_tiles.cuh).
 //  * fused (bf16/f16 activations, fragment layout, N % 16 == 0, 16-byte-aligned buffers): the
 //    fused matmul's warp-specialized kernel in its grouped mode (ragged_dot_ws.cuh,
 //    matmul_fused_ws.cuh): a TMA producer warp streams the active experts' weights through a
@@ -168,6 +172,42 @@ std::string launch_generic(const RaggedDotArgs& a, cudaStream_t stream, const Ra
   return check_launch("kbit_ragged_dot_generic_kernel", shape_string(a) + " (" + std::to_string(ctas) + " CTAs)");
 }
 
+// The grouped wgmma kernel (ragged_dot_wgmma.cuh) from this many rows per active expert (the
+// estimate M / min(G, M)); the warp-specialized kernel below. Harness, H200, bits 4, uniform
+// routing, each kernel's tilings forced: at 32 rows (Qwen3-30B-A3B and GLM-4.7-Flash experts,
+// 512 tokens) the wgmma kernel takes 0.92-0.95x the time of the other's best tiling, at 40 rows
+// (Qwen3-Coder-Next, 2048 tokens) 0.95x (gate/up) and 1.03x (down); at 16-20 rows (256 and 1024
+// tokens) the warp-specialized kernel's 32-row blocks take 0.74-0.78x the wgmma kernel's time.
+constexpr int64_t kGroupedWgmmaMinRows = 32;
+
+// Compiled for sm_90a (CMake's KBIT_WGMMA) and running on compute capability 9.0.
+bool grouped_wgmma_here() {
+#if defined(KBIT_WGMMA)
+  static std::atomic<int> cache[kMaxDevices];  // 0: unknown, 1: yes, 2: no
+  const int dev = current_device();
+  int v = cache[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0, minor = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
+    v = ok && major == 9 && minor == 0 ? 1 : 2;
+    cache[dev].store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+#else
+  return false;
+#endif
+}
+
+// (on the fused path: bf16/f16, the fragment layout, N % 16 == 0, aligned buffers)
+bool use_grouped_wgmma(const RaggedDotArgs& a, const RaggedDotTuning* tuning) {
+  if (a.groups == 0 || a.k == 0 || !grouped_wgmma_here()) return false;
+  if (tuning && tuning->wgmma != 0) return tuning->wgmma > 0;
+  if (tuning && tuning->block_rows > 0) return false;
+  const int64_t active = std::max<int64_t>(1, std::min(a.groups, a.m));
+  return (a.m + active - 1) / active >= kGroupedWgmmaMinRows;
+}
+
 }  // namespace
 
 std::string ragged_dot_path(const RaggedDotArgs& a) {
@@ -187,8 +227,11 @@ std::string launch_ragged_dot(const RaggedDotArgs& a, cudaStream_t stream, const
            std::to_string(kRaggedDotMaxGroups) + " supported, for " + shape_string(a);
   if (a.m > 0x7fffffff / 2 || a.k / 32 * a.n > 0x7fffffff / 8)
     return "kbit_ragged_dot: the kernels index rows, k-blocks and columns in 32 bits, for " + shape_string(a);
-  if (!(tuning && tuning->force_generic) && ragged_dot_path(a) == "fused")
+  if (!(tuning && tuning->force_generic) && ragged_dot_path(a) == "fused") {
+    if (use_grouped_wgmma(a, tuning))
+      return KBIT_BITS_SWITCH(a.bits, BITS, [&] { return wgmma::launch_ragged_dot_wgmma_bits<BITS>(a, stream, tuning); });
     return KBIT_BITS_SWITCH(a.bits, BITS, [&] { return fused::launch_ragged_dot_ws_bits<BITS>(a, stream, tuning); });
+  }
   return KBIT_BITS_SWITCH(a.bits, BITS, [&] {
     return KBIT_LAYOUT_SWITCH(a.layout, LAYOUT, [&] {
       return KBIT_DTYPE_SWITCH(a.dtype, T, [&] { return launch_generic<BITS, LAYOUT, T>(a, stream, tuning); });

@@ -33,6 +33,10 @@ struct RaggedDotTuning {
   bool force_generic = false;  // the SIMT kernel even where the fused kernel applies
   int ctas = 0;                // the SIMT kernel's CTAs (0: as many as fit on the device)
   int block_rows = 0;          // the fused kernel's tiling as for this many rows per expert (0: M / min(G, M))
+  int wgmma = 0;               // 1: the grouped wgmma kernel where it applies, -1: never (0: the dispatch
+                               // decides; block_rows > 0 alone: the fused kernel)
+  int wgmma_tile = 0;          // the grouped wgmma kernel's tile (rows x columns): 1: 96 x 256, 2: 128 x 256
+                               // (0: the launcher's choice)
 };
 
 // The kernel launch_ragged_dot uses for these arguments, for logs and tests: "fused" or
@@ -51,5 +55,13 @@ namespace fused {
 template <int BITS>
 std::string launch_ragged_dot_ws_bits(const RaggedDotArgs& a, cudaStream_t stream, const RaggedDotTuning* tuning);
 }  // namespace fused
+
+namespace wgmma {
+// The grouped wgmma kernel's launch for bits = BITS (ragged_dot_wgmma.cuh;
+// ragged_dot_wgmma_b<bits>.cu): bf16 or fp16, the fragment layout, N % 16 == 0, G and K > 0,
+// compute capability 9.0 (ragged_dot.cu checks).
+template <int BITS>
+std::string launch_ragged_dot_wgmma_bits(const RaggedDotArgs& a, cudaStream_t stream, const RaggedDotTuning* tuning);
+}  // namespace wgmma
 
 }  // namespace kbit::cuda
