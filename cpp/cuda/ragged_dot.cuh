@@ -33,6 +33,9 @@ struct RaggedDotTuning {
   bool force_generic = false;  // the SIMT kernel even where the fused kernel applies
   int ctas = 0;                // the SIMT kernel's CTAs (0: as many as fit on the device)
   int block_rows = 0;          // the fused kernel's tiling as for this many rows per expert (0: M / min(G, M))
+  int k_split = 0;             // the fused kernel's cluster size (0: its plan's)
+  int balance = -1;            // the fused kernel's chunk-balanced clusters: 1 wherever possible, 0 never, -1 its plan's
+  MatmulLaunchReport* report = nullptr;  // where the fused kernel's launcher writes its plan (or nowhere)
 };
 
 // The kernel launch_ragged_dot uses for these arguments, for logs and tests: "fused" or

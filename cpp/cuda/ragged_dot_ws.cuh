@@ -49,11 +49,17 @@ std::string launch_ragged_dot_ws_bits(const RaggedDotArgs& r, cudaStream_t strea
   const GroupParams grp{r.group_sizes, static_cast<int>(r.groups)};
   const int64_t active = std::max<int64_t>(1, std::min(r.groups, r.m));
   const int64_t rows = tuning && tuning->block_rows > 0 ? tuning->block_rows : (r.m + active - 1) / active;
+  MatmulTuning knobs;  // (the plan's cluster size and split, and its report, for benchmarks)
+  if (tuning) {
+    knobs.k_split = tuning->k_split;
+    knobs.balance = tuning->balance;
+    knobs.report = tuning->report;
+  }
   auto with = [&](auto act_tag) -> std::string {
     using A = typename decltype(act_tag)::type;
     auto run = [&](auto launcher) {
       using L = decltype(launcher);
-      return L::launch(a, stream, nullptr, L::plan_grouped(a), grp);
+      return L::launch(a, stream, &knobs, L::plan_grouped(a, tuning ? &knobs : nullptr), grp);
     };
     if (rows <= 8) return run(Launcher<BITS, A, 1, Tiling::kWarpKPair, true, true>{});
     if (rows <= 32) return run(Launcher<BITS, A, 4, Tiling::kNSplit, true, true>{});
