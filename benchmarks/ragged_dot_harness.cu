@@ -255,6 +255,14 @@ static int check() {
     Case c3{29, 128, 128, {3, 0, 9, 1, 0, 16}, bits, 1, 1, DType::kBF16, true};
     ++total; fails += !run_case(c3);
   }
+  // The schedule: G = 1024 groups (the most that each warp scans by itself) and 1025 (the
+  // CTA-wide scan), with rows in a few groups at both ends and sum < M.
+  for (int g : {1024, 1025}) {
+    std::vector<int> many(g, 0);
+    many[0] = 2; many[33] = 1; many[g / 2] = 3; many[g - 2] = 1; many[g - 1] = 2;
+    Case c{12, 256, 128, many, 4, 1, 1, DType::kBF16, false};
+    ++total; fails += !run_case(c);
+  }
   Case c0{9, 64, 64, {}, 4, 1, 0, DType::kBF16, false};
   ++total; fails += !run_case(c0);
   std::printf("check: %d of %d cases failed\n", fails, total);
