@@ -12,8 +12,9 @@
 //          does (one launch between CUDA events, launch latency included), and as the device's
 //          time per launch inside a CUDA graph of back-to-back launches, cold (each launch after a
 //          kernel that reads 2x L2 of other data, whose own graph's time is subtracted) and warm
-//          (the experts' weights in L2); then every cluster size and split of the fused kernel's
-//          plan on the Qwen3-Coder-Next shapes, cold.
+//          (the experts' weights in L2), and cold weights with x and group_sizes in L2 (as the
+//          kernels that wrote them leave them); then every cluster size and split of the fused kernel's
+//          plan on the Qwen3-Coder-Next shapes, cold (decode-plain: without them).
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -Icpp
 //        benchmarks/ragged_dot_harness.cu cpp/cuda/ragged_dot.cu cpp/cuda/ragged_dot_ws_b[2-5].cu
 #include <cuda_bf16.h>
@@ -255,13 +256,23 @@ static int check() {
     Case c3{29, 128, 128, {3, 0, 9, 1, 0, 16}, bits, 1, 1, DType::kBF16, true};
     ++total; fails += !run_case(c3);
   }
+  // Up to 8 rows per expert with K above one chunk of the K-split tiling (K <= 512 takes the
+  // N-split tiling in blocks of 32): zeros inside, empty ends, sum < M.
+  for (int bits = 2; bits <= 5; ++bits) {
+    Case c{29, 1024, 192, {3, 0, 9, 1, 0, 16}, bits, 1, bits % 3, bits == 3 ? DType::kF16 : DType::kBF16, false};
+    ++total; fails += !run_case(c);
+    Case c2{12, 1024, 128, {0, 5, 0, 0}, bits, 1, 0, DType::kBF16, false};
+    ++total; fails += !run_case(c2);
+  }
   // The schedule: G = 1024 groups (the most that each warp scans by itself) and 1025 (the
   // CTA-wide scan), with rows in a few groups at both ends and sum < M.
   for (int g : {1024, 1025}) {
     std::vector<int> many(g, 0);
     many[0] = 2; many[33] = 1; many[g / 2] = 3; many[g - 2] = 1; many[g - 1] = 2;
-    Case c{12, 256, 128, many, 4, 1, 1, DType::kBF16, false};
-    ++total; fails += !run_case(c);
+    for (int64_t k : {256, 640}) {
+      Case c{12, k, 128, many, 4, 1, 1, DType::kBF16, false};
+      ++total; fails += !run_case(c);
+    }
   }
   Case c0{9, 64, 64, {}, 4, 1, 0, DType::kBF16, false};
   ++total; fails += !run_case(c0);
@@ -406,10 +417,16 @@ __global__ void read_flush(const uint4* __restrict__ p, size_t n, uint32_t* sink
 }
 
 // Microseconds per launch of `launch` inside a CUDA graph of `R` back-to-back launches (median of
-// `reps` replays); with `flush`, each launch follows a read_flush of `flush_words`, and the time of
-// a graph of the flushes alone is subtracted.
+// `reps` replays); with `flush`, each launch follows a read_flush of `flush_words` (then a read of
+// the `touch` buffers, if any, as a previous kernel that wrote them would leave them in L2), and
+// the time of a graph of those alone is subtracted.
+struct Touch {
+  const void* p = nullptr;
+  size_t words = 0;  // 16-byte words
+};
 template <class F>
-static double graph_us(F&& launch, bool flush, const uint4* fbuf, size_t flush_words, uint32_t* sink, int reps) {
+static double graph_us(F&& launch, bool flush, const uint4* fbuf, size_t flush_words, uint32_t* sink, int reps,
+                       Touch t1 = {}, Touch t2 = {}) {
   constexpr int R = 20;
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -420,7 +437,11 @@ static double graph_us(F&& launch, bool flush, const uint4* fbuf, size_t flush_w
     cudaGraph_t g;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     for (int i = 0; i < R; ++i) {
-      if (flush) read_flush<<<264, 512, 0, s>>>(fbuf, flush_words, sink, 0x9e3779b9u + i);
+      if (flush) {
+        read_flush<<<264, 512, 0, s>>>(fbuf, flush_words, sink, 0x9e3779b9u + i);
+        for (const Touch& t : {t1, t2})
+          if (t.words) read_flush<<<8, 256, 0, s>>>(static_cast<const uint4*>(t.p), t.words, sink, 0x7f4a7c15u + i);
+      }
       if (with_kernel) {
         const std::string err = launch(s);
         if (!err.empty()) { std::printf("launch error %s\n", err.c_str()); std::exit(1); }
@@ -453,7 +474,7 @@ static double graph_us(F&& launch, bool flush, const uint4* fbuf, size_t flush_w
   return us;
 }
 
-static int decode_mode(int reps) {
+static int decode_mode(int reps, bool sweep) {
   struct Shape { const char* name; int64_t k, n; int g, topk, glu; };
   const Shape shapes[] = {
       {"qwen3-next gate_up", 2048, 1024, 512, 10, 1}, {"qwen3-next down", 512, 2048, 512, 10, 0},
@@ -488,8 +509,10 @@ static int decode_mode(int reps) {
     std::printf("copy bandwidth %.0f GB/s\n", bw / 1e9);
     CK(cudaFree(a)); CK(cudaFree(b));
   }
-  std::printf("%-22s %3s %4s %6s %-14s %9s %9s %9s %9s %9s\n", "DECODE shape", "T", "M", "active", "plan",
-              "event us", "cold us", "warm us", "floor us", "floor/cold");
+  // cold: every buffer flushed from L2; cold w: the weights flushed, x and group_sizes in L2 (as
+  // the kernels that wrote them leave them in a MoE layer); warm: back to back, weights in L2
+  std::printf("%-22s %3s %4s %6s %-14s %9s %9s %9s %9s %9s %9s\n", "DECODE shape", "T", "M", "active", "plan",
+              "event us", "cold us", "cold w us", "warm us", "floor us", "floor/cold");
   for (const Shape& s : shapes) {
     const int64_t KB = s.k / 32;
     const size_t words = size_t(s.g) * KB * s.n * bits, cells = size_t(s.g) * KB * s.n;
@@ -528,7 +551,8 @@ static int decode_mode(int reps) {
       a.group_sizes = gs; a.y = y; a.m = M; a.k = s.k; a.n = s.n; a.groups = s.g; a.bits = bits;
       a.layout = 1; a.glu = s.glu;
       const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
-      auto measure = [&](RaggedDotTuning tune, double& event_us, double& cold, double& warm) {
+      const Touch tx{x, size_t(M * s.k * 2 / 16)}, tg{gs, size_t((s.g * 4 + 15) / 16)};
+      auto measure = [&](RaggedDotTuning tune, double& event_us, double& cold, double& cold_w, double& warm) {
         std::vector<float> times;
         for (int rep = 0; rep < reps; ++rep) {  // as `time` does
           CK(cudaMemsetAsync(mflush, rep & 0xff, memset_bytes));
@@ -543,18 +567,19 @@ static int decode_mode(int reps) {
         event_us = times[times.size() / 2];
         auto launch = [&](cudaStream_t st) { return launch_ragged_dot(a, st, &tune); };
         cold = graph_us(launch, true, fbuf, flush_words, sink, reps);
+        cold_w = graph_us(launch, true, fbuf, flush_words, sink, reps, tx, tg);
         warm = graph_us(launch, false, fbuf, flush_words, sink, reps);
       };
       MatmulLaunchReport rep;
       RaggedDotTuning tune;
       tune.report = &rep;
-      double ev, cold, warm;
-      measure(tune, ev, cold, warm);
+      double ev, cold, cold_w, warm;
+      measure(tune, ev, cold, cold_w, warm);
       char plan[64];
       std::snprintf(plan, sizeof plan, "ks%d%s/%d", rep.k_split, rep.balanced ? "b" : "u", rep.ctas);
-      std::printf("%-22s %3d %4lld %6d %-14s %9.2f %9.2f %9.2f %9.2f %9.2f\n", s.name, T, (long long)M, active, plan,
-                  ev, cold, warm, floor_us, floor_us / cold);
-      if (s.g != 512) continue;
+      std::printf("%-22s %3d %4lld %6d %-14s %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", s.name, T, (long long)M, active,
+                  plan, ev, cold, cold_w, warm, floor_us, floor_us / cold);
+      if (s.g != 512 || !sweep) continue;
       for (int rows : {8, 32})
         for (int bal : {0, 1})
           for (int ks = 1; ks <= 8; ++ks) {
@@ -583,7 +608,8 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
   if (mode == "check") return check();
   if (mode == "time") return time_mode(argc > 2 ? std::atoi(argv[2]) : 20);
-  if (mode == "decode") return decode_mode(argc > 2 ? std::atoi(argv[2]) : 9);
-  std::printf("usage: %s check|time|decode [reps]\n", argv[0]);
+  if (mode == "decode") return decode_mode(argc > 2 ? std::atoi(argv[2]) : 9, true);
+  if (mode == "decode-plain") return decode_mode(argc > 2 ? std::atoi(argv[2]) : 9, false);
+  std::printf("usage: %s check|time|decode|decode-plain [reps]\n", argv[0]);
   return 2;
 }

@@ -17,7 +17,12 @@ namespace kbit::cuda::fused {
 // The tiling follows the rows per active expert of the plan's estimate (Planner::plan_grouped:
 // M / min(G, M)), or tuning->block_rows:
 //  * up to 8 rows (decode): kWarpKPair in blocks of 8 rows, an item one expert's 64 columns
-//    (bits 5: 32) over all of K.
+//    (bits 5: 32) over all of K; but where all of K is one chunk of that tiling (K <= 512), the
+//    N-split tiling in blocks of 32: kWarpKPair's items would be one chunk each, so every chunk
+//    would end an item (the CTA's warps add their sums) and nearly every item would change the
+//    expert, while the N-split's item is 8 MT-row blocks of 256 columns over K in 2-k-block
+//    chunks. Qwen3-Coder-Next down (K 512, N 2048) at 1 and 4 tokens: 0.94x and 0.87x the time
+//    (H200, harness `decode`).
 //  * 9..32 rows: the N-split tiling in blocks of 32. Its warps own their columns, so an item ends
 //    without adding the warps' partial sums, and its 256-column groups make a quarter of the
 //    items: at 16 rows per expert (Qwen3-30B-A3B and GLM-4.7-Flash experts at 256 tokens, H200,
@@ -61,7 +66,9 @@ std::string launch_ragged_dot_ws_bits(const RaggedDotArgs& r, cudaStream_t strea
       using L = decltype(launcher);
       return L::launch(a, stream, &knobs, L::plan_grouped(a, tuning ? &knobs : nullptr), grp);
     };
-    if (rows <= 8) return run(Launcher<BITS, A, 1, Tiling::kWarpKPair, true, true>{});
+    using Pair = Launcher<BITS, A, 1, Tiling::kWarpKPair, true, true>;
+    const bool one_chunk = r.k <= 32 * Pair::Cfg::kKCH && !(tuning && tuning->block_rows > 0);
+    if (rows <= 8 && !one_chunk) return run(Pair{});
     if (rows <= 32) return run(Launcher<BITS, A, 4, Tiling::kNSplit, true, true>{});
     return run(Launcher<BITS, A, 8, Tiling::kNSplit, true, true>{});
   };
