@@ -406,23 +406,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     // body and the loop's tail: ncu counts 10 % of the samples there, instruction fetch and
     // branch resolution).
     int q = 0;  // chunks consumed
-    // (grouped) the next item, found when this one starts, with its expert's codebook entry and
-    // tensor scale loaded then, so that their latency passes during this item's chunks instead of
-    // between the items (where an expert changes at nearly every item at decode sizes)
-    Cursor nx = cc;
-    uint32_t nx_entry = held_entry;
-    float nx_ts = ts;
     while (q < Q) {
-      if constexpr (kGrouped) {
-        if (q + cc.nch < Q) {
-          nx = cc;
-          walk.next_item(nx);
-          if (nx.b != cc.b) {
-            nx_entry = codebook_entry(nx.b);
-            nx_ts = p.tensor_scale[nx.b];
-          }
-        }
-      }
       for (int c = 0; c < cc.nch; ++c, ++q) {
         mbar_wait(s_full + 8 * slot, fparity);
         if constexpr (V == Tiling::kNSplit)
@@ -434,15 +418,12 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       }
       epilogue(cc, q == Q);
       if (q == Q) break;  // (before next_item: its divisions would sit on the CTA's exit, 0.29 us)
-      if constexpr (kGrouped)
-        cc = nx;
-      else
-        walk.next_item(cc);
+      walk.next_item(cc);
       if constexpr (V != Tiling::kNSplit) set_x_offsets(cc);  // the next item's block of M may have fewer rows
       if constexpr (kGrouped) {
         if (cc.b != lut_b) {  // another expert: its tensor scale, and its table if its codebook differs
-          const uint32_t entry = nx_entry;
-          ts = nx_ts;
+          const uint32_t entry = codebook_entry(cc.b);
+          ts = p.tensor_scale[cc.b];
           lut_b = cc.b;
           if (__any_sync(0xffffffffu, entry != held_entry)) {  // (the same answer in every warp)
             named_bar_sync<NT>(1);
