@@ -87,15 +87,8 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       int* row_start = reinterpret_cast<int*>(base + 256);
       int* item_start = row_start + gp.G + 1;
       pdl_wait();
-      // Up to kWarpScheduleMaxGroups groups every warp scans group_sizes by itself (no CTA
-      // barrier) and the producer warp stores the schedule, so its first copy goes out as soon as
-      // its own scan is done; the consumers read the schedule after the setup barrier.
-      if (gp.G <= ragged::kWarpScheduleMaxGroups)
-        gs.items = ragged::build_schedule_warp(gp.group_sizes, gp.G, int(p.M), 8 * MT, p.col_groups, row_start,
-                                               item_start, warp == NW);
-      else
-        gs.items = ragged::build_schedule(gp.group_sizes, gp.G, p.M, 8 * MT, p.col_groups, row_start, item_start,
-                                          reinterpret_cast<long long*>(base));
+      gs.items = ragged::build_schedule(gp.group_sizes, gp.G, p.M, 8 * MT, p.col_groups, row_start, item_start,
+                                        reinterpret_cast<long long*>(base));
       gs.row_start = row_start;
       gs.item_start = item_start;
       gs.G = gp.G;

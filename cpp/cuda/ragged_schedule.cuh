@@ -74,65 +74,6 @@ __device__ inline int build_schedule(const int32_t* __restrict__ group_sizes, in
   return int(total);
 }
 
-// The most groups build_schedule_warp takes: 32 per lane.
-constexpr int kWarpScheduleMaxGroups = 32 * 32;
-
-// The schedule of build_schedule built by one warp alone (G <= kWarpScheduleMaxGroups), with
-// shuffles and no CTA barrier, so that a warp can act on it while the CTA's other warps still set
-// up: lane l reads groups 32 c + l (every read issued before the first is used), and chunk c of 32
-// groups is scanned across the lanes and carried into the next. Rows are summed with saturation at
-// M (min(a + b, M) is associative on non-negative sizes), so every sum fits 32 bits. Every lane
-// returns the item count; with `write`, the warp stores row_start and item_start (as
-// build_schedule does) and syncs before it returns, so its lanes may read them.
-__device__ inline int build_schedule_warp(const int32_t* __restrict__ group_sizes, int G, int M, int block_rows,
-                                          int tiles, int* row_start, int* item_start, bool write) {
-  constexpr int kChunks = kWarpScheduleMaxGroups / 32;
-  const int lane = threadIdx.x & 31, chunks = (G + 31) >> 5;
-  int v[kChunks];
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    const int g = 32 * c + lane;
-    v[c] = c < chunks && g < G ? min(max(group_sizes[g], 0), M) : 0;
-  }
-  // rows: row_start[g] = min(sum of the sizes before g, M); v[c] becomes group 32 c + l's items
-  int carry = 0;
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    if (c >= chunks) break;
-    int inc = v[c];
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int o = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc = min(inc + o, M);
-    }
-    const int excl_ = __shfl_up_sync(0xffffffffu, inc, 1);
-    const int r0 = min(carry + (lane > 0 ? excl_ : 0), M), r1 = min(carry + inc, M);  // (carry, inc <= M < 2^30)
-    const int g = 32 * c + lane;
-    if (write && g < G) row_start[g] = r0;
-    v[c] = (r1 - r0 + block_rows - 1) / block_rows * tiles;
-    carry = min(carry + __shfl_sync(0xffffffffu, inc, 31), M);
-  }
-  if (write && lane == 0) row_start[G] = carry;
-  // items: item_start[g] = the items of the groups before g (the launcher keeps their sum below 2^31)
-  carry = 0;
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    if (c >= chunks) break;
-    int inc = v[c];
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int o = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc += o;
-    }
-    const int g = 32 * c + lane;
-    if (write && g < G) item_start[g] = carry + inc - v[c];
-    carry += __shfl_sync(0xffffffffu, inc, 31);
-  }
-  if (write && lane == 0) item_start[G] = carry;
-  __syncwarp();
-  return carry;
-}
-
 // The group owning item i: the last g with item_start[g] <= i (empty groups before it share its
 // start, empty ones after it start past i).
 __device__ __forceinline__ int group_of_item(const int* item_start, int G, int i) {
