@@ -264,8 +264,9 @@ static int check() {
     Case c2{12, 1024, 128, {0, 5, 0, 0}, bits, 1, 0, DType::kBF16, false};
     ++total; fails += !run_case(c2);
   }
-  // The schedule: G = 1024 groups (the most that each warp scans by itself) and 1025 (the
-  // CTA-wide scan), with rows in a few groups at both ends and sum < M.
+  // Many groups at decode sizes: G = 1024 and 1025, rows in a few groups at both ends and in the
+  // middle, sum < M, in both tilings for up to 8 rows per expert (K = 256: blocks of 32; K = 640:
+  // blocks of 8 with a partial last chunk).
   for (int g : {1024, 1025}) {
     std::vector<int> many(g, 0);
     many[0] = 2; many[33] = 1; many[g / 2] = 3; many[g - 2] = 1; many[g - 1] = 2;

@@ -107,11 +107,10 @@ def test_fused_kernel_model_sized_decode(rng, bits):
 
 @pytest.mark.parametrize("k", [256, 640])
 @pytest.mark.parametrize("g", [1024, 1025])
-def test_fused_kernel_schedule_by_warp_and_by_cta(rng, g, k):
-    """Up to 1024 groups every warp of the fused kernel scans group_sizes by itself, above that
-    the CTA scans them together: rows in a few groups at both ends and in the middle, sum < M, at
-    decode sizes in both of its tilings for them (K <= 512: blocks of 32; above: blocks of 8, here
-with a partial last chunk)."""
+def test_fused_kernel_many_groups_at_decode_sizes(rng, g, k):
+    """Over a thousand groups with rows in a few at both ends and in the middle, sum < M, at
+    decode sizes in both of the fused kernel's tilings for them (K <= 512: blocks of 32; above:
+    blocks of 8, here with a partial last chunk)."""
     n = 64
     w_q = _gpu_weight(rng, g, k, n, 4)
     sizes = np.zeros(g, np.int32)

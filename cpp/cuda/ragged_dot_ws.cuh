@@ -18,11 +18,12 @@ namespace kbit::cuda::fused {
 // M / min(G, M)), or tuning->block_rows:
 //  * up to 8 rows (decode): kWarpKPair in blocks of 8 rows, an item one expert's 64 columns
 //    (bits 5: 32) over all of K; but where all of K is one chunk of that tiling (K <= 512), the
-//    N-split tiling in blocks of 32: kWarpKPair's items would be one chunk each, so every chunk
-//    would end an item (the CTA's warps add their sums) and nearly every item would change the
-//    expert, while the N-split's item is 8 MT-row blocks of 256 columns over K in 2-k-block
-//    chunks. Qwen3-Coder-Next down (K 512, N 2048) at 1 and 4 tokens: 0.94x and 0.87x the time
-//    (H200, harness `decode`).
+//    N-split tiling in blocks of 32. With kWarpKPair every item would be one chunk, so every
+//    chunk would end an item (the CTA's warps add their sums) and nearly every item would change
+//    the expert; the N-split item is 256 columns over all of K in chunks of 2 k-blocks, and its
+//    warps own their columns. Qwen3-Coder-Next down (K 512, N 2048), H200: 0.94x and 0.87x the
+//    time at 1 and 4 tokens (harness `decode`, CUDA-graph times), 0.65x at 256 (harness `time`,
+//    tilings forced), at most 0.80x and 0.71x at 16 and 64 (harness `time`).
 //  * 9..32 rows: the N-split tiling in blocks of 32. Its warps own their columns, so an item ends
 //    without adding the warps' partial sums, and its 256-column groups make a quarter of the
 //    items: at 16 rows per expert (Qwen3-30B-A3B and GLM-4.7-Flash experts at 256 tokens, H200,
