@@ -10,11 +10,12 @@
 //          active experts' bf16 bytes at that bandwidth) over the kernel's time.
 //   decode: T = 1 and 4 of the same shapes (bits 4, uniform routing) timed three ways: as `time`
 //          does (one launch between CUDA events, launch latency included), and as the device's
-//          time per launch inside a CUDA graph of back-to-back launches, cold (each launch after a
-//          kernel that reads 2x L2 of other data, whose own graph's time is subtracted) and warm
-//          (the experts' weights in L2), and cold weights with x and group_sizes in L2 (as the
-//          kernels that wrote them leave them); then every cluster size and split of the fused kernel's
-//          plan on the Qwen3-Coder-Next shapes, cold (decode-plain: without them).
+//          time per launch inside a CUDA graph of back-to-back launches: cold (each launch after a
+//          kernel that reads 2x L2 of other data, whose own graph's time is subtracted), cold
+//          weights (x and group_sizes read into L2 after that, as the kernels that wrote them
+//          leave them) and warm (the experts' weights in L2); then every cluster size and split
+//          of the fused kernel's plan on the Qwen3-Coder-Next shapes, cold (decode-plain: without
+//          them).
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -Icpp
 //        benchmarks/ragged_dot_harness.cu cpp/cuda/ragged_dot.cu cpp/cuda/ragged_dot_ws_b[2-5].cu
 #include <cuda_bf16.h>
