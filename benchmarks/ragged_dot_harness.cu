@@ -12,6 +12,14 @@
 //          active experts' bf16 bytes at that bandwidth) over the kernel's time; at T >= 256, each
 //          kernel's tilings forced too, and the dense bf16 dot of the same FLOPs (jnp.dot, from
 //          benchmarks/results/moe_h200.md) over the kernel's time.
+//   decode: T = 1 and 4 of the same shapes (bits 4, uniform routing) timed three ways: as `time`
+//          does (one launch between CUDA events, launch latency included), and as the device's
+//          time per launch inside a CUDA graph of back-to-back launches: cold (each launch after a
+//          kernel that reads 2x L2 of other data, whose own graph's time is subtracted), cold
+//          weights (x and group_sizes read into L2 after that, as the kernels that wrote them
+//          leave them) and warm (the experts' weights in L2); then every cluster size and split
+//          of the fused kernel's plan on the Qwen3-Coder-Next shapes, cold (decode-plain: without
+//          them).
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -Icpp
 //        -DKBIT_WGMMA=1 benchmarks/ragged_dot_harness.cu cpp/cuda/ragged_dot.cu
 //        cpp/cuda/ragged_dot_ws_b[2-5].cu cpp/cuda/ragged_dot_wgmma_b[2-5].cu
@@ -280,6 +288,25 @@ static int check() {
         ++total;
         fails += !run_case(c);
       }
+  // Up to 8 rows per expert with K above one chunk of the K-split tiling (K <= 512 takes the
+  // N-split tiling in blocks of 32): zeros inside, empty ends, sum < M.
+  for (int bits = 2; bits <= 5; ++bits) {
+    Case c{29, 1024, 192, {3, 0, 9, 1, 0, 16}, bits, 1, bits % 3, bits == 3 ? DType::kF16 : DType::kBF16, false};
+    ++total; fails += !run_case(c);
+    Case c2{12, 1024, 128, {0, 5, 0, 0}, bits, 1, 0, DType::kBF16, false};
+    ++total; fails += !run_case(c2);
+  }
+  // Many groups at decode sizes: G = 1024 and 1025, rows in a few groups at both ends and in the
+  // middle, sum < M, in both tilings for up to 8 rows per expert (K = 256: blocks of 32; K = 640:
+  // blocks of 8 with a partial last chunk).
+  for (int g : {1024, 1025}) {
+    std::vector<int> many(g, 0);
+    many[0] = 2; many[33] = 1; many[g / 2] = 3; many[g - 2] = 1; many[g - 1] = 2;
+    for (int64_t k : {256, 640}) {
+      Case c{12, k, 128, many, 4, 1, 1, DType::kBF16, false};
+      ++total; fails += !run_case(c);
+    }
+  }
   Case c0{9, 64, 64, {}, 4, 1, 0, DType::kBF16, false};
   ++total; fails += !run_case(c0);
   std::printf("check: %d of %d cases failed\n", fails, total);
@@ -434,10 +461,211 @@ static int time_mode(int reps) {
   return 0;
 }
 
+// ---- decode sizes: the device's time per launch ------------------------------------------
+// Reads n 16-byte words (its sum goes nowhere unless it hits `never`): evicts L2 and leaves it clean.
+__global__ void read_flush(const uint4* __restrict__ p, size_t n, uint32_t* sink, uint32_t never) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = p[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == never) *sink = acc;
+}
+
+// Microseconds per launch of `launch` inside a CUDA graph of `R` back-to-back launches (median of
+// `reps` replays); with `flush`, each launch follows a read_flush of `flush_words` (then a read of
+// the `touch` buffers, if any, as a previous kernel that wrote them would leave them in L2), and
+// the time of a graph of those alone is subtracted.
+struct Touch {
+  const void* p = nullptr;
+  size_t words = 0;  // 16-byte words
+};
+template <class F>
+static double graph_us(F&& launch, bool flush, const uint4* fbuf, size_t flush_words, uint32_t* sink, int reps,
+                       Touch t1 = {}, Touch t2 = {}) {
+  constexpr int R = 20;
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  auto time_graph = [&](bool with_kernel) {
+    cudaGraph_t g;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < R; ++i) {
+      if (flush) {
+        read_flush<<<264, 512, 0, s>>>(fbuf, flush_words, sink, 0x9e3779b9u + i);
+        for (const Touch& t : {t1, t2})
+          if (t.words) read_flush<<<8, 256, 0, s>>>(static_cast<const uint4*>(t.p), t.words, sink, 0x7f4a7c15u + i);
+      }
+      if (with_kernel) {
+        const std::string err = launch(s);
+        if (!err.empty()) { std::printf("launch error %s\n", err.c_str()); std::exit(1); }
+      }
+    }
+    CK(cudaStreamEndCapture(s, &g));
+    cudaGraphExec_t ge;
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaStreamSynchronize(s));
+    std::vector<float> t;
+    for (int r = 0; r < reps; ++r) {
+      CK(cudaEventRecord(e0, s));
+      CK(cudaGraphLaunch(ge, s));
+      CK(cudaEventRecord(e1, s));
+      CK(cudaEventSynchronize(e1));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      t.push_back(ms * 1e3f / R);
+    }
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    std::sort(t.begin(), t.end());
+    return double(t[t.size() / 2]);
+  };
+  const double us = time_graph(true) - (flush ? time_graph(false) : 0.0);
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaStreamDestroy(s));
+  return us;
+}
+
+static int decode_mode(int reps, bool sweep) {
+  struct Shape { const char* name; int64_t k, n; int g, topk, glu; };
+  const Shape shapes[] = {
+      {"qwen3-next gate_up", 2048, 1024, 512, 10, 1}, {"qwen3-next down", 512, 2048, 512, 10, 0},
+      {"qwen3-30b gate_up", 2048, 1536, 128, 8, 1},   {"qwen3-30b down", 768, 2048, 128, 8, 0},
+      {"glm4.7-flash gate_up", 2048, 3072, 64, 4, 1}, {"glm4.7-flash down", 1536, 2048, 64, 4, 0},
+  };
+  constexpr int bits = 4, kMaxT = 4;
+  const size_t flush_words = (size_t(128) << 20) / 16;  // 128 MB: twice the H200's L2
+  uint4* fbuf;
+  uint32_t* sink;
+  CK(cudaMalloc(&fbuf, flush_words * 16));
+  CK(cudaMalloc(&sink, 4));
+  fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(fbuf), flush_words * 4, 5u);
+  const size_t memset_bytes = size_t(512) << 20;
+  void* mflush;
+  CK(cudaMalloc(&mflush, memset_bytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  double bw = 0;
+  {
+    void *a, *b;
+    const size_t bytes = size_t(1) << 30;
+    CK(cudaMalloc(&a, bytes)); CK(cudaMalloc(&b, bytes));
+    float best = 1e9;
+    for (int r = 0; r < 5; ++r) {
+      CK(cudaEventRecord(e0)); CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); best = std::min(best, ms);
+    }
+    bw = 2.0 * bytes / (best * 1e-3);
+    std::printf("copy bandwidth %.0f GB/s\n", bw / 1e9);
+    CK(cudaFree(a)); CK(cudaFree(b));
+  }
+  // cold: every buffer flushed from L2; cold w: the weights flushed, x and group_sizes in L2 (as
+  // the kernels that wrote them leave them in a MoE layer); warm: back to back, weights in L2
+  std::printf("%-22s %3s %4s %6s %-14s %9s %9s %9s %9s %9s %9s\n", "DECODE shape", "T", "M", "active", "plan",
+              "event us", "cold us", "cold w us", "warm us", "floor us", "floor/cold");
+  for (const Shape& s : shapes) {
+    const int64_t KB = s.k / 32;
+    const size_t words = size_t(s.g) * KB * s.n * bits, cells = size_t(s.g) * KB * s.n;
+    uint32_t* planes; uint8_t* scales; float *cb, *ts; int32_t* gs; __nv_bfloat16 *x, *y;
+    CK(cudaMalloc(&planes, words * 4)); CK(cudaMalloc(&scales, cells));
+    fill_random<<<1024, 256>>>(planes, words, 17u);
+    fill_scales<<<1024, 256>>>(scales, cells);
+    std::vector<float> hcb(size_t(s.g) << bits), hts(s.g, 1.f);
+    for (size_t i = 0; i < hcb.size(); ++i) hcb[i] = float(int(i % (1 << bits)) - (1 << (bits - 1))) / (1 << bits);
+    CK(cudaMalloc(&cb, hcb.size() * 4)); CK(cudaMalloc(&ts, s.g * 4)); CK(cudaMalloc(&gs, s.g * 4));
+    CK(cudaMemcpy(cb, hcb.data(), hcb.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(ts, hts.data(), s.g * 4, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&x, size_t(kMaxT) * s.topk * s.k * 2));
+    CK(cudaMalloc(&y, size_t(kMaxT) * s.topk * s.n * 2));
+    fill_bf16<<<1024, 256>>>(x, size_t(kMaxT) * s.topk * s.k);
+    for (int T : {1, 4}) {
+      const int64_t M = int64_t(T) * s.topk;
+      std::vector<int32_t> hg(s.g, 0);
+      std::mt19937 r2(T * 31 + bits);  // the routing of `time` (uniform)
+      std::vector<double> pop(s.g, 1.0);
+      std::shuffle(pop.begin(), pop.end(), r2);
+      std::discrete_distribution<int> draw(pop.begin(), pop.end());
+      for (int t = 0; t < T; ++t) {
+        std::vector<int> pick;
+        while (int(pick.size()) < s.topk) {
+          const int e = draw(r2);
+          if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+        }
+        for (int e : pick) ++hg[e];
+      }
+      int active = 0;
+      for (int v : hg) active += v > 0;
+      CK(cudaMemcpy(gs, hg.data(), s.g * 4, cudaMemcpyHostToDevice));
+      RaggedDotArgs a;
+      a.x = x; a.dtype = DType::kBF16; a.planes = planes; a.scales = scales; a.codebook = cb; a.tensor_scale = ts;
+      a.group_sizes = gs; a.y = y; a.m = M; a.k = s.k; a.n = s.n; a.groups = s.g; a.bits = bits;
+      a.layout = 1; a.glu = s.glu;
+      const double floor_us = double(active) * s.k * s.n * 2.0 / bw * 1e6;
+      const Touch tx{x, size_t(M * s.k * 2 / 16)}, tg{gs, size_t((s.g * 4 + 15) / 16)};
+      auto measure = [&](RaggedDotTuning tune, double& event_us, double& cold, double& cold_w, double& warm) {
+        std::vector<float> times;
+        for (int rep = 0; rep < reps; ++rep) {  // as `time` does
+          CK(cudaMemsetAsync(mflush, rep & 0xff, memset_bytes));
+          CK(cudaEventRecord(e0));
+          const std::string err = launch_ragged_dot(a, nullptr, &tune);
+          CK(cudaEventRecord(e1));
+          if (!err.empty()) { std::printf("launch error %s\n", err.c_str()); std::exit(1); }
+          CK(cudaEventSynchronize(e1));
+          float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); times.push_back(ms * 1e3f);
+        }
+        std::sort(times.begin(), times.end());
+        event_us = times[times.size() / 2];
+        auto launch = [&](cudaStream_t st) { return launch_ragged_dot(a, st, &tune); };
+        cold = graph_us(launch, true, fbuf, flush_words, sink, reps);
+        cold_w = graph_us(launch, true, fbuf, flush_words, sink, reps, tx, tg);
+        warm = graph_us(launch, false, fbuf, flush_words, sink, reps);
+      };
+      MatmulLaunchReport rep;
+      RaggedDotTuning tune;
+      tune.report = &rep;
+      double ev, cold, cold_w, warm;
+      measure(tune, ev, cold, cold_w, warm);
+      char plan[64];
+      std::snprintf(plan, sizeof plan, "ks%d%s/%d", rep.k_split, rep.balanced ? "b" : "u", rep.ctas);
+      std::printf("%-22s %3d %4lld %6d %-14s %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", s.name, T, (long long)M, active,
+                  plan, ev, cold, cold_w, warm, floor_us, floor_us / cold);
+      if (s.g != 512 || !sweep) continue;
+      for (int rows : {8, 32})
+        for (int bal : {0, 1})
+          for (int ks = 1; ks <= 8; ++ks) {
+            RaggedDotTuning t2;
+            MatmulLaunchReport r2p;
+            t2.block_rows = rows;
+            t2.k_split = ks;
+            t2.balance = bal;
+            t2.report = &r2p;
+            launch_ragged_dot(a, nullptr, &t2);  // (the plan it takes)
+            CK(cudaDeviceSynchronize());
+            if (r2p.k_split != ks || r2p.balanced != bal) continue;
+            auto launch = [&](cudaStream_t st) { return launch_ragged_dot(a, st, &t2); };
+            const double c2 = graph_us(launch, true, fbuf, flush_words, sink, reps);
+            std::printf("SWEEP %-22s T=%d rows=%d ks=%d %s ctas=%d cold %.2f us\n", s.name, T, rows, ks,
+                        bal ? "balanced" : "uniform", r2p.ctas, c2);
+          }
+    }
+    cudaFree(planes); cudaFree(scales); cudaFree(cb); cudaFree(ts); cudaFree(gs); cudaFree(x); cudaFree(y);
+  }
+  cudaFree(fbuf); cudaFree(sink); cudaFree(mflush);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
   if (mode == "check") return check();
   if (mode == "time") return time_mode(argc > 2 ? std::atoi(argv[2]) : 20);
-  std::printf("usage: %s check|time [reps]\n", argv[0]);
+  if (mode == "decode") return decode_mode(argc > 2 ? std::atoi(argv[2]) : 9, true);
+  if (mode == "decode-plain") return decode_mode(argc > 2 ? std::atoi(argv[2]) : 9, false);
+  std::printf("usage: %s check|time|decode|decode-plain [reps]\n", argv[0]);
   return 2;
 }

@@ -147,6 +147,22 @@ def test_fused_kernel_model_sized_decode(rng, bits):
     check(_run(x, w_q, one), x, w_q, one)
 
 
+@pytest.mark.parametrize("k", [256, 640])
+@pytest.mark.parametrize("g", [1024, 1025])
+def test_fused_kernel_many_groups_at_decode_sizes(rng, g, k):
+    """Over a thousand groups with rows in a few at both ends and in the middle, sum < M, at
+    decode sizes in both of the fused kernel's tilings for them (K <= 512: blocks of 32; above:
+    blocks of 8, here with a partial last chunk)."""
+    n = 64
+    w_q = _gpu_weight(rng, g, k, n, 4)
+    sizes = np.zeros(g, np.int32)
+    sizes[[0, 33, g // 2, g - 2, g - 1]] = [2, 1, 3, 1, 2]
+    x = jnp.asarray(rng.standard_normal((12, k)) / np.sqrt(k), jnp.bfloat16)
+    y = _run(x, w_q, sizes, "silu")
+    check(y, x, w_q, sizes, "silu")
+    assert np.all(np.asarray(y[int(sizes.sum()):], np.float32) == 0)
+
+
 def test_fused_kernel_m_zero_and_small_f16(rng):
     """M = 0 on the fused path (nothing launched), then 7 rows in two groups with empty groups at
     both ends and rows past the sum, f16 with a GLU."""

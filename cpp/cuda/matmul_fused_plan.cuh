@@ -239,14 +239,14 @@ struct Planner {
   // block of activations may hold (min(M, 8 MT): a box may reach into the next groups), and the
   // schedule's shared memory follows the ring: the ring loses stages where it does not fit, and
   // a G whose schedule leaves no room for two stages is an error naming G.
-  static Plan plan_grouped(const MatmulArgs& a) {
+  static Plan plan_grouped(const MatmulArgs& a, const MatmulTuning* tuning = nullptr) {
     static_assert(kGrouped, "plan_grouped plans the grouped kernel");
     using WC = WsConfig<BITS, MT, V>;
     const int64_t active = std::max<int64_t>(1, std::min(a.batch, a.m));
     MatmulArgs est = a;
     est.batch = active;
     est.m = (a.m + active - 1) / active;
-    Plan pl = plan(est, nullptr);
+    Plan pl = plan(est, tuning);
     if (!pl.error.empty()) return pl;
     // the most items any group sizes give: every block of rows plus one partial block per group
     const int64_t items_max = pl.col_groups * ((a.m + 8 * MT - 1) / (8 * MT) + active);

@@ -37,6 +37,9 @@ struct RaggedDotTuning {
                                // decides; block_rows > 0 alone: the fused kernel)
   int wgmma_tile = 0;          // the grouped wgmma kernel's tile (rows x columns): 1: 96 x 256, 2: 128 x 256
                                // (0: the launcher's choice)
+  int k_split = 0;             // the fused kernel's cluster size (0: its plan's)
+  int balance = -1;            // the fused kernel's chunk-balanced clusters: 1 wherever possible, 0 never, -1 its plan's
+  MatmulLaunchReport* report = nullptr;  // where the fused kernel's launcher writes its plan (or nowhere)
 };
 
 // The kernel launch_ragged_dot uses for these arguments, for logs and tests: "fused" or

@@ -17,7 +17,13 @@ namespace kbit::cuda::fused {
 // The tiling follows the rows per active expert of the plan's estimate (Planner::plan_grouped:
 // M / min(G, M)), or tuning->block_rows:
 //  * up to 8 rows (decode): kWarpKPair in blocks of 8 rows, an item one expert's 64 columns
-//    (bits 5: 32) over all of K.
+//    (bits 5: 32) over all of K; but where all of K is one chunk of that tiling (K <= 512), the
+//    N-split tiling in blocks of 32. With kWarpKPair every item would be one chunk, so every
+//    chunk would end an item (the CTA's warps add their sums) and nearly every item would change
+//    the expert; the N-split item is 256 columns over all of K in chunks of 2 k-blocks, and its
+//    warps own their columns. Qwen3-Coder-Next down (K 512, N 2048), H200: 0.94x and 0.87x the
+//    time at 1 and 4 tokens (harness `decode`, CUDA-graph times), 0.65x at 256 (harness `time`,
+//    tilings forced), at most 0.80x and 0.71x at 16 and 64 (harness `time`).
 //  * 9..32 rows: the N-split tiling in blocks of 32. Its warps own their columns, so an item ends
 //    without adding the warps' partial sums, and its 256-column groups make a quarter of the
 //    items: at 16 rows per expert (Qwen3-30B-A3B and GLM-4.7-Flash experts at 256 tokens, H200,
@@ -49,13 +55,21 @@ std::string launch_ragged_dot_ws_bits(const RaggedDotArgs& r, cudaStream_t strea
   const GroupParams grp{r.group_sizes, static_cast<int>(r.groups)};
   const int64_t active = std::max<int64_t>(1, std::min(r.groups, r.m));
   const int64_t rows = tuning && tuning->block_rows > 0 ? tuning->block_rows : (r.m + active - 1) / active;
+  MatmulTuning knobs;  // (the plan's cluster size and split, and its report, for benchmarks)
+  if (tuning) {
+    knobs.k_split = tuning->k_split;
+    knobs.balance = tuning->balance;
+    knobs.report = tuning->report;
+  }
   auto with = [&](auto act_tag) -> std::string {
     using A = typename decltype(act_tag)::type;
     auto run = [&](auto launcher) {
       using L = decltype(launcher);
-      return L::launch(a, stream, nullptr, L::plan_grouped(a), grp);
+      return L::launch(a, stream, &knobs, L::plan_grouped(a, tuning ? &knobs : nullptr), grp);
     };
-    if (rows <= 8) return run(Launcher<BITS, A, 1, Tiling::kWarpKPair, true, true>{});
+    using Pair = Launcher<BITS, A, 1, Tiling::kWarpKPair, true, true>;
+    const bool one_chunk = r.k <= 32 * Pair::Cfg::kKCH && !(tuning && tuning->block_rows > 0);
+    if (rows <= 8 && !one_chunk) return run(Pair{});
     if (rows <= 32) return run(Launcher<BITS, A, 4, Tiling::kNSplit, true, true>{});
     return run(Launcher<BITS, A, 8, Tiling::kNSplit, true, true>{});
   };
