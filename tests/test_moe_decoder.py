@@ -226,6 +226,13 @@ def test_expert_parallel_decode_collectives_and_tokens(ep, bits, attention_paral
         attn_leaves = jax.tree.leaves(nnx.state(layer.attn))
         assert all(x.sharding.is_fully_replicated for x in attn_leaves) == (placement == "replicated")
     assert model.cache_sharding().is_fully_replicated == (placement == "replicated")
+    for i in CFG.moe_layers:      # routers and shared experts replicated under either placement
+        mlp = model.layers[i].mlp
+        names = ["router", "shared_gate", "shared_up", "shared_down", "shared_gate_up"]
+        parts = [getattr(mlp, n) for n in names if getattr(mlp, n, None) is not None]
+        assert len(parts) == (3 if bits is not None else 4)
+        for part in parts:
+            assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(nnx.state(part)))
     graphdef, state = nnx.split(model)
     batch = 4
     with jax.set_mesh(mesh):
