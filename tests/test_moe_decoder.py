@@ -296,6 +296,15 @@ def test_attention_parallel_choices_and_errors():
     with jax.set_mesh(explicit):
         cache = decoder.init_cache(CFG, 1, 16, sharding=decoder.cache_sharding(explicit))
         token = jax.device_put(jnp.zeros((1,), jnp.int32), NamedSharding(explicit, P()))
-        with pytest.raises(ValueError, match=r"cache: kv heads sharded 'tp', but this model's attention "
-                                             r"is replicated.*sharding=model.cache_sharding\(\)"):
+        with pytest.raises(ValueError, match=r"cache: kv heads sharded over 'tp', but this model's "
+                                             r"attention is replicated; make the cache with "
+                                             r"init_cache\(\.\.\., sharding=model.cache_sharding\(\)\)"):
+            decoder.decode_step(graphdef, state, token, cache, 0)
+    # and a replicated cache given to tensor-parallel attention
+    model, _ = decoder.build_model(CFG, bits=4, mesh=explicit, attention_parallel="tensor")
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(explicit):
+        cache = decoder.init_cache(CFG, 1, 16, sharding=NamedSharding(explicit, P()))
+        with pytest.raises(ValueError, match=r"cache: kv heads whole, but this model's attention is "
+                                             r"tensor-parallel over 'tp'"):
             decoder.decode_step(graphdef, state, token, cache, 0)

@@ -238,10 +238,10 @@ class Attention(nnx.Module):
         explicit = dict(zip(mesh.axis_names, mesh.axis_types))
         want = self.tp_axis if explicit.get(self.tp_axis) == AxisType.Explicit else None
         if spec[2] != want:
-            placed = "replicated" if self.tp_axis is None else f"tensor-parallel over {self.tp_axis!r}"
-            raise ValueError(f"cache: kv heads sharded {spec[2]!r}, but this model's attention is "
-                             f"{placed} (kv heads {want!r}); make the cache with "
-                             f"init_cache(..., sharding=model.cache_sharding())")
+            got = "whole" if spec[2] is None else f"sharded over {spec[2]!r}"
+            placed = "replicated" if want is None else f"tensor-parallel over {want!r}"
+            raise ValueError(f"cache: kv heads {got}, but this model's attention is {placed}; make "
+                             f"the cache with init_cache(..., sharding=model.cache_sharding())")
 
     def __call__(self, x, cache_k, cache_v, pos):
         """Attention over ``x[B, T, dim]`` at positions ``pos .. pos+T-1``, writing its keys and
