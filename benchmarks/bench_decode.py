@@ -45,13 +45,16 @@ through kbit ragged_dot; "ep" with --tp > 1: experts sharded over the devices):
     python benchmarks/bench_decode.py --configs glm-4.7-flash,qwen3-30b-a3b --weights bf16,4 \
         --batches 1,8 --prompt 32 --new-tokens 64 --reps 2 --out /tmp/decode_moe30b
 ``--layers N`` keeps the first N layers of every config (e.g. ``--configs qwen3-coder-next
---layers 12`` is qwen3-coder-next-12l). Expert parallelism over 2 GPUs:
+--layers 12`` is qwen3-coder-next-12l). Expert parallelism over 2 GPUs against one, attention
+replicated (the MoE models' default: one all-reduce per layer) and tensor-parallel (two)
+(``--attention-parallel``, `decoder.ATTENTION_PARALLEL`; a row each at tp > 1):
     python benchmarks/bench_decode.py --configs qwen3-coder-next --weights 4 --tp 1,2 \
-        --batches 1,8 --prompt 32 --new-tokens 64 --reps 2 --out /tmp/decode_moe_ep
+        --attention-parallel replicated,tensor --batches 1,8 --prompt 32 --new-tokens 64 \
+        --reps 2 --out /tmp/decode_moe_ep
 CPU smoke test of the MoE paths (8 experts; expert parallelism over 8 simulated devices):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_decode.py \
         --configs tiny-moe --tp 1,8 --batches 1,4 --weights bf16,4 --prompt 8 --new-tokens 4 \
-        --reps 1 --out /tmp/decode_moe_cpu
+        --attention-parallel replicated,tensor --reps 1 --out /tmp/decode_moe_cpu
 
 The whole Llama-3-70B sweep on a 4-GPU machine in one command (tp 4, 2, 1; batch 1 and 8;
 bf16, K = 4, K = 2): ``--concurrent`` runs workers whose GPUs do not overlap at the same time
@@ -103,7 +106,10 @@ DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tin
 #: flag takes a comma list, and every combination is a row. Spelled out here: the driver parses
 #: its arguments before importing jax and flax (the decoder module would pull them in).
 MODES = {"attention": ("auto", "xla", "pallas"), "norm": ("auto", "xla", "pallas"),
-         "mlp_gate": ("auto", "xla"), "moe_method": ("auto", "gather", "gather-reduce", "ragged", "all")}
+         "mlp_gate": ("auto", "xla"), "moe_method": ("auto", "gather", "gather-reduce", "ragged", "all"),
+         "attention_parallel": ("auto", "tensor", "replicated")}
+#: What a row written before a mode existed ran (markdown of older JSON rows).
+MODE_BEFORE = {"attention_parallel": "tensor"}
 
 
 # -- worker: one model, all batch sizes -------------------------------------------------------
@@ -151,20 +157,22 @@ class _Lines:
         return getattr(self.stream, name)
 
 
-def weight_bytes(cfg, bits, tp: int = 1) -> float:
-    """Bytes of one device's weights: attention, dense MLPs and routed experts split over the
-    ``tp`` devices (tensor / expert parallel), k-bit at ``bits + 0.25`` bits per weight (codes and
-    one E4M4 scale per 32) when quantized; embedding, routers, norms and shared experts
-    replicated (lm_head split), bf16 unless quantized."""
+def weight_bytes(cfg, bits, tp: int = 1, attention: str = "tensor") -> float:
+    """Bytes of one device's weights: dense MLPs and routed experts split over the ``tp``
+    devices (tensor / expert parallel), attention too unless ``attention`` is "replicated",
+    k-bit at ``bits + 0.25`` bits per weight (codes and one E4M4 scale per 32) when quantized;
+    embedding, routers, norms and shared experts replicated (lm_head split), bf16 unless
+    quantized."""
     per_weight = 2.0 if bits is None else (bits + 0.25) / 8
-    attn = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    attn = cfg.n_layers * cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     n_moe = len(cfg.moe_layers)
-    split = (cfg.n_layers * attn + (cfg.n_layers - n_moe) * 3 * cfg.dim * cfg.hidden_dim
+    split = ((cfg.n_layers - n_moe) * 3 * cfg.dim * cfg.hidden_dim
              + n_moe * cfg.n_experts * 3 * cfg.dim * cfg.moe_hidden_dim)
     shared = n_moe * 3 * cfg.dim * cfg.shared_expert_dim
     head = 0 if cfg.tie_embeddings else cfg.dim * cfg.vocab_size
-    rest = cfg.num_params() - split - shared - head          # embedding, routers, norms
-    return split * per_weight / tp + shared * per_weight + 2 * head / tp + 2 * rest
+    rest = cfg.num_params() - attn - split - shared - head          # embedding, routers, norms
+    attn_tp = 1 if attention == "replicated" else tp
+    return (split / tp + attn / attn_tp + shared) * per_weight + 2 * head / tp + 2 * rest
 
 
 def run_worker(args) -> list[dict]:
@@ -199,16 +207,20 @@ def run_worker(args) -> list[dict]:
     max_len = args.prompt + args.new_tokens
     if tp > len(jax.devices()):
         return [{**base, "status": f"needs {tp} devices, found {len(jax.devices())}"}]
+    # How attention is placed over the tp devices ("tensor" / "replicated"; "auto" resolved).
+    placement = decoder.attention_placement(cfg, args.attention_parallel)
+    base["attention_placement"] = placement if tp > 1 else None
     try:
-        decoder.check_tp(cfg, tp)
+        decoder.check_tp(cfg, tp, placement)
     except ValueError as e:
         return [{**base, "status": f"cannot split: {e}"}]
     devices = jax.devices()[:tp]
 
     # Would the model fit? Per device: its share of the weights (`weight_bytes`), the largest
-    # KV cache's share; activations are small at decode.
-    weight_bytes_ = weight_bytes(cfg, bits, tp)
-    cache_bytes = 4 * cfg.n_layers * max(args.batches) * max_len * cfg.n_kv_heads * cfg.head_dim / tp
+    # KV cache's share (all of it with replicated attention); activations are small at decode.
+    weight_bytes_ = weight_bytes(cfg, bits, tp, placement)
+    cache_bytes = (4 * cfg.n_layers * max(args.batches) * max_len * cfg.n_kv_heads * cfg.head_dim
+                   / (1 if placement == "replicated" else tp))
     limit, _ = _device_memory(devices)
     if limit is not None and weight_bytes_ + cache_bytes > limit:
         return [{**base, "status": f"does not fit: needs ~{(weight_bytes_ + cache_bytes) / GIB:.1f} GiB "
@@ -231,13 +243,14 @@ def run_worker(args) -> list[dict]:
     graphdef, state = nnx.split(model)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     device_model_bytes = _device_bytes(state, devices[0])
+    model_cache_sharding = model.cache_sharding()   # kv heads over tp, or replicated
     del model
 
     if mesh is None:
         cache_sharding = prompt_sharding = None
         context = contextlib.nullcontext
     else:
-        cache_sharding = decoder.cache_sharding(mesh)
+        cache_sharding = model_cache_sharding
         prompt_sharding = NamedSharding(mesh, P())
         context = functools.partial(jax.set_mesh, mesh)
 
@@ -317,11 +330,13 @@ def run_worker(args) -> list[dict]:
             # With --profile: us per step in products / all-reduces / glue / idle (time_split).
             "profile_split": profile_split,
             # Collective instructions in the compiled decode loop (first batch size, tp > 1):
-            # expected 2 all-reduces per layer + 2 tiny all-gathers (argmax over the sharded
-            # vocabulary: [batch, tp] values and indices), no all-gather of weights.
+            # expected 2 all-reduces per layer with tensor-parallel attention, 1 with replicated
+            # attention, + 2 tiny all-gathers (argmax over the sharded vocabulary: [batch, tp]
+            # values and indices), no all-gather of weights.
             "decode_collectives": collectives,
         })
-        print(f"  {args.config} {args.weights:>4} tp {tp} batch {batch:>3}: "
+        print(f"  {args.config} {args.weights:>4} tp {tp}"
+              + (f" attention {placement}" if tp > 1 else "") + f" batch {batch:>3}: "
               f"{rows[-1]['decode_tokens_per_s']:10.1f} tok/s", file=sys.stderr, flush=True)
         if profile:
             print(profile, file=sys.stderr, flush=True)
@@ -521,6 +536,15 @@ def run_concurrent(args, jobs: list[tuple], gpus: list[str]) -> list[dict]:
     return [r for i in range(len(jobs)) for r in rows[i]]
 
 
+def mode_cell(row: dict, mode: str) -> str:
+    """A row's value of one of `MODES` (what older rows ran where they lack it), with the
+    attention placement that "auto" resolved to at tp > 1."""
+    value = row.get(mode, MODE_BEFORE.get(mode, "xla"))
+    if mode == "attention_parallel" and value == "auto" and row.get("attention_placement"):
+        return f"auto ({row['attention_placement']})"
+    return value
+
+
 def config_cell(row: dict) -> str:
     """The config's name, with its layer count when --layers changed it."""
     return f"{row['config']} ({row['layers']} layers)" if row.get("layers_override") else row["config"]
@@ -531,7 +555,7 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
     show_flags = len(flag_sets) > 1    # one column more: the XLA options of the row
 
     def modes(r):   # (rows of older runs lack the newer modes: they ran XLA's path there)
-        cells = tuple(r.get(m, "xla") for m in MODES)
+        cells = tuple(mode_cell(r, m) for m in MODES)
         return cells + ((f"`{r.get('xla_flags') or '(none)'}`",) if show_flags else ())
 
     def key(r):
@@ -550,7 +574,10 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"axis); attention: the single-token attention (`decoder.ATTENTION_MODES`; auto = the "
         f"Pallas kernel on a GPU); norm: the residual add + RMSNorm (auto = its Pallas kernel on "
         f"a GPU); mlp gate: where silu(gate) * up runs (auto = inside the kbit gate/up kernel); "
-        f"moe method: the bf16 MoE layers' expert path (`kbit_jax.flax.moe.MOE_METHODS`), and moe "
+        f"moe method: the bf16 MoE layers' expert path (`kbit_jax.flax.moe.MOE_METHODS`); attention "
+        f"parallel: how attention is placed over the tp devices (`decoder.ATTENTION_PARALLEL`: "
+        f"tensor = heads split, an all-reduce after o_proj; replicated = whole on every device, no "
+        f"collective; auto = replicated with MoE layers), the placement it ran in parentheses; moe "
         f"the product a decode step runs (k-bit: kbit ragged_dot; ep: experts over the tp devices); "
         f"vs bf16 compares with bf16 at the same tp and modes; "
         f"model GiB is the whole model, "
@@ -561,9 +588,10 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         + (" Rows ran concurrently on disjoint GPUs (--concurrent)."
            if any(r.get("concurrent") for r in rows) else ""),
         "",
-        "| config | tp | attention | norm | mlp gate | moe method | " + ("xla flags | " if show_flags else "")
+        "| config | tp | attention | norm | mlp gate | moe method | attention parallel | "
+        + ("xla flags | " if show_flags else "")
         + "batch | weights | moe | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
-        "|---|---:|---|---|---|---|" + ("---|" if show_flags else "") + "---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---|---|---|---|" + ("---|" if show_flags else "") + "---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         tp, mode_cells = r.get("tp", 1), " | ".join(modes(r))
@@ -582,10 +610,11 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
     checked = [r for r in rows if r.get("decode_collectives")]
     if checked:   # the compiled decode loops' collectives: weights are never all-gathered
         lines += ["", "Collectives in the compiled decode loop (first batch size): " + "; ".join(
-            f"{r['config']} tp {r['tp']} {r['weights']}: {r['decode_collectives']['all-reduce']} "
-            f"all-reduces, all-gathers {r['decode_collectives']['all_gather_shapes'] or 'none'}"
-            for r in checked) + " (expected: 2 all-reduces per layer, and the argmax's two "
-            "[batch, tp] all-gathers)."]
+            f"{r['config']} tp {r['tp']} {r['weights']} attention {r.get('attention_placement') or 'tensor'}: "
+            f"{r['decode_collectives']['all-reduce']} all-reduces, all-gathers "
+            f"{r['decode_collectives']['all_gather_shapes'] or 'none'}"
+            for r in checked) + " (expected: 2 all-reduces per layer with tensor-parallel attention, 1 "
+            "with replicated attention, and the argmax's two [batch, tp] all-gathers)."]
     profiled = [r for r in rows if r.get("profile_split")]
     if profiled:
         lines += ["", "Where a decode step's GPU time goes (--profile; GPU 0, us per step, each "
@@ -638,6 +667,11 @@ def parse_args(argv=None):
                         "other mode): auto (gather-einsum at decode sizes, else lax.ragged_dot), "
                         "gather, gather-reduce, ragged, all (every expert; the reference) "
                         "(default auto)")
+    p.add_argument("--attention-parallel", default="auto",
+                   help="comma list of attention placements over the tp devices, each a row at "
+                        "tp > 1 (with every other mode): tensor (heads split, an all-reduce after "
+                        "o_proj), replicated (whole on every device, no collective), auto "
+                        "(replicated in a model with MoE layers, else tensor) (default auto)")
     p.add_argument("--out", default=None, help="directory for <name>.json and <name>.md")
     p.add_argument("--name", default="decode", help="file name stem under --out (default: decode)")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")
@@ -697,6 +731,8 @@ def main(argv=None):
                     for weights in (args.weights or DEFAULT_WEIGHTS[config]).split(","):
                         if weights != "bf16" and modes["moe_method"] != args.moe_method.split(",")[0]:
                             continue      # k-bit MoE layers have one path: one row
+                        if tp == 1 and modes["attention_parallel"] != args.attention_parallel.split(",")[0]:
+                            continue      # one device: nothing to place, one row
                         jobs.append((config, weights, tp, modes, xla_flags))
     if args.in_process:
         for config, weights, tp, modes, _ in jobs:

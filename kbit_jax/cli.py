@@ -251,7 +251,7 @@ def generate(argv) -> int:
     graphdef, state = nnx.split(model)
     cache_dtype = model.embed.embedding.get_value().dtype
     t, max_len = len(ids), len(ids) + args.max_new_tokens
-    sharding = None if mesh is None else decoder.cache_sharding(mesh)
+    sharding = model.cache_sharding()   # None without a mesh
     context = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
     key = jax.random.key(args.seed)
     with context:

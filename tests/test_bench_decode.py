@@ -112,3 +112,27 @@ def test_moe_configs_fit_estimate_and_layers():
     row = {"config": "qwen3-coder-next", "layers": 12, "layers_override": True}
     assert bench_decode.config_cell(row) == "qwen3-coder-next (12 layers)"
     assert bench_decode.config_cell({**row, "layers_override": False}) == "qwen3-coder-next"
+
+
+def test_attention_parallel_rows():
+    """--attention-parallel: a comma list of placements (bad values refused); replicated
+    attention keeps every device's copy of q/k/v/o (the estimate grows by the attention's
+    other shards); the markdown cell shows what "auto" resolved to, and rows of runs before the
+    option ran tensor-parallel attention."""
+    from kbit_jax.models import decoder
+
+    args = bench_decode.parse_args(["--attention-parallel", "replicated,tensor"])
+    assert args.attention_parallel == "replicated,tensor"
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--attention-parallel", "heads"])
+    qcn = decoder.CONFIGS["qwen3-coder-next"]
+    attn = qcn.n_layers * qcn.dim * qcn.head_dim * (2 * qcn.n_heads + 2 * qcn.n_kv_heads)
+    tensor = bench_decode.weight_bytes(qcn, 4, tp=2)
+    replicated = bench_decode.weight_bytes(qcn, 4, tp=2, attention="replicated")
+    assert replicated - tensor == pytest.approx(attn / 2 * 4.25 / 8)
+    assert bench_decode.weight_bytes(qcn, 4, tp=1, attention="replicated") == bench_decode.weight_bytes(qcn, 4)
+    row = {"attention_parallel": "auto", "attention_placement": "replicated"}
+    assert bench_decode.mode_cell(row, "attention_parallel") == "auto (replicated)"
+    assert bench_decode.mode_cell({"attention_parallel": "tensor"}, "attention_parallel") == "tensor"
+    assert bench_decode.mode_cell({}, "attention_parallel") == "tensor"
+    assert bench_decode.mode_cell({}, "norm") == "xla"

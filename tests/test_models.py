@@ -366,11 +366,11 @@ def _step_logits(model, prompt):
         logits, cache = decoder.prefill(graphdef, state, tokens, cache)
         step, _ = decoder.decode_step(graphdef, state, first, cache, t)
     else:
-        mesh, axis = model.tp
+        mesh, _ = model.tp
         with jax.set_mesh(mesh):
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             cache = decoder.init_cache(model.config, b, t + 1, jnp.float32,
-                                       sharding=decoder.cache_sharding(mesh, axis))
+                                       sharding=model.cache_sharding())
             logits, cache = decoder.prefill(graphdef, state, jax.device_put(tokens, replicated), cache)
             step, _ = decoder.decode_step(graphdef, state, jax.device_put(first, replicated), cache, t)
     return np.asarray(logits, np.float64), np.asarray(step, np.float64)
@@ -383,20 +383,25 @@ def test_moe_sharded_load_equals_single_device(bits, counts, tmp_path, rng, monk
     """A Qwen3-MoE checkpoint (bf16 tensors) loaded over 2, 4 or 8 devices: the same weights as
     on one device, every expert stack at its expert-parallel shards (G / n experts per device;
     none of them passed through the first device), the same prefill and decode logits up to
-    float32 reassociation, and the same greedy tokens."""
+    float32 reassociation, and the same greedy tokens. The first mesh with attention replicated
+    (the default for a MoE model), the second with it tensor-parallel."""
     hf = QWEN3_MOE_TP8
     path = write_checkpoint(tmp_path, hf, random_tensors(hf, rng, jnp.bfloat16), shards=2)
     kw = dict(bits=bits, dtype=jnp.float32, progress=False)
     single = models.load(path, **kw)
     prompt = tokens_for(hf, rng, (2, 6))
     one, tokens = _step_logits(single, prompt), decoder.generate(single, prompt, 5)
-    for n in counts:
+    for n, attention_parallel in zip(counts, ("auto", "tensor")):
         mesh = jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n])
         to_device = loader._Filler.to_device
         first_device = []
         monkeypatch.setattr(loader._Filler, "to_device",
                             lambda self, a: first_device.append(a.shape) or to_device(self, a))
-        sharded = models.load(path, mesh=mesh, **kw)
+        sharded = models.load(path, mesh=mesh, attention_parallel=attention_parallel, **kw)
+        assert sharded.attention_parallel == ("replicated" if attention_parallel == "auto" else "tensor")
+        qkv = sharded.layers[0].attn.qkv_proj
+        qkv = qkv.kernel.get_value() if bits is None else qkv.weight.planes
+        assert qkv.sharding.is_fully_replicated == (attention_parallel == "auto")
         monkeypatch.setattr(loader._Filler, "to_device", to_device)
         assert first_device and not [s for s in first_device if len(s) == 3], first_device
         for a, b in zip(leaves(single), leaves(sharded)):
@@ -412,38 +417,46 @@ def test_moe_sharded_load_equals_single_device(bits, counts, tmp_path, rng, monk
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
-@pytest.mark.parametrize("bits", [pytest.param(None, id="bf16"), pytest.param(4, id="k4")])
-def test_moe_sharded_load_step_moves_no_weight(bits, tmp_path, rng):
-    """The compiled decode step of a Qwen3-MoE checkpoint loaded over 8 devices (bf16): two
-    all-reduces per layer (o_proj's; the MLP's: down_proj's in the dense layer, the experts'
-    psum in a MoE layer) and no all-gather, so no weight moves."""
+@pytest.mark.parametrize("bits, attention_parallel", [pytest.param(None, "tensor", id="bf16-tensor"),
+                                                        pytest.param(4, "tensor", id="k4-tensor"),
+                                                        pytest.param(4, "auto", id="k4-replicated")])
+def test_moe_sharded_load_step_moves_no_weight(bits, attention_parallel, tmp_path, rng):
+    """The compiled decode step of a Qwen3-MoE checkpoint loaded over 8 devices (bf16): with
+    tensor-parallel attention two all-reduces per layer (o_proj's; the MLP's: down_proj's in the
+    dense layer, the experts' psum in a MoE layer), with replicated attention (a MoE model's
+    default) only the MLP's; no all-gather, so no weight moves."""
     hf = QWEN3_MOE_TP8
     path = write_checkpoint(tmp_path, hf, random_tensors(hf, rng, jnp.bfloat16))
     mesh = jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8])
-    model = models.load(path, bits=bits, mesh=mesh, progress=False)
+    model = models.load(path, bits=bits, mesh=mesh, progress=False, attention_parallel=attention_parallel)
     graphdef, state = nnx.split(model)
     with jax.set_mesh(mesh):
-        cache = decoder.init_cache(model.config, 2, 16, sharding=decoder.cache_sharding(mesh))
+        cache = decoder.init_cache(model.config, 2, 16, sharding=model.cache_sharding())
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         token = jax.device_put(jnp.zeros((2,), jnp.int32), replicated)
         text = decoder.decode_step.lower(graphdef, state, token, cache, 8).compile().as_text()
-    want = {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": 2 * hf["num_hidden_layers"]}
+    per_layer = 2 if attention_parallel == "tensor" else 1
+    want = {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": per_layer * hf["num_hidden_layers"]}
     assert collective_counts(text) == want
     assert all_gather_shapes(text) == []
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
-@pytest.mark.parametrize("change, bits, match", [
-    ({}, None, r"over 8 devices needs n_heads, n_kv_heads, hidden_dim and n_experts divisible by 8; "
-               r"got n_heads=4, n_kv_heads=2"),
-    ({"num_attention_heads": 16, "num_key_value_heads": 8, "num_experts": 4}, None,
+@pytest.mark.parametrize("change, bits, attention_parallel, match", [
+    ({}, None, "tensor", r"over 8 devices needs n_heads, n_kv_heads, hidden_dim and n_experts divisible "
+                         r"by 8; got n_heads=4, n_kv_heads=2"),
+    ({"num_experts": 4}, None, "auto", r"over 8 devices needs hidden_dim and n_experts divisible by 8; "
+                                       r"got n_experts=4$"),
+    ({"num_attention_heads": 16, "num_key_value_heads": 8, "num_experts": 4}, None, "tensor",
      r"n_experts divisible by 8; got n_experts=4$"),
-    ({"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 8}, 4,
+    ({"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 8}, 4, "tensor",
      r"needs o_proj's in_features \(n_heads \* head_dim = 128\) divisible by 32 \* 8 = 256"),
+    ({}, None, "heads", r"attention_parallel='heads': expected one of \('auto', 'tensor', 'replicated'\)"),
 ])
-def test_moe_mesh_must_divide(change, bits, match, tmp_path, rng, monkeypatch):
+def test_moe_mesh_must_divide(change, bits, attention_parallel, match, tmp_path, rng, monkeypatch):
     """A Qwen3-MoE checkpoint that does not split over the mesh is refused before any tensor is
-    read, naming what does not divide."""
+    read, naming what does not divide (heads only with tensor-parallel attention: the MoE
+    model's default replicates it), or the bad ``attention_parallel``."""
     hf = {**QWEN3_MOE, **change}
     path = write_checkpoint(tmp_path, hf, random_tensors(hf, rng))
     mesh = jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8])
@@ -451,7 +464,7 @@ def test_moe_mesh_must_divide(change, bits, match, tmp_path, rng, monkeypatch):
     monkeypatch.setattr(loader.SafetensorsCheckpoint, "read",
                         lambda self, name: reads.append(name) or read(self, name))
     with pytest.raises(ValueError, match=match):
-        models.load(path, bits=bits, mesh=mesh, progress=False)
+        models.load(path, bits=bits, mesh=mesh, progress=False, attention_parallel=attention_parallel)
     assert reads == []
 
 
@@ -479,7 +492,10 @@ def test_moe_save_restore_on_mesh(tmp_path, rng):
     mesh3 = jax.make_mesh((3,), ("tp",), devices=jax.devices()[:3])
     with pytest.raises(ValueError, match="over 3 devices needs .* divisible by 3; got n_heads=16, "
                                          "n_kv_heads=8, hidden_dim=256, n_experts=8"):
-        models.load(saved, mesh=mesh3, progress=False)
+        models.load(saved, mesh=mesh3, progress=False, attention_parallel="tensor")
+    with pytest.raises(ValueError, match="over 3 devices needs hidden_dim and n_experts divisible by 3; "
+                                         "got hidden_dim=256, n_experts=8"):
+        models.load(saved, mesh=mesh3, progress=False)     # attention replicated: heads need not divide
 
 
 def test_save_load_round_trip(tmp_path, rng):

@@ -1,10 +1,12 @@
 """Mixture-of-experts in the decoder (``kbit_jax.models.decoder``): the MoE-class configs, the
 dense block's paths that read only the chosen experts (gather-einsum, lax.ragged_dot) against
 its every-expert reference, quantizing every expert while building, and expert parallelism
-over 8 simulated CPU devices (numerics of one device; the compiled step all-reduces twice per
-layer and gathers no weight)."""
+over 2, 4 and 8 simulated CPU devices with tensor-parallel or replicated attention (numerics
+and greedy tokens of one device; the compiled step all-reduces twice per layer with
+tensor-parallel attention, once with replicated attention, and gathers no weight)."""
 
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +119,7 @@ def _logits(model, mesh, tokens, pos_tokens=None):
     """Prefill logits of ``tokens`` [B, T], then one decode step's logits of ``pos_tokens``."""
     graphdef, state = nnx.split(model)
     b, t = tokens.shape
-    sharding = None if mesh is None else decoder.cache_sharding(mesh)
+    sharding = model.cache_sharding()
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         cache = decoder.init_cache(CFG, b, t + 2, jnp.float32, sharding=sharding)
         logits, cache = decoder.prefill(graphdef, state, jnp.asarray(tokens), cache)
@@ -126,16 +128,20 @@ def _logits(model, mesh, tokens, pos_tokens=None):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
-@pytest.mark.parametrize("bits", [pytest.param(None, id="dense"), pytest.param(4, id="k4")])
-def test_expert_parallel_equals_one_device(bits):
-    """Experts over 8 devices (1 each), attention over 8 kv-head shards: prefill (6 tokens: the
-    dense block's ragged path) and a decode step (1 token: its gather path) give the one-device
-    logits. Float32
+@pytest.mark.parametrize("bits, attention_parallel", [
+    pytest.param(None, "tensor", id="dense-tensor"), pytest.param(4, "tensor", id="k4-tensor"),
+    pytest.param(4, "replicated", id="k4-replicated")])
+def test_expert_parallel_equals_one_device(bits, attention_parallel):
+    """Experts over 8 devices (1 each), attention over 8 kv-head shards or replicated: prefill
+    (6 tokens: the dense block's ragged path) and a decode step (1 token: its gather path) give
+    the one-device logits. Float32
     activations: expert parallelism changes only the order of float32 sums (a device's partial
     sum of its experts, then the psum), and routing is the same away from exact ties."""
     one, _ = decoder.build_model(CFG, bits=bits, param_dtype=jnp.float32)
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
-    ep, _ = decoder.build_model(CFG, bits=bits, param_dtype=jnp.float32, mesh=mesh)
+    ep, _ = decoder.build_model(CFG, bits=bits, param_dtype=jnp.float32, mesh=mesh,
+                                attention_parallel=attention_parallel)
+    assert ep.attention_parallel == attention_parallel
     mlp = ep.layers[CFG.moe_layers[0]].mlp
     assert mlp.ep_axis == "tp"
     leaf = mlp.gate if bits is None else mlp.gate_up.planes
@@ -151,10 +157,11 @@ def test_expert_parallel_equals_one_device(bits):
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.parametrize("bits", [pytest.param(None, id="bf16"), pytest.param(4, id="k4")])
 def test_expert_parallel_step_moves_no_weight(bits):
-    """The compiled decode step over 8 devices: two all-reduces per layer (o_proj's, and the
-    MLP's: down_proj in the dense layer, the experts' psum in a MoE layer), no all-gather."""
+    """The compiled decode step over 8 devices with tensor-parallel attention: two all-reduces
+    per layer (o_proj's, and the MLP's: down_proj in the dense layer, the experts' psum in a MoE
+    layer), no all-gather."""
     mesh = jax.make_mesh((8,), ("tp",))
-    model, _ = decoder.build_model(CFG, bits=bits, mesh=mesh)
+    model, _ = decoder.build_model(CFG, bits=bits, mesh=mesh, attention_parallel="tensor")
     graphdef, state = nnx.split(model)
     for batch in (1, 4):       # bf16: the gather path, then lax.ragged_dot
         with jax.set_mesh(mesh):
@@ -177,3 +184,127 @@ def test_expert_parallel_needs_whole_experts():
     block = MoE(64, 32, 4, 2, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"num_experts divisible by 8; got 4"):
         decoder.shard_model(block, mesh)
+
+
+def _all_reduce_sizes(text):
+    """The element count of each all-reduce's result in compiled HLO."""
+    shapes = re.findall(r"=\s*\w+\[([\d,]*)\]\S*\s+all-reduce(?:-start)?\(", text)
+    return [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
+
+
+_ONE_DEVICE_TOKENS = {}
+
+
+def _one_device_tokens(bits):
+    """The one-device model's greedy continuation of PROMPT (5 tokens), computed once per bits."""
+    if bits not in _ONE_DEVICE_TOKENS:
+        one, _ = decoder.build_model(CFG, bits=bits, param_dtype=jnp.float32)
+        _ONE_DEVICE_TOKENS[bits] = np.asarray(decoder.generate(one, PROMPT, 5))
+    return _ONE_DEVICE_TOKENS[bits]
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
+@pytest.mark.parametrize("ep, bits, attention_parallel", [
+    pytest.param(2, None, "auto", id="ep2-dense-auto"), pytest.param(2, 4, "replicated", id="ep2-k4-replicated"),
+    pytest.param(4, None, "replicated", id="ep4-dense-replicated"), pytest.param(4, 4, "auto", id="ep4-k4-auto"),
+    pytest.param(2, 4, "tensor", id="ep2-k4-tensor"), pytest.param(4, 4, "tensor", id="ep4-k4-tensor")])
+def test_expert_parallel_decode_collectives_and_tokens(ep, bits, attention_parallel):
+    """Experts over 2 and 4 devices. Replicated attention ("auto" in a model with MoE layers):
+    q/k/v/o and the KV cache whole on every device, no collective in attention, so the compiled
+    decode step has one all-reduce per layer (the experts' combine in a MoE layer, down_proj's
+    in the dense layer), each of a [batch, dim] activation; tensor-parallel attention adds
+    o_proj's (two per layer). No all-gather in the step; the greedy loop adds only the argmax's
+    two [batch, ep] all-gathers over the vocabulary-sharded logits (lm_head stays
+    column-parallel). The greedy tokens are the one-device model's (float32 weights)."""
+    mesh = jax.make_mesh((ep,), ("tp",), devices=jax.devices()[:ep])
+    model, _ = decoder.build_model(CFG, bits=bits, param_dtype=jnp.float32, mesh=mesh,
+                                   attention_parallel=attention_parallel)
+    placement = "tensor" if attention_parallel == "tensor" else "replicated"
+    assert model.attention_parallel == placement
+    for layer in model.layers:
+        assert layer.attn.tp_axis == (None if placement == "replicated" else "tp")
+        attn_leaves = jax.tree.leaves(nnx.state(layer.attn))
+        assert all(x.sharding.is_fully_replicated for x in attn_leaves) == (placement == "replicated")
+    assert model.cache_sharding().is_fully_replicated == (placement == "replicated")
+    for i in CFG.moe_layers:      # routers and shared experts replicated under either placement
+        mlp = model.layers[i].mlp
+        names = ["router", "shared_gate", "shared_up", "shared_down", "shared_gate_up"]
+        parts = [getattr(mlp, n) for n in names if getattr(mlp, n, None) is not None]
+        assert len(parts) == (3 if bits is not None else 4)
+        for part in parts:
+            assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(nnx.state(part)))
+    graphdef, state = nnx.split(model)
+    batch = 4
+    with jax.set_mesh(mesh):
+        cache = decoder.init_cache(CFG, batch, 16, jnp.float32, sharding=model.cache_sharding())
+        token = jax.device_put(jnp.zeros((batch,), jnp.int32), NamedSharding(mesh, P()))
+        step = decoder.decode_step.lower(graphdef, state, token, cache, 8).compile().as_text()
+        loop = decoder.decode.lower(graphdef, state, token, cache, 8, 4).compile().as_text()
+    per_layer = 1 if placement == "replicated" else 2
+    none = dict.fromkeys(COLLECTIVES, 0)
+    assert collective_counts(step) == {**none, "all-reduce": per_layer * CFG.n_layers}
+    assert _all_reduce_sizes(step) == [batch * CFG.dim] * (per_layer * CFG.n_layers)
+    assert collective_counts(loop) == {**none, "all-reduce": per_layer * CFG.n_layers, "all-gather": 2}
+    assert sorted(all_gather_shapes(loop)) == [f"f32[{batch},{ep}]", f"s32[{batch},{ep}]"]
+    np.testing.assert_array_equal(np.asarray(decoder.generate(model, PROMPT, 5)), _one_device_tokens(bits))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (simulated) devices")
+def test_replicated_attention_pallas_kernels():
+    """The Pallas attention and norm kernels (interpreted on the CPU) under replicated attention
+    run whole on every device (shard_maps over replicated operands): still one all-reduce per
+    layer and no all-gather."""
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    model, _ = decoder.build_model(CFG, bits=4, mesh=mesh, attention="pallas", norm="pallas")
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(mesh):
+        cache = decoder.init_cache(CFG, 2, 16, sharding=model.cache_sharding())
+        token = jax.device_put(jnp.zeros((2,), jnp.int32), NamedSharding(mesh, P()))
+        step = decoder.decode_step.lower(graphdef, state, token, cache, 8).compile().as_text()
+    assert collective_counts(step) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": CFG.n_layers}
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
+def test_attention_parallel_choices_and_errors():
+    """"auto": replicated with MoE layers, tensor-parallel in a dense model. Attention with fewer
+    kv heads than devices (Qwen3-Coder-Next: 2 over 4) splits only when replicated. Bad values
+    and a cache placed for the other attention name the argument."""
+    assert decoder.attention_placement(CFG) == "replicated"
+    assert decoder.attention_placement(decoder.TINY) == "tensor"
+    assert decoder.attention_placement(CFG, "tensor") == "tensor"
+    qcn = decoder.CONFIGS["qwen3-coder-next"]
+    decoder.check_tp(qcn, 4)
+    with pytest.raises(ValueError, match=r"n_heads, n_kv_heads and n_experts divisible by 4; got n_kv_heads=2"):
+        decoder.check_tp(qcn, 4, "tensor")
+    mesh4 = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+    few_heads = config.DecoderConfig(**{**CFG.to_dict(), "n_heads": 2, "n_kv_heads": 2})
+    model, _ = decoder.build_model(few_heads, bits=4, mesh=mesh4)
+    assert model.attention_parallel == "replicated"
+    with pytest.raises(ValueError, match=r"got n_heads=2, n_kv_heads=2"):
+        decoder.build_model(few_heads, mesh=mesh4, attention_parallel="tensor")
+    for bad in ("data", None, "Replicated"):
+        with pytest.raises(ValueError, match=r"attention_parallel=.*expected one of \('auto', 'tensor', 'replicated'\)"):
+            decoder.build_model(CFG, mesh=mesh4, attention_parallel=bad)
+        with pytest.raises(ValueError, match=r"attention_parallel="):
+            decoder.shard_model(MoE(64, 32, 8, 2, rngs=nnx.Rngs(0)), mesh4, attention_parallel=bad)
+    with pytest.raises(ValueError, match=r"attention_parallel='auto'"):
+        decoder.cache_sharding(mesh4, attention_parallel="auto")   # no config to resolve it by
+    # A cache sharded over kv heads (tensor-parallel attention's) given to replicated attention.
+    explicit = jax.make_mesh((4,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+    model, _ = decoder.build_model(CFG, bits=4, mesh=explicit)
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(explicit):
+        cache = decoder.init_cache(CFG, 1, 16, sharding=decoder.cache_sharding(explicit))
+        token = jax.device_put(jnp.zeros((1,), jnp.int32), NamedSharding(explicit, P()))
+        with pytest.raises(ValueError, match=r"cache: kv heads sharded over 'tp', but this model's "
+                                             r"attention is replicated; make the cache with "
+                                             r"init_cache\(\.\.\., sharding=model.cache_sharding\(\)\)"):
+            decoder.decode_step(graphdef, state, token, cache, 0)
+    # and a replicated cache given to tensor-parallel attention
+    model, _ = decoder.build_model(CFG, bits=4, mesh=explicit, attention_parallel="tensor")
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(explicit):
+        cache = decoder.init_cache(CFG, 1, 16, sharding=NamedSharding(explicit, P()))
+        with pytest.raises(ValueError, match=r"cache: kv heads whole, but this model's attention is "
+                                             r"tensor-parallel over 'tp'"):
+            decoder.decode_step(graphdef, state, token, cache, 0)

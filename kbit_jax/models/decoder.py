@@ -34,9 +34,12 @@ quantized weights are placed with ``kbit_jax.shard_weight`` and multiplied shard
 Mixture-of-experts layers are expert-parallel over the same axis: each device holds ``G / tp``
 of every MoE layer's stacked experts (``P(axis, None, None)``, bf16 or quantized) and computes
 them under ``shard_map`` (`kbit_jax.flax.moe`): every device routes all tokens, multiplies the
-rows of its own experts and one all-reduce of the ``[tokens, dim]`` result combines them, so a
-MoE layer has two all-reduces as a dense one does and no expert weight moves. Routers and
-shared experts are replicated. `moe_path` names the expert product a step runs.
+rows of its own experts and one all-reduce of the ``[tokens, dim]`` result combines them; no
+expert weight moves. Routers and shared experts are replicated. In a model with MoE layers
+attention is replicated by default (``attention_parallel``, `ATTENTION_PARALLEL`): every device
+holds all of q/k/v/o and the whole KV cache and computes the same attention, so a MoE layer
+has one all-reduce (the experts' combine) instead of two. `moe_path` names the expert product
+a step runs.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .. import flax as kflax
 from ..flax.convert import _nbytes, _progress
@@ -61,12 +64,12 @@ from .config import (CONFIGS, LLAMA3_70B, LLAMA3_8B, TINY, TINY_TP, DecoderConfi
                      RopeScaling, rope_frequencies)
 
 __all__ = [
-    "ATTENTION_MODES", "Attention", "Block", "CONFIGS", "Cache", "DecoderConfig", "KERNEL_MODES",
-    "LLAMA3_70B", "LLAMA3_8B", "Llama", "LlamaConfig", "MLP", "MLP_GATE_MODES", "RMSNorm",
-    "RopeScaling", "TINY", "TINY_TP", "TP_LAYOUT", "attend", "build_model", "cache_sharding",
-    "check_tp", "decode", "decode_step", "fuse_gate_up", "fuse_qkv", "generate", "init_cache",
-    "linear_spec", "moe_path", "prefill", "quantized_tied_head", "variable_shardings", "rope",
-    "rope_tables", "shard_model",
+    "ATTENTION_LINEARS", "ATTENTION_MODES", "ATTENTION_PARALLEL", "Attention", "Block", "CONFIGS",
+    "Cache", "DecoderConfig", "KERNEL_MODES", "LLAMA3_70B", "LLAMA3_8B", "Llama", "LlamaConfig",
+    "MLP", "MLP_GATE_MODES", "RMSNorm", "RopeScaling", "TINY", "TINY_TP", "TP_LAYOUT", "attend",
+    "attention_placement", "build_model", "cache_sharding", "check_tp", "decode", "decode_step",
+    "fuse_gate_up", "fuse_qkv", "generate", "init_cache", "linear_spec", "moe_path", "prefill",
+    "quantized_tied_head", "variable_shardings", "rope", "rope_tables", "shard_model",
 ]
 
 #: ``attention=`` values: "xla" (jnp rotary embedding, cache update, einsums and softmax),
@@ -80,6 +83,14 @@ KERNEL_MODES = ATTENTION_MODES
 #: ``mlp_gate=`` values: "auto" (silu(gate) * up inside the kbit gate/up kernel,
 #: ``KbitLinear(x, glu="silu")``, where that projection is quantized; XLA otherwise), "xla".
 MLP_GATE_MODES = ("auto", "xla")
+#: ``attention_parallel=`` values (`shard_model`, `build_model`, ``kbit_jax.models.load``): how
+#: attention is placed on the mesh. "tensor": Megatron (q/k/v column-parallel over whole kv-head
+#: groups, o_proj row-parallel: one all-reduce per layer; KV cache over kv heads; needs n_heads and
+#: n_kv_heads divisible by the axis size). "replicated": every device holds all of q/k/v/o and
+#: the whole KV cache and computes the same attention on the same tokens (no collective; any head
+#: count). "auto": replicated in a model with mixture-of-experts layers, tensor otherwise
+#: (`attention_placement` says why).
+ATTENTION_PARALLEL = ("auto", "tensor", "replicated")
 
 
 Cache = list  # [(k, v)] per layer, each [B, max_len, n_kv_heads, head_dim]
@@ -194,24 +205,50 @@ class Attention(nnx.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
         self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         self.attention = attention
-        self.tp_axis = None   # the mesh axis over kv heads, once placed by shard_model
+        # The mesh axis over kv heads once placed tensor-parallel by shard_model; None: on one
+        # device, or replicated over the mesh (attention_parallel="replicated").
+        self.tp_axis = None
 
     def _attend_one(self, qkv, cache_k, cache_v, pos, cos, sin):
-        """decode_attention_step on qkv [B, KVH, G + 2, D]; per device over the kv-head axis
-        when the model is tensor-parallel (a Pallas kernel has no partitioning rule of its own)."""
+        """decode_attention_step on qkv [B, KVH, G + 2, D]; under a mesh, per device (a Pallas
+        kernel has no partitioning rule of its own) over the kv-head axis when the attention is
+        tensor-parallel, on the whole (replicated) heads and cache otherwise."""
         mesh = jax.sharding.get_abstract_mesh()
-        if self.tp_axis is None or mesh.empty or self.tp_axis not in mesh.axis_names:
+        if mesh.empty:
             return _decode.decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin)
-        heads, cache = P(None, self.tp_axis, None, None), P(None, None, self.tp_axis, None)
+        axis = self.tp_axis if self.tp_axis in mesh.axis_names else None
+        heads, cache = P(None, axis, None, None), P(None, None, axis, None)
         return jax.shard_map(_decode.decode_attention_step, mesh=mesh,
                              in_specs=(heads, cache, cache, P(), P(), P()),
                              out_specs=(heads, cache, cache), check_vma=False)(
                                  qkv, cache_k, cache_v, pos, cos, sin)
 
+    def _check_cache(self, cache_k):
+        """ValueError when, under Explicit mesh axes, the cache's kv-head axis is not placed as
+        this attention is (kv heads over ``tp_axis``, or whole when replicated): a cache made
+        for the other placement."""
+        try:
+            sharding = jax.typeof(cache_k).sharding
+        except TypeError:
+            return
+        mesh = sharding.mesh
+        if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+            return
+        spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+        explicit = dict(zip(mesh.axis_names, mesh.axis_types))
+        want = self.tp_axis if explicit.get(self.tp_axis) == AxisType.Explicit else None
+        if spec[2] != want:
+            got = "whole" if spec[2] is None else f"sharded over {spec[2]!r}"
+            placed = "replicated" if want is None else f"tensor-parallel over {want!r}"
+            raise ValueError(f"cache: kv heads {got}, but this model's attention is {placed}; make "
+                             f"the cache with init_cache(..., sharding=model.cache_sharding())")
+
     def __call__(self, x, cache_k, cache_v, pos):
         """Attention over ``x[B, T, dim]`` at positions ``pos .. pos+T-1``, writing its keys and
         values into the cache; without a cache (None, None) over ``x`` itself (causal)."""
         b, t, _ = x.shape
+        if cache_k is not None:
+            self._check_cache(cache_k)
         h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
         g = h // kvh
         positions = pos + jnp.arange(t)
@@ -354,6 +391,15 @@ class Llama(nnx.Module):
         # data even when None: a quantized head may be set later (quantized_tied_head)
         self.lm_head = nnx.data(None) if cfg.tie_embeddings else _linear(cfg.dim, cfg.vocab_size, param_dtype, rngs)
         self.tp = None   # (mesh, axis) once placed tensor-parallel by shard_model
+        self.attention_parallel = None   # "tensor" or "replicated" once placed by shard_model
+
+    def cache_sharding(self) -> NamedSharding | None:
+        """The KV cache's sharding for this model as `shard_model` placed it (`cache_sharding`
+        of its mesh, axis and attention placement); None when it is not placed on a mesh."""
+        if self.tp is None:
+            return None
+        mesh, axis = self.tp
+        return cache_sharding(mesh, axis, self.attention_parallel)
 
     def __call__(self, tokens, cache: Cache | None = None, pos=0, *, last_only: bool = False):
         """Logits of ``tokens`` int32[B, T]: ``[B, T, vocab]`` (``[B, 1, vocab]`` with
@@ -397,10 +443,41 @@ def _tp_size(mesh, axis: str) -> int:
     return int(mesh.shape[axis])
 
 
-def check_tp(cfg: DecoderConfig, tp: int) -> None:
-    """ValueError unless ``cfg`` splits into ``tp`` tensor-parallel shards of whole heads (and,
-    with dense MLP layers, of hidden_dim; with MoE layers, of whole experts)."""
-    sizes = [("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads)]
+def _check_attention_parallel(attention_parallel, allowed=ATTENTION_PARALLEL) -> str:
+    if attention_parallel not in allowed:
+        raise ValueError(f"attention_parallel={attention_parallel!r}: expected one of {allowed}")
+    return attention_parallel
+
+
+def attention_placement(cfg: DecoderConfig, attention_parallel: str = "auto") -> str:
+    """``attention_parallel`` (`ATTENTION_PARALLEL`) resolved for ``cfg``: "tensor" or
+    "replicated"; "auto" is "replicated" when ``cfg`` has mixture-of-experts layers, else
+    "tensor".
+
+    Why: at decode a layer's all-reduce moves a few KB (``[batch, dim]``) and costs its latency
+    (~20-30 us per all-reduce with NCCL on H200s, skew between the GPUs included), whatever its
+    size. Under expert parallelism the MoE layer already all-reduces once (the experts' combine);
+    tensor-parallel attention adds a second one (after o_proj). Replicated attention drops it,
+    and costs each device a read of the attention weights and KV cache that tensor parallelism
+    would have split: Qwen3-Coder-Next-class, q/k/v/o ~19 M weights per layer, ~10 MB at K=4
+    (~2 us of HBM time on an H200), and 2 KB of cache per token per layer (2 kv heads). So a MoE
+    step does half the all-reduces for a few us of extra reads per layer; and attention with
+    fewer kv heads than devices (2 kv heads over 4 GPUs) can only be replicated. In a dense
+    model the MLP all-reduces anyway and attention is a large share of the weights (Llama-3-70B:
+    ~150 M per layer, ~80 MB at K=4, ~20 us): there tensor parallelism stays the default."""
+    attention_parallel = _check_attention_parallel(attention_parallel)
+    if attention_parallel != "auto":
+        return attention_parallel
+    return "replicated" if cfg.moe_layers else "tensor"
+
+
+def check_tp(cfg: DecoderConfig, tp: int, attention_parallel: str = "auto") -> None:
+    """ValueError unless ``cfg`` splits into ``tp`` tensor-parallel shards: whole heads and kv
+    heads when attention is tensor-parallel (`attention_placement`), hidden_dim with dense MLP
+    layers, whole experts with MoE layers."""
+    sizes = []
+    if attention_placement(cfg, attention_parallel) == "tensor":
+        sizes += [("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads)]
     if len(cfg.moe_layers) < cfg.n_layers:
         sizes.append(("hidden_dim", cfg.hidden_dim))
     if cfg.moe_layers:
@@ -408,8 +485,9 @@ def check_tp(cfg: DecoderConfig, tp: int) -> None:
     problems = [f"{name}={value}" for name, value in sizes if value % tp]
     if problems:
         names = [name for name, _ in sizes]
-        raise ValueError(f"tensor parallelism over {tp} devices needs {', '.join(names[:-1])} and "
-                         f"{names[-1]} divisible by {tp}; got {', '.join(problems)}")
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        raise ValueError(f"tensor parallelism over {tp} devices needs {listed} divisible by {tp}; "
+                         f"got {', '.join(problems)}")
 
 
 def moe_path(cfg: DecoderConfig, bits: int | None, tokens: int, tp: int = 1,
@@ -430,17 +508,27 @@ def moe_path(cfg: DecoderConfig, bits: int | None, tokens: int, tp: int = 1,
     return f"ep {path}" if tp > 1 else path
 
 
-def cache_sharding(mesh, axis: str = "tp") -> NamedSharding:
-    """The KV cache's sharding under tensor parallelism: kv heads over ``axis``."""
+def cache_sharding(mesh, axis: str = "tp", attention_parallel: str = "tensor") -> NamedSharding:
+    """The KV cache's sharding on ``mesh``: kv heads over ``axis`` with tensor-parallel
+    attention, replicated with ``attention_parallel="replicated"``. A placed model's own:
+    ``Llama.cache_sharding()``."""
+    if _check_attention_parallel(attention_parallel, ("tensor", "replicated")) == "replicated":
+        return NamedSharding(mesh, P())
     return NamedSharding(mesh, P(None, None, axis, None))
 
 
-def linear_spec(name: str, k: int, n: int, axis: str, tp: int):
+#: The attention's linear layers (kept whole on every device with replicated attention).
+ATTENTION_LINEARS = ("qkv_proj", "o_proj")
+
+
+def linear_spec(name: str, k: int, n: int, axis: str, tp: int, attention_parallel: str = "tensor"):
     """The logical (K, N) PartitionSpec of a ``[k, n]`` linear layer named ``name`` under
     tensor parallelism over ``tp`` devices of mesh axis ``axis`` (`TP_LAYOUT`; None:
-    replicate). ValueError when the layer does not split evenly."""
+    replicate; the attention's q/k/v and o with ``attention_parallel="replicated"`` too).
+    ValueError when the layer does not split evenly."""
     kind = TP_LAYOUT.get(name)
-    if kind is None:
+    placement = _check_attention_parallel(attention_parallel, ("tensor", "replicated"))
+    if kind is None or (placement == "replicated" and name in ATTENTION_LINEARS):
         return None
     if kind == "col" and n % tp:
         if name == "lm_head":
@@ -451,11 +539,23 @@ def linear_spec(name: str, k: int, n: int, axis: str, tp: int):
     return P(None, axis) if kind == "col" else P(axis, None)
 
 
-def variable_shardings(model, mesh, axis: str = "tp") -> dict:
+def _placement(model, attention_parallel: str) -> str:
+    """`attention_placement` for a `Llama` (by its config) or a sub-module ("auto": replicated
+    when it holds MoE blocks)."""
+    if isinstance(model, Llama):
+        return attention_placement(model.config, attention_parallel)
+    if _check_attention_parallel(attention_parallel) != "auto":
+        return attention_parallel
+    moe = any(isinstance(m, (MoE, KbitMoE)) for _, m in nnx.iter_modules(model))
+    return "replicated" if moe else "tensor"
+
+
+def variable_shardings(model, mesh, axis: str = "tp", attention_parallel: str = "auto") -> dict:
     """Where `shard_model` puts each array variable of ``model``: ``{id(variable): (variable,
     NamedSharding, out_sharding names or None)}``. Works on an abstract model too
     (``nnx.eval_shape``), e.g. to restore a checkpoint straight into its shards."""
     tp = _tp_size(mesh, axis)
+    placement = _placement(model, attention_parallel)
     out = {}
     stacked = P(axis, None, None)
     for path, module in nnx.iter_modules(model):
@@ -473,7 +573,7 @@ def variable_shardings(model, mesh, axis: str = "tp") -> dict:
             continue
         if not isinstance(module, (nnx.Linear, kflax.KbitLinear)) or not path:
             continue
-        spec = linear_spec(path[-1], module.in_features, module.out_features, axis, tp)
+        spec = linear_spec(path[-1], module.in_features, module.out_features, axis, tp, placement)
         if spec is None:
             continue
         if module.bias is not None:
@@ -499,7 +599,7 @@ def _weight_value(weight):
     return jax.tree.map(lambda v: v.get_value(), weight, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-def shard_model(model, mesh, axis: str = "tp"):
+def shard_model(model, mesh, axis: str = "tp", *, attention_parallel: str = "auto"):
     """Place ``model`` (a `Llama`, or any sub-module such as one `Block`) tensor-parallel over
     ``mesh``'s axis ``axis``, in place; returns it.
 
@@ -514,16 +614,28 @@ def shard_model(model, mesh, axis: str = "tp"):
     ``ep_axis`` set to ``axis`` (they then compute under ``shard_map``), router and shared
     expert replicated.
 
-    Raises ValueError when ``axis`` is not in the mesh or ``n_heads``, ``n_kv_heads``,
+    ``attention_parallel`` (`ATTENTION_PARALLEL`) places the attention: "tensor" (the layout
+    above: q/k/v column-, o row-parallel, each `Attention`'s ``tp_axis`` set to ``axis``),
+    "replicated" (q/k/v/o whole on every device, ``tp_axis`` None: no collective in attention;
+    the KV cache then replicated too, ``Llama.cache_sharding()``), "auto" (`attention_placement`:
+    replicated in a model with MoE layers, halving a MoE layer's all-reduces; for a sub-module,
+    replicated when it holds MoE blocks). Dense MLP layers are tensor-parallel either way. A
+    `Llama` records the choice in ``attention_parallel``.
+
+    Raises ValueError when ``axis`` is not in the mesh, ``attention_parallel`` is not one of
+    `ATTENTION_PARALLEL`, or ``n_heads``, ``n_kv_heads`` (with tensor-parallel attention),
     ``hidden_dim`` (with dense MLPs) or ``n_experts`` (with MoE layers) is not divisible by the
     axis size.
     """
     tp = _tp_size(mesh, axis)
+    placement = _placement(model, attention_parallel)
     if isinstance(model, Llama):
-        check_tp(model.config, tp)
+        check_tp(model.config, tp, placement)
     modules = list(nnx.iter_modules(model))
     for _, module in modules:
-        if isinstance(module, Attention):
+        if isinstance(module, Attention) and placement == "replicated":
+            module.tp_axis = None
+        elif isinstance(module, Attention):
             problems = [f"{name}={getattr(module, name)}" for name in ("n_heads", "n_kv_heads")
                         if getattr(module, name) % tp]
             if problems:
@@ -535,12 +647,13 @@ def shard_model(model, mesh, axis: str = "tp"):
                 raise ValueError(f"expert parallelism over {tp} devices needs num_experts divisible "
                                  f"by {tp}; got {module.num_experts}")
             module.ep_axis = axis
-    for var, sharding, names in variable_shardings(model, mesh, axis).values():
+    for var, sharding, names in variable_shardings(model, mesh, axis, placement).values():
         var.set_value(jax.device_put(var.get_value(), sharding))
         if names is not None:
             var.set_metadata("out_sharding", names)
     if isinstance(model, Llama):
         model.tp = (mesh, axis)
+        model.attention_parallel = placement
     return model
 
 
@@ -554,7 +667,7 @@ def quantized_tied_head(embed: nnx.Embed, bits: int, codebook: Any = "nf") -> kf
 def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
                 param_dtype=jnp.bfloat16, quantize_head: bool = False, progress: bool = False,
                 mesh=None, axis: str = "tp", attention: str = "auto", norm: str = "auto",
-                mlp_gate: str = "auto", moe_method: str = "auto"):
+                mlp_gate: str = "auto", moe_method: str = "auto", attention_parallel: str = "auto"):
     """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
 
     With ``bits``, each block goes through ``kbit_jax.flax.quantize_model`` as soon as it is
@@ -567,6 +680,8 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
     each block is placed as soon as it is built (and quantized), so no device ever holds more
     than its share plus one block, embedding and lm_head (70B in bf16 builds over 2 GPUs).
     The weights are the same as without a mesh (same seed, same values).
+    ``attention_parallel`` places the attention on the mesh (`ATTENTION_PARALLEL`; "auto":
+    replicated when ``cfg`` has MoE layers, tensor-parallel otherwise, `attention_placement`).
 
     ``attention`` picks the single-token attention: `ATTENTION_MODES` ("auto": the Pallas
     kernel of ``decode_attention.decode_attention_step`` on a GPU, rotary embedding and cache
@@ -577,14 +692,15 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
     experts at decode sizes, `moe_path`; quantized layers always run ``kbit_jax.ragged_dot``).
     """
     modes = dict(attention=attention, norm=norm, mlp_gate=mlp_gate, moe_method=moe_method)
+    placement = attention_placement(cfg, attention_parallel)   # every block placed alike
+    place = functools.partial(shard_model, mesh=mesh, axis=axis, attention_parallel=placement)
     if mesh is not None:
-        check_tp(cfg, _tp_size(mesh, axis))
+        check_tp(cfg, _tp_size(mesh, axis), placement)
     if bits is None:
         if mesh is None:
             return Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), **modes), None
-        model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), **modes,
-                      block_hook=lambda block: shard_model(block, mesh, axis))
-        return shard_model(model, mesh, axis), None
+        model = Llama(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(seed), **modes, block_hook=place)
+        return place(model), None
     report = kflax.QuantizeReport(bits=bits, codebook=codebook)
     ticks = iter(_progress(range(cfg.n_layers), cfg.n_layers, progress, "build + quantize"))
 
@@ -592,7 +708,7 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
         i = next(ticks)
         r = kflax.quantize_model(block, bits, codebook, progress=False)
         if mesh is not None:
-            shard_model(block, mesh, axis)
+            place(block)
         report.replaced += [f"layers/{i}/{p}" for p in r.replaced]
         report.skipped += [(f"layers/{i}/{p}", why) for p, why in r.skipped]
         report.bytes_before += r.bytes_before
@@ -614,7 +730,7 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
     else:
         report.skipped.append(("lm_head", "excluded by the default filter"))
     if mesh is not None:
-        shard_model(model, mesh, axis)
+        place(model)
     report.bytes_after = _nbytes(nnx.state(model))
     return model, report
 
@@ -657,13 +773,13 @@ def generate(model: Llama, prompt, max_new_tokens: int, *, cache_dtype=None):
     """Greedy generation: ``prompt`` int32[B, T] -> the ``max_new_tokens`` next tokens [B, n].
 
     A model placed by `shard_model` runs under ``jax.set_mesh`` of its mesh with the KV cache
-    sharded over kv heads."""
+    placed as its attention is (``Llama.cache_sharding()``)."""
     if model.tp is None:
         return _generate(model, prompt, max_new_tokens, cache_dtype, None)
-    mesh, axis = model.tp
+    mesh, _ = model.tp
     with jax.set_mesh(mesh):
         prompt = jax.device_put(jnp.asarray(prompt, jnp.int32), NamedSharding(mesh, P()))
-        return _generate(model, prompt, max_new_tokens, cache_dtype, cache_sharding(mesh, axis))
+        return _generate(model, prompt, max_new_tokens, cache_dtype, model.cache_sharding())
 
 
 def _generate(model, prompt, max_new_tokens, cache_dtype, sharding):

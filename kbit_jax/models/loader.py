@@ -225,9 +225,10 @@ class _Filler:
     ``dtype`` or quantized, on ``device`` or at their tensor-parallel (experts: expert-parallel)
     shards."""
 
-    def __init__(self, dtype, bits, codebook, device, mesh, axis):
+    def __init__(self, dtype, bits, codebook, device, mesh, axis, attention_parallel="tensor"):
         self.dtype, self.bits, self.codebook = dtype, bits, codebook
         self.device, self.mesh, self.axis = device, mesh, axis
+        self.attention_parallel = attention_parallel   # "tensor" or "replicated"
         self.tp = 1 if mesh is None else int(mesh.shape[axis])
         # the stacked experts [G, ...]: on ``device``, or G over the axis (expert parallelism)
         self.experts = device if mesh is None else NamedSharding(mesh, P(axis, None, None))
@@ -278,7 +279,8 @@ class _Filler:
         """``parent.key`` (an nnx.Linear) gets ``kernel [K, N]`` (a device array), quantized
         into a KbitLinear when ``quantized``, placed by the decoder's `linear_spec`."""
         k, n = kernel.shape
-        spec = None if self.mesh is None else decoder.linear_spec(key, k, n, self.axis, self.tp)
+        spec = None if self.mesh is None else decoder.linear_spec(key, k, n, self.axis, self.tp,
+                                                                  self.attention_parallel)
         if quantized:
             w = quantize(kernel, self.bits, self.codebook)
             if self.mesh is not None:
@@ -303,19 +305,22 @@ def _check_args(bits, codebook, dtype, mesh, axis):
     return dtype
 
 
-def _check_mesh(cfg: DecoderConfig, mesh, axis: str, bits: int | None = None) -> None:
+def _check_mesh(cfg: DecoderConfig, mesh, axis: str, bits: int | None = None,
+                attention_parallel: str = "auto") -> None:
     """ValueError, before anything is read, unless ``cfg`` splits over ``mesh``'s axis: whole
-    heads and kv heads per device, the dense MLP width (where there are dense MLP layers) and
-    the experts (where there are MoE layers) divisible by the device count
-    (``decoder.check_tp``); quantized, whole 32-element blocks of the row-parallel layers'
-    input features per device."""
+    heads and kv heads per device (with tensor-parallel attention), the dense MLP width (where
+    there are dense MLP layers) and the experts (where there are MoE layers) divisible by the
+    device count (``decoder.check_tp``); quantized, whole 32-element blocks of the row-parallel
+    layers' input features per device."""
     if mesh is None:
         return
     tp = int(mesh.shape[axis])
-    decoder.check_tp(cfg, tp)
+    decoder.check_tp(cfg, tp, attention_parallel)
     if bits is None:
         return
-    rows = [("o_proj", "n_heads * head_dim", cfg.n_heads * cfg.head_dim)]
+    rows = []
+    if decoder.attention_placement(cfg, attention_parallel) == "tensor":
+        rows.append(("o_proj", "n_heads * head_dim", cfg.n_heads * cfg.head_dim))
     if len(cfg.moe_layers) < cfg.n_layers:
         rows.append(("down_proj", "hidden_dim", cfg.hidden_dim))
     for name, what, k in rows:
@@ -332,7 +337,8 @@ def is_saved_model(path) -> bool:
 
 def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloat16, mesh=None,
          quantize_head: bool = False, progress: bool = True, axis: str = "tp",
-         attention: str = "auto", norm: str = "auto", mlp_gate: str = "auto") -> decoder.Llama:
+         attention: str = "auto", norm: str = "auto", mlp_gate: str = "auto",
+         attention_parallel: str = "auto") -> decoder.Llama:
     """A `decoder.Llama` from a Hugging Face directory (``config.json`` + ``*.safetensors``, with
     or without ``model.safetensors.index.json``), or from a directory written by `save`.
 
@@ -348,6 +354,10 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
         (``decoder.shard_model``'s layout: a mixture-of-experts layer's stacked experts
         expert-parallel, ``G / tp`` per device, each device's read and quantized on it); None:
         the default device.
+      attention_parallel: with a mesh, how attention is placed (``decoder.ATTENTION_PARALLEL``):
+        "tensor" (q/k/v and o split over the axis by heads), "replicated" (whole on every
+        device, no all-reduce after o_proj), "auto" (replicated in a model with MoE layers,
+        ``decoder.attention_placement`` says why).
       quantize_head: quantize the output projection too (a tied one gets a quantized copy of
         the embedding; the embedding itself stays dense).
       progress: a progress bar on stderr (tqdm).
@@ -355,23 +365,29 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
 
     Raises ValueError naming the file and tensor for a missing tensor, a wrong shape or dtype
     or a truncated shard, naming the architecture for one this package does not build, and,
-    with a mesh, naming the sizes the axis does not divide (heads, kv heads, the MLP width,
-    the experts; quantized, o_proj's and down_proj's input features in whole 32-element
-    blocks per device).
+    with a mesh, naming the sizes the axis does not divide (heads and kv heads with
+    tensor-parallel attention, the MLP width, the experts; quantized, o_proj's and down_proj's
+    input features in whole 32-element blocks per device), and naming ``attention_parallel``
+    when it is not one of ``decoder.ATTENTION_PARALLEL``.
     """
     path = os.fspath(path)
     dtype = _check_args(bits, codebook, dtype, mesh, axis)
+    if attention_parallel not in decoder.ATTENTION_PARALLEL:
+        raise ValueError(f"attention_parallel={attention_parallel!r}: expected one of "
+                         f"{decoder.ATTENTION_PARALLEL}")
     modes = dict(attention=attention, norm=norm, mlp_gate=mlp_gate)
     if is_saved_model(path):
-        return _restore(path, bits=bits, dtype=dtype, mesh=mesh, axis=axis, modes=modes)
+        return _restore(path, bits=bits, dtype=dtype, mesh=mesh, axis=axis, modes=modes,
+                        attention_parallel=attention_parallel)
     cfg = from_hf_config(read_hf_config(path))
-    _check_mesh(cfg, mesh, axis, bits)
+    _check_mesh(cfg, mesh, axis, bits, attention_parallel)
+    placement = decoder.attention_placement(cfg, attention_parallel)
     ckpt = SafetensorsCheckpoint(path)
     ckpt.check(expected_tensors(cfg))
 
     model = nnx.eval_shape(lambda: decoder.Llama(cfg, param_dtype=dtype, rngs=nnx.Rngs(0), **modes))
     device = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
-    fill = _Filler(dtype, bits, codebook, device, mesh, axis)
+    fill = _Filler(dtype, bits, codebook, device, mesh, axis, placement)
     quantized = bits is not None
     steps = _progress(range(cfg.n_layers + 2), cfg.n_layers + 2, progress,
                           "load" + ("" if bits is None else f" + quantize to {bits} bits"))
@@ -424,8 +440,8 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
     for _ in steps:
         pass
     _check_filled(model)
-    if mesh is not None:
-        decoder.shard_model(model, mesh, axis)   # records the placement; the arrays are already there
+    if mesh is not None:   # records the placement; the arrays are already there
+        decoder.shard_model(model, mesh, axis, attention_parallel=placement)
     return model
 
 
@@ -512,7 +528,7 @@ def _skeleton(cfg: DecoderConfig, dtype, quantized: list[dict], modes: dict) -> 
     return model
 
 
-def _restore(path, *, bits, dtype, mesh, axis, modes) -> decoder.Llama:
+def _restore(path, *, bits, dtype, mesh, axis, modes, attention_parallel) -> decoder.Llama:
     with open(os.path.join(path, MODEL_FILE)) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
@@ -523,10 +539,11 @@ def _restore(path, *, bits, dtype, mesh, axis, modes) -> decoder.Llama:
         raise ValueError(f"{path} holds a model saved with bits={saved_bits or None}; load it "
                          f"with bits=None, or quantize the original checkpoint with bits={bits}")
     cfg = DecoderConfig(**meta["config"])
-    _check_mesh(cfg, mesh, axis, saved_bits[0] if saved_bits else None)
+    _check_mesh(cfg, mesh, axis, saved_bits[0] if saved_bits else None, attention_parallel)
     model = nnx.eval_shape(lambda: _skeleton(cfg, dtype, meta["quantized"], modes))
     if mesh is not None:
-        placement = {i: s for i, (_, s, _) in decoder.variable_shardings(model, mesh, axis).items()}
+        placement = {i: s for i, (_, s, _) in
+                     decoder.variable_shardings(model, mesh, axis, attention_parallel).items()}
     else:
         placement = {}
     # Dense leaves are restored in the dtype they were saved in (the checkpoint verifies each
@@ -549,5 +566,5 @@ def _restore(path, *, bits, dtype, mesh, axis, modes) -> decoder.Llama:
             node.set_value(node.get_value().astype(dtype))
     _check_filled(model)
     if mesh is not None:
-        decoder.shard_model(model, mesh, axis)
+        decoder.shard_model(model, mesh, axis, attention_parallel=attention_parallel)
     return model
