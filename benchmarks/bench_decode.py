@@ -745,10 +745,15 @@ def main(argv=None):
     else:
         for job in jobs:
             rows += run_subprocess(args, *job)
+            write_results(args, env, rows)  # after every worker: a run cut short keeps its rows
     env["wall_s"] = time.perf_counter() - start
     print(f"{len(jobs)} workers, {env['wall_s']:.0f} s in all", file=sys.stderr, flush=True)
+    print(write_results(args, env, rows))
+
+
+def write_results(args, env, rows) -> str:
+    """The markdown table of ``rows``; with ``--out``, it and the JSON written there."""
     md = to_markdown(env, args, rows)
-    print(md)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
@@ -757,6 +762,7 @@ def main(argv=None):
                        "results": rows}, f, indent=1)
         with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
             f.write(md)
+    return md
 
 
 if __name__ == "__main__":

@@ -136,3 +136,27 @@ def test_attention_parallel_rows():
     assert bench_decode.mode_cell({"attention_parallel": "tensor"}, "attention_parallel") == "tensor"
     assert bench_decode.mode_cell({}, "attention_parallel") == "tensor"
     assert bench_decode.mode_cell({}, "norm") == "xla"
+
+
+def test_a_run_cut_short_keeps_the_rows_of_its_finished_workers(monkeypatch, tmp_path):
+    """Workers run one after the other write the results after each of them: a run stopped
+    during its second worker (a timeout, an out-of-memory kill) keeps the first one's row."""
+    import json
+
+    calls = []
+
+    def worker(args, config, weights, tp, modes, xla_flags=""):
+        calls.append(weights)
+        if len(calls) == 2:
+            raise KeyboardInterrupt   # the run is stopped while this worker runs
+        return [{"config": config, "weights": weights, "tp": tp, "status": "ok", **modes}]
+
+    monkeypatch.setattr(bench_decode, "run_subprocess", worker)
+    monkeypatch.setattr(bench_decode, "environment", lambda: {"platform": "cpu"})
+    monkeypatch.setattr(bench_decode, "to_markdown", lambda env, args, rows: f"{len(rows)} rows\n")
+    with pytest.raises(KeyboardInterrupt):
+        bench_decode.main(["--configs", "tiny", "--weights", "bf16,4", "--batches", "1",
+                           "--out", str(tmp_path), "--name", "cut"])
+    saved = json.loads((tmp_path / "cut.json").read_text())
+    assert [r["weights"] for r in saved["results"]] == ["bf16"]
+    assert (tmp_path / "cut.md").read_text() == "1 rows\n"
