@@ -127,11 +127,14 @@ def plot(result, path, bits=4):
         if r["bits"] == bits:
             series[(r["shape"], r["routing"])].append((r["tokens"], r["bf16_floor_us"] / r["kbit_us"], r["pct_copy"]))
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    shapes = sorted({shape for shape, _ in series})
+    colors = {shape: plt.cm.tab10(i % 10) for i, shape in enumerate(shapes)}  # a color per shape
     for (shape, routing), pts in sorted(series.items()):
         pts.sort()
         style = "-" if routing == "uniform" else "--"
         for ax, i in zip(axes, (1, 2)):
-            ax.plot([p[0] for p in pts], [p[i] for p in pts], style, marker="o", label=f"{shape} ({routing})")
+            ax.plot([p[0] for p in pts], [p[i] for p in pts], style, marker="o", color=colors[shape],
+                    label=f"{shape} ({routing})")
     axes[0].axhline(1.0, color="k", lw=0.8)
     axes[0].set_ylabel("bf16 floor / kbit time (> 1: faster than any bf16 grouped kernel)")
     axes[1].set_ylabel("% of copy bandwidth")
