@@ -119,6 +119,14 @@ def test_moe_blocks_route_without_sorts_on_gpus(rng, block):
     assert sorts(lowered(f, state, x, platform="cpu"))
 
 
+@pytest.mark.parametrize("method", ["compare", "sort"])
+def test_no_tokens(method):
+    order, inverse, sizes = sorted_rows(jnp.zeros((0, 2), jnp.int32), 8, method=method)
+    assert order.shape == inverse.shape == (0,) and np.asarray(sizes).tolist() == [0] * 8
+    weights, ids = route(jnp.zeros((0, 8)), 2, True, method=method)
+    assert weights.shape == ids.shape == (0, 2)
+
+
 def test_bad_method():
     with pytest.raises(ValueError, match=r"method must be one of \('auto', 'compare', 'sort'\), got 'fast'"):
         top_k(jnp.zeros((2, 8)), 2, method="fast")

@@ -47,25 +47,42 @@ def _dispatch(method: str, fits: bool, compare, sort, *args):
 
 def _total_order_key(x):
     """int32 keys that order float32 ``x`` as ``lax.top_k`` orders numbers, -0.0 below +0.0, and
-    (positive) NaN above +inf: a total order, so the ranks of `_top_k_by_rank` are a
+    (positive) NaN above +inf: a total order, so the ranks of `_ranks` are a
     permutation and the ids valid whatever the router gives."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-def _top_k_by_rank(x, k: int):
-    """The comparison path of `top_k`."""
-    g = x.shape[1]
+def _ranks(x):
+    """The rank of each of ``x[T, G]``'s entries in its row: the number of entries that precede
+    it (a larger value, or an equal value at a lower index), one ``[T, G, G]``
+    compare-and-reduce; a permutation of 0..G-1 per row."""
     key = _total_order_key(x)
-    e = jnp.arange(g, dtype=jnp.int32)
+    e = jnp.arange(x.shape[1], dtype=jnp.int32)
     mine, other = key[:, :, None], key[:, None, :]                   # [T, e, f]
     precedes = (other > mine) | ((other == mine) & (e[None, :] < e[:, None]))
-    rank = jnp.sum(precedes, axis=-1, dtype=jnp.int32)                 # [T, G], a permutation
+    return jnp.sum(precedes, axis=-1, dtype=jnp.int32)
+
+
+def _top_k_by_rank(x, k: int):
+    """The comparison path of `top_k`: the id of slot j is the expert of rank j, its value the
+    only term of a masked max (a max over the others at -inf is that value bit for bit)."""
+    rank = _ranks(x)
     hit = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]   # [T, k, G]
-    # One hit per slot: a max over the others at -inf is that value bit for bit (-0.0 too).
-    ids = jnp.max(jnp.where(hit, e, -1), axis=-1)
+    ids = jnp.max(jnp.where(hit, jnp.arange(x.shape[1], dtype=jnp.int32), -1), axis=-1)
     values = jnp.max(jnp.where(hit, x[:, None, :], -jnp.inf), axis=-1)
     return values, ids
+
+
+def _probs_top_k_by_rank(probs, k: int):
+    """`_top_k_by_rank` of softmax probabilities (no -0.0) with the sum of the k values: slot k
+    of the same reduction sums every value of rank < k (the values, in another order)."""
+    rank = _ranks(probs)
+    slot = jnp.arange(k + 1, dtype=jnp.int32)[None, :, None]
+    hit = jnp.where(slot < k, rank[:, None, :] == slot, rank[:, None, :] < k)   # [T, k + 1, G]
+    ids = jnp.sum(jnp.where(hit, jnp.arange(probs.shape[1], dtype=jnp.int32), 0), axis=-1, dtype=jnp.int32)
+    sums = jnp.sum(jnp.where(hit, probs[:, None, :], 0.0), axis=-1)   # slot j < k: its one value
+    return sums[:, :k], ids[:, :k], sums[:, k]
 
 
 def top_k(x, k: int, *, method: str = "auto"):
@@ -89,11 +106,21 @@ def top_k(x, k: int, *, method: str = "auto"):
 def route(logits, k: int, normalize: bool, *, method: str = "auto"):
     """(weights float32[T, k], expert ids int32[T, k]): the softmax over the experts' logits, its
     ``k`` largest entries (`top_k` with ``method``: ``lax.top_k``'s ids and values),
-    renormalized to sum to 1 when ``normalize``."""
+    renormalized to sum to 1 when ``normalize``. On the comparison path the renormalizing sum
+    comes out of the reduction that picks the values (no kernel of its own); it adds the same
+    k values in another order, so the weights are within ``(k + 2) * 2^-23`` relative of the
+    sort path's."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = top_k(probs, k, method=method)
+    t, g = probs.shape
+
+    def sort(p):
+        values, ids = jax.lax.top_k(p, k)
+        return values, ids.astype(jnp.int32), jnp.sum(values, axis=-1)
+
+    weights, ids, total = _dispatch(method, t * g * g <= COMPARE_LIMIT,
+                                    lambda p: _probs_top_k_by_rank(p, k), sort, probs)
     if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / total[:, None]
     return weights, ids
 
 
@@ -104,13 +131,15 @@ def sorted_rows(ids, num_experts: int, *, method: str = "auto"):
     expert g's pairs.
 
     The comparison path (``method`` "compare", or "auto" on a GPU while ``n * max(n, G) <=
-    COMPARE_LIMIT``, n = T * k): one reduction over an ``[n + G, n]`` grid gives each pair's
-    sorted position in its first n rows (``inverse[i]``: the pairs of a lower expert, or of
-    the same expert at a lower index, as ``argsort(stable=True)`` orders them) and each
-    expert's pair count in its last G; ``order`` picks the pair of each position, a second
-    ``[n, n]`` reduction. Else an argsort and two scatters."""
+    COMPARE_LIMIT``, n = T * k): compare-and-reduce over ``[max(n, G), n]`` for each pair's
+    sorted position (``inverse[i]``: the pairs of a lower expert, or of the same expert at a
+    lower index, as ``argsort(stable=True)`` orders them) and each expert's pair count;
+    ``order`` picks the pair of each position, an ``[n, n]`` reduction. Else an argsort and
+    two scatters."""
     flat = ids.reshape(-1).astype(jnp.int32)
     n = flat.shape[0]
+    if n == 0:
+        method = "sort"
     return _dispatch(method, n * max(n, num_experts) <= COMPARE_LIMIT,
                      lambda f: _sorted_by_rank(f, num_experts), lambda f: _sorted_by_argsort(f, num_experts),
                      flat)
@@ -127,13 +156,13 @@ def _sorted_by_argsort(flat, g: int):
 def _sorted_by_rank(flat, g: int):
     n = flat.shape[0]
     i = jnp.arange(n, dtype=jnp.int32)
-    row = jnp.arange(n + g, dtype=jnp.int32)[:, None]                # a pair i, then an expert
-    mine = flat[jnp.minimum(row, n - 1)]                             # [n + G, 1]: pair row's expert
-    other = flat[None, :]                                            # [1, n]: pair j's expert
-    before = (other < mine) | ((other == mine) & (i[None, :] < row))
-    counted = jnp.where(row < n, before, other == row - n)
-    counts = jnp.sum(counted, axis=-1, dtype=jnp.int32)              # [n + G]
-    inverse, sizes = counts[:n], counts[n:]
+    # Two reductions over one [max(n, G), n] grid (one kernel with two outputs on a GPU): in
+    # row r, the pairs j sorted before pair r, and the pairs j of expert r.
+    r = jnp.arange(max(n, g), dtype=jnp.int32)[:, None]
+    mine, other = flat[jnp.minimum(r, n - 1)], flat[None, :]
+    before = (other < mine) | ((other == mine) & (i[None, :] < r))
+    inverse = jnp.sum(before, axis=-1, dtype=jnp.int32)[:n]
+    sizes = jnp.sum(other == r, axis=-1, dtype=jnp.int32)[:g]
     order = jnp.sum(jnp.where(inverse[None, :] == i[:, None], i[None, :], 0), axis=-1, dtype=jnp.int32)
     return order, inverse, sizes
 
