@@ -3,12 +3,15 @@ formulation (lax.top_k, a stable argsort and scatters, written here as the oracl
 values with many ties, from one pair to past COMPARE_LIMIT, over 8 to 512 experts; which path
 "auto" lowers to on a GPU (lowered for CUDA, no GPU needed) and on the CPU."""
 
+from contextlib import nullcontext
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from flax import nnx
+from jax.sharding import AxisType
 
 from kbit_jax.flax.moe import KbitMoE, MoE
 from kbit_jax.flax.routing import COMPARE_LIMIT, route, sorted_rows, sorted_tokens, top_k
@@ -107,16 +110,24 @@ def test_auto_compares_on_gpus_within_the_limit():
             assert sorts(text) == (method == "sort"), (method, platform)
 
 
+@pytest.mark.parametrize("ep", [False, True], ids=["one_device", "expert_parallel"])
 @pytest.mark.parametrize("block", ["MoE", "KbitMoE"])
-def test_moe_blocks_route_without_sorts_on_gpus(rng, block):
-    """A decode-sized step of either block lowered for CUDA has no sort and no scatter."""
+def test_moe_blocks_route_without_sorts_on_gpus(rng, block, ep):
+    """A decode-sized step of either block lowered for CUDA has no sort and no scatter, also
+    with its experts under shard_map over 8 devices."""
+    if ep and len(jax.devices()) < 8:
+        pytest.skip("needs 8 (simulated) devices")
     moe = MoE(64, 32, 16, 2, method="ragged", rngs=nnx.Rngs(int(rng.integers(2**31))))
     m = KbitMoE.from_dense(moe) if block == "KbitMoE" else moe
+    m.ep_axis = "ep" if ep else None
     graphdef, state = nnx.split(m)
     f = lambda s, x: nnx.merge(graphdef, s)(x)  # noqa: E731
     x = jnp.zeros((3, 64))
-    assert not sorts(lowered(f, state, x, platform="cuda"))
-    assert sorts(lowered(f, state, x, platform="cpu"))
+    with jax.set_mesh(jax.make_mesh((8,), ("ep",), axis_types=(AxisType.Auto,))) if ep else nullcontext():
+        cuda, cpu = (lowered(f, state, x, platform=p) for p in ("cuda", "cpu"))
+    assert ("manual" in cuda) == ep                 # shard_map's manual computation
+    assert not sorts(cuda)
+    assert sorts(cpu)
 
 
 @pytest.mark.parametrize("method", ["compare", "sort"])

@@ -156,8 +156,9 @@ def _sorted_by_argsort(flat, g: int):
 def _sorted_by_rank(flat, g: int):
     n = flat.shape[0]
     i = jnp.arange(n, dtype=jnp.int32)
-    # Two reductions over one [max(n, G), n] grid (one kernel with two outputs on a GPU): in
-    # row r, the pairs j sorted before pair r, and the pairs j of expert r.
+    # Two sibling reductions over one [max(n, G), n] grid (one multi-output kernel when XLA
+    # fuses them; the counts then need no slice copy while n <= G): in row r, the pairs j
+    # sorted before pair r, and the pairs j of expert r.
     r = jnp.arange(max(n, g), dtype=jnp.int32)[:, None]
     mine, other = flat[jnp.minimum(r, n - 1)], flat[None, :]
     before = (other < mine) | ((other == mine) & (i[None, :] < r))
