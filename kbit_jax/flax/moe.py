@@ -50,6 +50,7 @@ from ..primitives.ragged_dot import local_experts_product
 from ..reference import GLU_ACTIVATIONS
 from ..sharding import weight_specs
 from .layers import KbitLinear, QuantizedWeight, _check_quant_config
+from .routing import route, sorted_rows, sorted_tokens
 
 __all__ = ["KbitMoE", "MOE_METHODS", "MoE", "dense_method", "route"]
 
@@ -92,16 +93,6 @@ def _check_config(hidden, intermediate, num_experts, top_k, activation, shared_i
         raise ValueError(f"shared_intermediate must be None or a positive int, got {shared_intermediate!r}")
 
 
-def route(logits, top_k: int, normalize: bool):
-    """(weights float32[T, k], expert ids int32[T, k]): the softmax over the experts' logits, its
-    ``top_k`` largest entries, renormalized to sum to 1 when ``normalize``."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
-    if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
-
-
 def _tokens(x, hidden):
     if x.shape[-1] != hidden:
         raise ValueError(f"x must have shape [..., {hidden}] (the block's hidden size), got {x.shape}")
@@ -125,16 +116,6 @@ def _first_expert(ep_axis, local: int):
         return 0
     index, _ = _axis_index_and_size(ep_axis)
     return index * local
-
-
-def _sorted_rows(ids, num_experts):
-    """The ``T * k`` (token, expert) pairs sorted by expert: (order, inverse, group sizes).
-    ``order[r]`` is the pair at sorted row r (token ``order[r] // k``); ``inverse`` undoes it."""
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    return order, inverse, sizes
 
 
 def _combine(out_rows, weights):
@@ -246,14 +227,14 @@ class MoE(nnx.Module):
             h = (act(dot(rows, gate)) * dot(rows, up)).astype(dtype)
             out = dot(h, down).astype(dtype)
             return _combine(out, jnp.where(mine.reshape(weights.shape), weights, 0.0))
-        order, inverse, sizes = _sorted_rows(ids, self.num_experts)
+        order, inverse, sizes = sorted_rows(ids, self.num_experts)
 
         def ragged(x, w):
             kernel = lambda x_, w_, _a, _b, _c, sizes_: jax.lax.ragged_dot(  # noqa: E731
                 x_, w_, sizes_, precision=precision, preferred_element_type=jnp.float32)
             return local_experts_product(kernel, x, w, None, None, None, sizes, first)
 
-        rows = tokens[order // k]
+        rows = sorted_tokens(tokens, order, k)
         h = (act(ragged(rows, gate)) * ragged(rows, up)).astype(dtype)
         out = ragged(h, down).astype(dtype)                      # rows of other devices' experts: 0
         return _combine(out[inverse], weights)
@@ -386,12 +367,12 @@ class KbitMoE(nnx.Module):
         outputs are gathered back to token order inside the weighted sum over each token's k
         experts (one fused multiply-reduce). Under expert parallelism (``ep_axis``) the products
         cover this device's experts, zeros elsewhere (`kbit_jax.moe.local_ragged_dot`)."""
-        order, inverse, sizes = _sorted_rows(ids, self.num_experts)
+        order, inverse, sizes = sorted_rows(ids, self.num_experts)
         if ep_axis is None:
             product = ragged_dot
         else:
             product = lambda x, w, sizes, glu=None: local_ragged_dot(  # noqa: E731
                 x, w, sizes, axis_name=ep_axis, glu=glu)
-        h = product(tokens[order // self.top_k], gate_up, sizes, glu=self.activation)
+        h = product(sorted_tokens(tokens, order, self.top_k), gate_up, sizes, glu=self.activation)
         out = product(h, down, sizes)                                       # [T * k, K], sorted
         return _combine(out[inverse], weights)
