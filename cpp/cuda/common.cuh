@@ -254,6 +254,26 @@ inline int device_sm_count(int dev) {
   return sms;
 }
 
+// The module has the wgmma kernels (CMake compiled the sm_90a target: KBIT_WGMMA) and the current
+// device runs them (compute capability 9.0; sm_90a code runs nowhere else).
+inline bool wgmma_available() {
+#if defined(KBIT_WGMMA)
+  static std::atomic<int> cache[kMaxDevices];  // 0: unknown, 1: yes, 2: no
+  const int dev = current_device();
+  int v = cache[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0, minor = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
+    v = ok && major == 9 && minor == 0 ? 1 : 2;
+    cache[dev].store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+#else
+  return false;
+#endif
+}
+
 // Clusters of `ks` CTAs of `kernel` (at `threads` and `smem` bytes of dynamic shared memory) that
 // fit on device `dev` at once; half the SMs' worth where the driver cannot say. Callers cache it.
 // At ks = 1, the CTAs per SM times the SMs: the cluster query does not describe a launch without

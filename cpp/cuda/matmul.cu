@@ -56,26 +56,6 @@ std::pair<int, int> wgmma_rule_rows(int64_t n, int64_t k, int bits) {
   return {early ? kWgmmaEarlyMinRows : kWgmmaMinRows, bits >= kWgmmaEarlyBits ? kWgmmaWideBitsMaxRows : kWgmmaMaxRows};
 }
 
-// The module has the wgmma kernel (CMake compiled the sm_90a target: KBIT_WGMMA) and the current
-// device runs it (compute capability 9.0; sm_90a code runs nowhere else).
-bool wgmma_available() {
-#if defined(KBIT_WGMMA)
-  static std::atomic<int> cache[kMaxDevices];  // 0: unknown, 1: yes, 2: no
-  const int dev = current_device();
-  int v = cache[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int major = 0, minor = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
-    v = ok && major == 9 && minor == 0 ? 1 : 2;
-    cache[dev].store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-#else
-  return false;
-#endif
-}
-
 std::pair<int, int> wgmma_rows_here(int64_t n, int64_t k, int bits) {
   static const int forced_min = env_or("KBIT_JAX_WGMMA_MIN_M", -1), forced_max = env_or("KBIT_JAX_WGMMA_MAX_M", -1);
   const auto [rule_min, rule_max] = wgmma_rule_rows(n, k, bits);

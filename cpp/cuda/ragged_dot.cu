@@ -180,28 +180,9 @@ std::string launch_generic(const RaggedDotArgs& a, cudaStream_t stream, const Ra
 // tokens) the warp-specialized kernel's 32-row blocks take 0.74-0.78x the wgmma kernel's time.
 constexpr int64_t kGroupedWgmmaMinRows = 32;
 
-// Compiled for sm_90a (CMake's KBIT_WGMMA) and running on compute capability 9.0.
-bool grouped_wgmma_here() {
-#if defined(KBIT_WGMMA)
-  static std::atomic<int> cache[kMaxDevices];  // 0: unknown, 1: yes, 2: no
-  const int dev = current_device();
-  int v = cache[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int major = 0, minor = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
-    v = ok && major == 9 && minor == 0 ? 1 : 2;
-    cache[dev].store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-#else
-  return false;
-#endif
-}
-
 // (on the fused path: bf16/f16, the fragment layout, N % 16 == 0, aligned buffers)
 bool use_grouped_wgmma(const RaggedDotArgs& a, const RaggedDotTuning* tuning) {
-  if (a.groups == 0 || a.k == 0 || !grouped_wgmma_here()) return false;
+  if (a.groups == 0 || a.k == 0 || !wgmma_available()) return false;
   if (tuning && tuning->wgmma != 0) return tuning->wgmma > 0;
   if (tuning && tuning->block_rows > 0) return false;
   const int64_t active = std::max<int64_t>(1, std::min(a.groups, a.m));
