@@ -55,10 +55,10 @@ struct MatmulArgs {
   int glu = 0;  // kbit::Glu (glu.h): 0, or act(column 2j) * column 2j + 1 into column j
 };
 
-// The product's buffers, as MatmulArgs carries them, into a kernel's parameter struct (the fused
-// kernels' Params and the wgmma kernel's WgParams name them alike).
-template <class KernelParams>
-inline void copy_operands(const MatmulArgs& a, KernelParams& p) {
+// The product's buffers, as MatmulArgs (or RaggedDotArgs) carries them, into a kernel's parameter
+// struct (the fused kernels' Params and the wgmma kernel's WgParams name them alike).
+template <class Args, class KernelParams>
+inline void copy_operands(const Args& a, KernelParams& p) {
   p.x = a.x;
   p.planes = a.planes;
   p.scales = a.scales;

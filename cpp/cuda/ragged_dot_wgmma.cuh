@@ -42,12 +42,7 @@ struct GroupedWgLauncher {
       smem_set[dev].store(true, std::memory_order_relaxed);
     }
     WgParams p{};
-    p.x = a.x;
-    p.planes = a.planes;
-    p.scales = a.scales;
-    p.codebook = a.codebook;
-    p.tensor_scale = a.tensor_scale;
-    p.y = a.y;
+    copy_operands(a, p);
     p.M = a.m;
     p.N = static_cast<int>(a.n);
     p.K = static_cast<int>(a.k);
