@@ -684,7 +684,7 @@ def parse_args(argv=None):
     p.add_argument("--progress", action="store_true", help="progress bar while building models")
     p.add_argument("--dense-head", action="store_true",
                    help="keep lm_head bf16 in the k-bit models (default: quantized like the blocks; "
-                        "it is ~1/8 of an 8B model's bytes, read every step)")
+                        "read whole every step, a bf16 head is ~1/5 of a K=4 8B step's weight bytes)")
     p.add_argument("--in-process", action="store_true",
                    help="run every model in this process (peak memory is then cumulative)")
     p.add_argument("--xla-flags", action="append", default=None, metavar="FLAGS",

@@ -82,7 +82,7 @@ def _model_args(parser, *, bits_required=False):
     parser.add_argument("--codebook", default="nf", help="codebook name (default nf)")
     parser.add_argument("--dense-head", action="store_true",
                         help="with --bits, keep the output projection dense (default: quantize it "
-                             "too; it is read at every step, ~1/8 of an 8B model's bytes)")
+                             "too: it is read whole at every step)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="dense weights and activations (default bfloat16)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")

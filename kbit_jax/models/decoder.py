@@ -661,10 +661,10 @@ def shard_model(model, mesh, axis: str = "tp", *, attention_parallel: str = "aut
 
 def head_dense_reason(cfg: DecoderConfig, quantize_head: bool = True) -> str | None:
     """Why a quantized model of ``cfg`` keeps its output projection dense, or None when it
-    quantizes it. The head ([dim, vocab]) is read whole at every decode step and is about an
-    eighth of a Llama-3-8B's weight bytes, so a quantized model quantizes it unless asked not to
-    (``quantize_head=False``) or it cannot be: its in_features (``cfg.dim``) must be whole
-    32-element blocks."""
+    quantizes it. The head ([dim, vocab]) is read whole at every decode step: kept bf16 in a
+    Llama-3-8B at K=4 it is about a fifth of the weight bytes a step reads (a third at K=2),
+    so a quantized model quantizes it unless asked not to (``quantize_head=False``) or it
+    cannot be: its in_features (``cfg.dim``) must be whole 32-element blocks."""
     if not quantize_head:
         return "kept dense (quantize_head=False)"
     if cfg.dim % BLOCK:
@@ -690,9 +690,9 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
     builds on one GPU although its bf16 weights would not fit). The output projection is
     quantized too (a tied embedding gets a quantized copy as the head, `quantized_tied_head`;
     the embedding itself stays dense for the token lookup): it is read whole at every decode
-    step, about an eighth of an 8B model's bytes. ``quantize_head=False`` keeps it dense; one
-    that cannot be quantized stays dense as well (`head_dense_reason`), with the reason in the
-    report's ``skipped``.
+    step (`head_dense_reason` says how much that weighs). ``quantize_head=False`` keeps it
+    dense; one that cannot be quantized stays dense as well, with the reason in the report's
+    ``skipped``.
 
     With ``mesh``, the model is tensor-parallel over ``mesh``'s axis ``axis`` (`shard_model`):
     each block is placed as soon as it is built (and quantized), so no device ever holds more

@@ -359,10 +359,10 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
         device, no all-reduce after o_proj), "auto" (replicated in a model with MoE layers,
         ``decoder.attention_placement`` says why).
       quantize_head: with ``bits``, quantize the output projection too (the default: it is
-        read whole at every decode step, about an eighth of an 8B model's bytes; a tied one
-        gets a quantized copy of the embedding, which itself stays dense for the token
-        lookup). False keeps it dense in ``dtype``; a head that cannot be quantized stays dense
-        (``decoder.head_dense_reason``). A saved model keeps the head it was saved with.
+        read whole at every decode step; a tied one gets a quantized copy of the embedding,
+        which itself stays dense for the token lookup). False keeps it dense in ``dtype``; a
+        head that cannot be quantized stays dense (``decoder.head_dense_reason`` says when and
+        why). A saved model keeps the head it was saved with.
       progress: a progress bar on stderr (tqdm).
       attention, norm, mlp_gate: the decoder's kernel choices (``decoder.build_model``).
 
