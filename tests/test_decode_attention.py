@@ -9,8 +9,10 @@ decoder with XLA's attention (single device and tensor-parallel over 2), and the
 """
 
 import contextlib
+import dataclasses
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -300,33 +302,67 @@ def decode_logits(model, prompt, steps, mesh=None, tokens=None):
     return np.stack(out), np.stack(fed)
 
 
-@pytest.mark.parametrize("bits", [pytest.param(4, id="k4"), pytest.param(None, id="dense")])
-def test_decoder_kernel_equals_xla_attention(bits, rng):
+#: TINY_TP as Qwen3: q/k RMSNorm per head before the rotary embedding.
+QWEN3_TINY_TP = dataclasses.replace(llama.TINY_TP, qk_norm=True, norm_eps=1e-6,
+                                    architecture="Qwen3ForCausalLM")
+
+
+@pytest.mark.parametrize("bits,cfg", [pytest.param(4, llama.TINY_TP, id="k4"),
+                                      pytest.param(None, llama.TINY_TP, id="dense"),
+                                      pytest.param(4, QWEN3_TINY_TP, id="qwen3-k4")])
+def test_decoder_kernel_equals_xla_attention(bits, cfg, rng):
     """f32 model: the decoder's logits with the kernels (attention and norm="pallas") equal
-    those with XLA's attention and norms to f32 rounding, on one device and tensor-parallel over 2 (Explicit and Auto mesh axes). Full f32
-    dots: on a GPU XLA's default f32 dot precision is TF32."""
+    those with XLA's attention and norms to f32 rounding, on one device and tensor-parallel over
+    2 (Explicit and Auto mesh axes). With Qwen3's q/k norm (random scales) the kernel normalizes
+    the heads itself. Full f32 dots: on a GPU XLA's default f32 dot precision is TF32."""
     with jax.default_matmul_precision("highest"):
-        check_decoder_kernel_equals_xla(bits, rng)
+        check_decoder_kernel_equals_xla(cfg, bits, rng)
 
 
-def check_decoder_kernel_equals_xla(bits, rng):
-    cfg = llama.TINY_TP
+def build_f32(cfg, bits, mode, seed, mesh=None):
+    """The f32 model of ``cfg`` (weights from ``seed``) with attention and norm ``mode``; q/k
+    norm scales drawn away from their initial ones, so that a scale not applied shows."""
+    model, _ = llama.build_model(cfg, bits=bits, param_dtype=jnp.float32, attention=mode, norm=mode,
+                                 mesh=mesh)
+    if cfg.qk_norm:
+        draw = np.random.default_rng(seed)
+        for layer in model.layers:
+            for norm in (layer.attn.q_norm, layer.attn.k_norm):
+                scale = jnp.asarray(draw.uniform(0.5, 2.0, cfg.head_dim), jnp.float32)
+                norm.scale.set_value(jax.device_put(scale, norm.scale.get_value().sharding))
+    return model
+
+
+def check_decoder_kernel_equals_xla(cfg, bits, rng):
     prompt = rng.integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
-    want, tokens = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
-                                                   attention="xla", norm="xla")[0], prompt, 3)
+    seed = int(rng.integers(1 << 31))
+    want, tokens = decode_logits(build_f32(cfg, bits, "xla", seed), prompt, 3)
     atol = 1e-5 * np.abs(want).max()
-    got, _ = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
-                                             attention="pallas", norm="pallas")[0], prompt, 3,
-                           tokens=tokens)
+    got, _ = decode_logits(build_f32(cfg, bits, "pallas", seed), prompt, 3, tokens=tokens)
     np.testing.assert_allclose(got, want, rtol=0, atol=atol)
     if len(jax.devices()) < 2:
         return
     for axis_type in (AxisType.Explicit, AxisType.Auto):
         mesh = jax.make_mesh((2,), ("tp",), axis_types=(axis_type,), devices=jax.devices()[:2])
-        model, _ = llama.build_model(cfg, bits=bits, param_dtype=jnp.float32, attention="pallas",
-                                     norm="pallas", mesh=mesh)
-        got, _ = decode_logits(model, prompt, 3, mesh, tokens=tokens)
+        got, _ = decode_logits(build_f32(cfg, bits, "pallas", seed, mesh), prompt, 3, mesh,
+                               tokens=tokens)
         np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+
+
+def test_qwen3_step_has_nothing_between_projection_and_kernel():
+    """With the kernel a Qwen3 single-token step normalizes q and k inside it: the step's jaxpr
+    has no concatenate (the XLA path rejoins the normalized heads with one per layer, and the
+    rotary embedding with two), only the attention kernel per layer."""
+    cfg = QWEN3_TINY_TP
+    counts = {}
+    for mode in ("xla", "pallas"):
+        model, _ = llama.build_model(cfg, bits=4, attention=mode)
+        graphdef, state = nnx.split(model)
+        jaxpr = jax.make_jaxpr(llama.decode_step, static_argnums=0)(
+            graphdef, state, jnp.zeros((1,), jnp.int32), llama.init_cache(cfg, 1, 16), 3)
+        text = str(jaxpr)
+        counts[mode] = (len(re.findall(r"\bconcatenate\[", text)), text.count("pallas_call["))
+    assert counts == {"xla": (3 * cfg.n_layers, 0), "pallas": (0, cfg.n_layers)}
 
 
 # -- on the GPU: the Triton-compiled kernel ----------------------------------------------------
