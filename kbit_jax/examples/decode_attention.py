@@ -18,9 +18,13 @@ nothing padded in memory).
 The decoder takes the whole step through ``decode_attention_step``: the same kernel also
 rotates the new queries and key (RoPE) and writes the key and value into the cache in place
 (outputs aliased to the caches), which XLA did in three more kernels (~3.7 us per layer at
-Llama-3-70B TP 2 sizes):
+Llama-3-70B TP 2 sizes). For Qwen3 it first applies the per-head q/k RMSNorm (``q_norm``,
+``k_norm``), which XLA made five launch-bound kernels between the q/k/v product and the
+attention (~6 us per layer on an H200 at Qwen3-Coder-Next sizes):
 
     out, cache_k, cache_v = decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin)
+    out, cache_k, cache_v = decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin,
+                                                  q_norm=q_scale, k_norm=k_scale, norm_eps=1e-6)
 
 JAX 0.11 warns that Pallas's Triton backend is deprecated in favour of Mosaic GPU; this kernel
 needs a port before that backend goes.
