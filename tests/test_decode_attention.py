@@ -389,10 +389,12 @@ def test_gpu_kernels_match_float64(check, shape, dtype, rng):
 
 
 @pytest.mark.gpu
-def test_gpu_auto_takes_the_kernel(rng):
+@pytest.mark.parametrize("cfg", [pytest.param(llama.TINY_TP, id="llama"),
+                                 pytest.param(QWEN3_TINY_TP, id="qwen3")])
+def test_gpu_auto_takes_the_kernel(cfg, rng):
     """On a GPU "auto" compiles single-token steps with the Triton kernels, and the bf16 decoder's
-    logits agree with XLA's attention and norms to bf16 rounding (both fed the same tokens)."""
-    cfg = llama.TINY_TP
+    logits agree with XLA's attention and norms to bf16 rounding (both fed the same tokens);
+    Qwen3's q/k norm inside the attention kernel."""
     model, _ = llama.build_model(cfg, bits=4, attention="auto")
     graphdef, state = nnx.split(model)
     cache = llama.init_cache(cfg, 1, 16)

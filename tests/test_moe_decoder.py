@@ -267,19 +267,18 @@ def test_replicated_attention_pallas_kernels(rng):
     scales) the prefill and decode-step logits of one device with XLA's attention, as in
     `test_expert_parallel_equals_one_device`."""
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
-    model, _ = decoder.build_model(CFG, bits=4, mesh=mesh, attention="pallas", norm="pallas")
-    graphdef, state = nnx.split(model)
+    ep, _ = decoder.build_model(CFG, bits=4, param_dtype=jnp.float32, mesh=mesh, attention="pallas",
+                                norm="pallas")
+    one, _ = decoder.build_model(CFG, bits=4, param_dtype=jnp.float32, attention="xla", norm="xla")
+    seed = int(rng.integers(1 << 31))
+    for model in (one, ep):
+        _draw_qk_norm_scales(model, seed)
+    graphdef, state = nnx.split(ep)
     with jax.set_mesh(mesh):
-        cache = decoder.init_cache(CFG, 2, 16, sharding=model.cache_sharding())
+        cache = decoder.init_cache(CFG, 2, 16, jnp.float32, sharding=ep.cache_sharding())
         token = jax.device_put(jnp.zeros((2,), jnp.int32), NamedSharding(mesh, P()))
         step = decoder.decode_step.lower(graphdef, state, token, cache, 8).compile().as_text()
     assert collective_counts(step) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": CFG.n_layers}
-    seed = int(rng.integers(1 << 31))
-    one, _ = decoder.build_model(CFG, bits=4, param_dtype=jnp.float32, attention="xla", norm="xla")
-    ep, _ = decoder.build_model(CFG, bits=4, param_dtype=jnp.float32, mesh=mesh, attention="pallas",
-                                norm="pallas")
-    for m in (one, ep):
-        _draw_qk_norm_scales(m, seed)
     for a, b in zip(_logits(one, None, PROMPT[:1]), _logits(ep, mesh, PROMPT[:1])):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e3 * U32 * np.abs(a).max())
 
