@@ -248,6 +248,29 @@ def test_step_kernel_reads_nothing_at_or_past_pos(rng):
     np.testing.assert_array_equal(np.asarray(got[2][:, :pos + 1]), np.asarray(want[2][:, :pos + 1]))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+def test_step_kernel_lowers_to_one_triton_call(qk_norm, dtype):
+    """For CUDA (lowered on any machine) the step is one Triton call whose cache outputs alias
+    the cache operands, which follow the norm scales when they are given."""
+    shapes = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in [
+        ((1, 4, 10, 128), dtype), ((1, 192, 4, 128), dtype), ((1, 192, 4, 128), dtype),
+        ((), jnp.int32), ((64,), jnp.float32), ((64,), jnp.float32), ((128,), jnp.bfloat16),
+        ((128,), jnp.bfloat16)]]
+
+    def step(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm):
+        norms = {"q_norm": q_norm, "k_norm": k_norm} if qk_norm else {}
+        return decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin, splits=1,
+                                     interpret=False, **norms)
+
+    text = jax.jit(step).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "@__gpu$xla.gpu.triton" in calls[0]
+    first_cache = 6 if qk_norm else 4
+    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
+    assert aliases == [("1", str(first_cache)), ("2", str(first_cache + 1))]
+
+
 def test_step_bad_inputs():
     cache = jnp.zeros((1, 16, 2, 32), jnp.float32)
     qkv = jnp.zeros((1, 2, 6, 32), jnp.float32)
