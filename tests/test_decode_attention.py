@@ -9,8 +9,10 @@ decoder with XLA's attention (single device and tensor-parallel over 2), and the
 """
 
 import contextlib
+import dataclasses
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -23,6 +25,7 @@ from helpers import unit_roundoff
 from jax.sharding import AxisType
 
 from kbit_jax.examples import llama
+from kbit_jax.models import decoder
 from kbit_jax.examples.decode_attention import (decode_attention, decode_attention_step, supported,
                                                  supported_step)
 
@@ -149,9 +152,32 @@ def step_reference(qkv, cache_k, cache_v, pos, cos, sin):
     return attention64(rot[:, :, :g], k, v, pos + 1), k, v
 
 
-def check_step(rng, shape, dtype, **options):
+def decoder_qk_norm(qkv, q_norm, k_norm, eps):
+    """qkv with its query heads and key normalized by the decoder's own (XLA) ``RMSNorm``s with
+    scales q_norm, k_norm: the values the kernel must rotate."""
+    def norm(x, scale):
+        module = decoder.RMSNorm(x.shape[-1], eps, scale.dtype)
+        module.scale.set_value(scale)
+        return module(x)
+    g = qkv.shape[2] - 2
+    return jnp.concatenate([norm(qkv[:, :, :g], q_norm), norm(qkv[:, :, g:g + 1], k_norm),
+                            qkv[:, :, g + 1:]], axis=2)
+
+
+def check_step(rng, shape, dtype, qk_norm=False, **options):
+    """The kernel against `step_reference`; with ``qk_norm`` each head of qkv at its own random
+    magnitude and random RMSNorm scales, the reference rotating the XLA path's normalized heads."""
     qkv, cache_k, cache_v, pos, cos, sin = step_inputs(rng, shape, dtype)
-    want, want_k, want_v = step_reference(qkv, cache_k, cache_v, pos, cos, sin)
+    if qk_norm:
+        d, eps = shape[3], 1e-6
+        qkv = (qkv * jnp.asarray(rng.uniform(0.1, 10.0, qkv.shape[:3] + (1,)), dtype)).astype(dtype)
+        norms = {"q_norm": jnp.asarray(rng.uniform(0.5, 2.0, d), dtype),
+                 "k_norm": jnp.asarray(rng.uniform(0.5, 2.0, d), dtype), "norm_eps": eps}
+        rotated_in = decoder_qk_norm(qkv, norms["q_norm"], norms["k_norm"], eps)
+        options = {**options, **norms}
+    else:
+        rotated_in = qkv
+    want, want_k, want_v = step_reference(rotated_in, cache_k, cache_v, pos, cos, sin)
     out, new_k, new_v = jax.jit(functools.partial(decode_attention_step, **options))(
         qkv, cache_k, cache_v, jnp.int32(pos), cos, sin)
     assert out.shape == qkv[:, :, 2:].shape and out.dtype == dtype
@@ -159,14 +185,28 @@ def check_step(rng, shape, dtype, **options):
                                atol=tolerance(dtype, want_v))
     # The cache changes at pos only: there the rotated key and the value itself. The key is
     # rotated in f32 (x1 cos - x2 sin: two products and a sum, each within half an f32 ulp of
-    # |x| <= max|qkv|) and rounded to the dtype (the f32 and the float64 rotation may round to
-    # neighbours: one ulp of the dtype).
+    # |x| <= max|x|) and rounded to the dtype (the f32 and the float64 rotation may round to
+    # neighbours: one ulp of the dtype). With the norm, the kernel's f32 sum of squares is
+    # associated differently from XLA's, so a normalized element may round to the neighbour of
+    # the reference's (one ulp, 2u|x|), which the rotation carries into both halves: 4u max|x|.
     keep = np.arange(shape[4]) != pos
     np.testing.assert_array_equal(np.asarray(new_k)[:, keep], np.asarray(cache_k)[:, keep])
     np.testing.assert_array_equal(np.asarray(new_v), want_v)
+    xmax = float(jnp.abs(rotated_in.astype(jnp.float32)).max())
+    atol = (8 * unit_roundoff(jnp.float32) + (4 * unit_roundoff(dtype) if qk_norm else 0)) * xmax
     np.testing.assert_allclose(np.asarray(new_k, np.float64)[:, pos], np.asarray(want_k, np.float64)[:, pos],
-                               rtol=2 * unit_roundoff(dtype),
-                               atol=8 * unit_roundoff(jnp.float32) * float(jnp.abs(qkv).max()))
+                               rtol=2 * unit_roundoff(dtype), atol=atol)
+    if qk_norm and dtype != jnp.float32:
+        # The rotation starts from the normalized key rounded to the dtype, as the XLA path's:
+        # the key equals that path's (the f32 rotation of the rounded norm) but where the
+        # reassociated sum of squares moved a normalized element to the other side of a
+        # rounding boundary (probability ~ f32 error / dtype ulp ~ 2^-13 per element). A
+        # rotation of the unrounded norm differs in ~30 % of the elements.
+        g = shape[2]
+        x1, x2 = jnp.split(rotated_in[:, :, g].astype(jnp.float32), 2, axis=-1)
+        xla_k = np.asarray(jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(dtype))
+        differ = int((np.asarray(new_k)[:, pos] != xla_k).sum())
+        assert differ <= 2 + 0.01 * xla_k.size, f"{differ} of {xla_k.size} key elements"
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
@@ -183,6 +223,19 @@ def test_step_kernel_split_over_positions(splits, block_s, pos, rng):
     check_step(rng, (2, 2, 8, 32, 130, pos), jnp.float32, splits=splits, block_s=block_s)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", STEP_SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_step_kernel_with_qk_norm(shape, dtype, rng):
+    """Qwen3's q/k RMSNorm inside the kernel: the result, the key written and the attention
+    as the decoder's XLA norms followed by the rotation and attention."""
+    check_step(rng, shape, dtype, qk_norm=True)
+
+
+def test_step_kernel_with_qk_norm_split_over_positions(rng):
+    """Every split normalizes its queries; only split 0 writes the normalized, rotated key."""
+    check_step(rng, (2, 2, 8, 32, 130, 40), jnp.float32, qk_norm=True, splits=3, block_s=16)
+
+
 def test_step_kernel_reads_nothing_at_or_past_pos(rng):
     """Cache entries at pos (overwritten) and past it (inf, nan) change nothing."""
     qkv, k, v, pos, cos, sin = step_inputs(rng, (1, 2, 8, 32, 100, 40), jnp.float32)
@@ -193,6 +246,29 @@ def test_step_kernel_reads_nothing_at_or_past_pos(rng):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1][:, :pos + 1]), np.asarray(want[1][:, :pos + 1]))
     np.testing.assert_array_equal(np.asarray(got[2][:, :pos + 1]), np.asarray(want[2][:, :pos + 1]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+def test_step_kernel_lowers_to_one_triton_call(qk_norm, dtype):
+    """For CUDA (lowered on any machine) the step is one Triton call whose cache outputs alias
+    the cache operands, which follow the norm scales when they are given."""
+    shapes = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in [
+        ((1, 4, 10, 128), dtype), ((1, 192, 4, 128), dtype), ((1, 192, 4, 128), dtype),
+        ((), jnp.int32), ((64,), jnp.float32), ((64,), jnp.float32), ((128,), jnp.bfloat16),
+        ((128,), jnp.bfloat16)]]
+
+    def step(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm):
+        norms = {"q_norm": q_norm, "k_norm": k_norm} if qk_norm else {}
+        return decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin, splits=1,
+                                     interpret=False, **norms)
+
+    text = jax.jit(step).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "@__gpu$xla.gpu.triton" in calls[0]
+    first_cache = 6 if qk_norm else 4
+    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", calls[0])
+    assert aliases == [("1", str(first_cache)), ("2", str(first_cache + 1))]
 
 
 def test_step_bad_inputs():
@@ -212,6 +288,19 @@ def test_step_bad_inputs():
         decode_attention_step(qkv, cache, cache, 0, jnp.zeros((32,)), half)
     with pytest.raises(ValueError, match=r"does not match q"):
         decode_attention_step(qkv, jnp.zeros((1, 16, 3, 32)), jnp.zeros((1, 16, 3, 32)), 0, half, half)
+    norm = jnp.ones((32,), jnp.float32)
+    with pytest.raises(ValueError, match=r"q_norm given without k_norm"):
+        decode_attention_step(qkv, cache, cache, 0, half, half, q_norm=norm)
+    with pytest.raises(ValueError, match=r"k_norm given without q_norm"):
+        decode_attention_step(qkv, cache, cache, 0, half, half, k_norm=norm)
+    with pytest.raises(ValueError, match=r"k_norm must be a floating \[32\] array .* shape \(16,\)"):
+        decode_attention_step(qkv, cache, cache, 0, half, half, q_norm=norm, k_norm=half)
+    with pytest.raises(ValueError, match=r"q_norm must be a floating \[32\] array .* dtype int32"):
+        decode_attention_step(qkv, cache, cache, 0, half, half, q_norm=norm.astype(jnp.int32),
+                              k_norm=norm)
+    with pytest.raises(ValueError, match=r"norm_eps must be a float >= 0, got -1e-06"):
+        decode_attention_step(qkv, cache, cache, 0, half, half, q_norm=norm, k_norm=norm,
+                              norm_eps=-1e-6)
     assert supported_step((1, 2, 6, 32), (1, 16, 2, 32), jnp.float32, jnp.float32) is None
 
 
@@ -236,33 +325,67 @@ def decode_logits(model, prompt, steps, mesh=None, tokens=None):
     return np.stack(out), np.stack(fed)
 
 
-@pytest.mark.parametrize("bits", [pytest.param(4, id="k4"), pytest.param(None, id="dense")])
-def test_decoder_kernel_equals_xla_attention(bits, rng):
+#: TINY_TP as Qwen3: q/k RMSNorm per head before the rotary embedding.
+QWEN3_TINY_TP = dataclasses.replace(llama.TINY_TP, qk_norm=True, norm_eps=1e-6,
+                                    architecture="Qwen3ForCausalLM")
+
+
+@pytest.mark.parametrize("bits,cfg", [pytest.param(4, llama.TINY_TP, id="k4"),
+                                      pytest.param(None, llama.TINY_TP, id="dense"),
+                                      pytest.param(4, QWEN3_TINY_TP, id="qwen3-k4")])
+def test_decoder_kernel_equals_xla_attention(bits, cfg, rng):
     """f32 model: the decoder's logits with the kernels (attention and norm="pallas") equal
-    those with XLA's attention and norms to f32 rounding, on one device and tensor-parallel over 2 (Explicit and Auto mesh axes). Full f32
-    dots: on a GPU XLA's default f32 dot precision is TF32."""
+    those with XLA's attention and norms to f32 rounding, on one device and tensor-parallel over
+    2 (Explicit and Auto mesh axes). With Qwen3's q/k norm (random scales) the kernel normalizes
+    the heads itself. Full f32 dots: on a GPU XLA's default f32 dot precision is TF32."""
     with jax.default_matmul_precision("highest"):
-        check_decoder_kernel_equals_xla(bits, rng)
+        check_decoder_kernel_equals_xla(cfg, bits, rng)
 
 
-def check_decoder_kernel_equals_xla(bits, rng):
-    cfg = llama.TINY_TP
+def build_f32(cfg, bits, mode, seed, mesh=None):
+    """The f32 model of ``cfg`` (weights from ``seed``) with attention and norm ``mode``; q/k
+    norm scales drawn away from their initial ones, so that a scale not applied shows."""
+    model, _ = llama.build_model(cfg, bits=bits, param_dtype=jnp.float32, attention=mode, norm=mode,
+                                 mesh=mesh)
+    if cfg.qk_norm:
+        draw = np.random.default_rng(seed)
+        for layer in model.layers:
+            for norm in (layer.attn.q_norm, layer.attn.k_norm):
+                scale = jnp.asarray(draw.uniform(0.5, 2.0, cfg.head_dim), jnp.float32)
+                norm.scale.set_value(jax.device_put(scale, norm.scale.get_value().sharding))
+    return model
+
+
+def check_decoder_kernel_equals_xla(cfg, bits, rng):
     prompt = rng.integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
-    want, tokens = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
-                                                   attention="xla", norm="xla")[0], prompt, 3)
+    seed = int(rng.integers(1 << 31))
+    want, tokens = decode_logits(build_f32(cfg, bits, "xla", seed), prompt, 3)
     atol = 1e-5 * np.abs(want).max()
-    got, _ = decode_logits(llama.build_model(cfg, bits=bits, param_dtype=jnp.float32,
-                                             attention="pallas", norm="pallas")[0], prompt, 3,
-                           tokens=tokens)
+    got, _ = decode_logits(build_f32(cfg, bits, "pallas", seed), prompt, 3, tokens=tokens)
     np.testing.assert_allclose(got, want, rtol=0, atol=atol)
     if len(jax.devices()) < 2:
         return
     for axis_type in (AxisType.Explicit, AxisType.Auto):
         mesh = jax.make_mesh((2,), ("tp",), axis_types=(axis_type,), devices=jax.devices()[:2])
-        model, _ = llama.build_model(cfg, bits=bits, param_dtype=jnp.float32, attention="pallas",
-                                     norm="pallas", mesh=mesh)
-        got, _ = decode_logits(model, prompt, 3, mesh, tokens=tokens)
+        got, _ = decode_logits(build_f32(cfg, bits, "pallas", seed, mesh), prompt, 3, mesh,
+                               tokens=tokens)
         np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+
+
+def test_qwen3_step_has_nothing_between_projection_and_kernel():
+    """With the kernel a Qwen3 single-token step normalizes q and k inside it: the step's jaxpr
+    has no concatenate (the XLA path rejoins the normalized heads with one per layer, and the
+    rotary embedding with two), only the attention kernel per layer."""
+    cfg = QWEN3_TINY_TP
+    counts = {}
+    for mode in ("xla", "pallas"):
+        model, _ = llama.build_model(cfg, bits=4, attention=mode)
+        graphdef, state = nnx.split(model)
+        jaxpr = jax.make_jaxpr(llama.decode_step, static_argnums=0)(
+            graphdef, state, jnp.zeros((1,), jnp.int32), llama.init_cache(cfg, 1, 16), 3)
+        text = str(jaxpr)
+        counts[mode] = (len(re.findall(r"\bconcatenate\[", text)), text.count("pallas_call["))
+    assert counts == {"xla": (3 * cfg.n_layers, 0), "pallas": (0, cfg.n_layers)}
 
 
 # -- on the GPU: the Triton-compiled kernel ----------------------------------------------------
@@ -270,23 +393,31 @@ def check_decoder_kernel_equals_xla(bits, rng):
 GPU_LONG = [(4, 8, 8, 128, 1000, 777), (1, 4, 8, 128, 5000, 4321)]
 
 
+def check_step_qk_norm(rng, shape, dtype):
+    check_step(rng, shape, dtype, qk_norm=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("check,shape",
                          [(check_against_float64, s) for s in SHAPES + GPU_LONG]
-                         + [(check_step, s) for s in STEP_SHAPES + GPU_LONG],
+                         + [(check_step, s) for s in STEP_SHAPES + GPU_LONG]
+                         + [(check_step_qk_norm, s) for s in STEP_SHAPES + GPU_LONG],
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else
-                         {check_against_float64: "attention", check_step: "step"}[v])
+                         {check_against_float64: "attention", check_step: "step",
+                          check_step_qk_norm: "step-qk-norm"}[v])
 def test_gpu_kernels_match_float64(check, shape, dtype, rng):
     assert jax.default_backend() == "gpu"
     check(rng, shape, dtype)
 
 
 @pytest.mark.gpu
-def test_gpu_auto_takes_the_kernel(rng):
+@pytest.mark.parametrize("cfg", [pytest.param(llama.TINY_TP, id="llama"),
+                                 pytest.param(QWEN3_TINY_TP, id="qwen3")])
+def test_gpu_auto_takes_the_kernel(cfg, rng):
     """On a GPU "auto" compiles single-token steps with the Triton kernels, and the bf16 decoder's
-    logits agree with XLA's attention and norms to bf16 rounding (both fed the same tokens)."""
-    cfg = llama.TINY_TP
+    logits agree with XLA's attention and norms to bf16 rounding (both fed the same tokens);
+    Qwen3's q/k norm inside the attention kernel."""
     model, _ = llama.build_model(cfg, bits=4, attention="auto")
     graphdef, state = nnx.split(model)
     cache = llama.init_cache(cfg, 1, 16)
@@ -322,6 +453,7 @@ import sys, numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, sys.argv[2])
 import test_decode_attention as t
 from kbit_jax.examples import llama
+from kbit_jax.models import decoder
 cfg = llama.LlamaConfig(vocab_size=1024, dim=4096, n_layers=2, n_heads=32, n_kv_heads=8,
                         hidden_dim=8192)
 prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 6)).astype(np.int32)

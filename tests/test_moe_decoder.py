@@ -249,19 +249,38 @@ def test_expert_parallel_decode_collectives_and_tokens(ep, bits, attention_paral
     np.testing.assert_array_equal(np.asarray(decoder.generate(model, PROMPT, 5)), _one_device_tokens(bits))
 
 
+def _draw_qk_norm_scales(model, seed):
+    """Every layer's q/k RMSNorm scales drawn from ``seed`` (placed as the ones they replace),
+    so that a scale not applied shows."""
+    draw = np.random.default_rng(seed)
+    for layer in model.layers:
+        for norm in (layer.attn.q_norm, layer.attn.k_norm):
+            scale = jnp.asarray(draw.uniform(0.5, 2.0, CFG.head_dim), jnp.float32)
+            norm.scale.set_value(jax.device_put(scale, norm.scale.get_value().sharding))
+
+
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (simulated) devices")
-def test_replicated_attention_pallas_kernels():
+def test_replicated_attention_pallas_kernels(rng):
     """The Pallas attention and norm kernels (interpreted on the CPU) under replicated attention
-    run whole on every device (shard_maps over replicated operands): still one all-reduce per
-    layer and no all-gather."""
+    run whole on every device (shard_maps over replicated operands, the q/k norm scales
+    included): still one all-reduce per layer and no all-gather, and (float32, random q/k norm
+    scales) the prefill and decode-step logits of one device with XLA's attention, as in
+    `test_expert_parallel_equals_one_device`."""
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
-    model, _ = decoder.build_model(CFG, bits=4, mesh=mesh, attention="pallas", norm="pallas")
-    graphdef, state = nnx.split(model)
+    ep, _ = decoder.build_model(CFG, bits=4, param_dtype=jnp.float32, mesh=mesh, attention="pallas",
+                                norm="pallas")
+    one, _ = decoder.build_model(CFG, bits=4, param_dtype=jnp.float32, attention="xla", norm="xla")
+    seed = int(rng.integers(1 << 31))
+    for model in (one, ep):
+        _draw_qk_norm_scales(model, seed)
+    graphdef, state = nnx.split(ep)
     with jax.set_mesh(mesh):
-        cache = decoder.init_cache(CFG, 2, 16, sharding=model.cache_sharding())
+        cache = decoder.init_cache(CFG, 2, 16, jnp.float32, sharding=ep.cache_sharding())
         token = jax.device_put(jnp.zeros((2,), jnp.int32), NamedSharding(mesh, P()))
         step = decoder.decode_step.lower(graphdef, state, token, cache, 8).compile().as_text()
     assert collective_counts(step) == {**dict.fromkeys(COLLECTIVES, 0), "all-reduce": CFG.n_layers}
+    for a, b in zip(_logits(one, None, PROMPT[:1]), _logits(ep, mesh, PROMPT[:1])):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e3 * U32 * np.abs(a).max())
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")

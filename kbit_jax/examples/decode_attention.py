@@ -18,9 +18,13 @@ nothing padded in memory).
 The decoder takes the whole step through ``decode_attention_step``: the same kernel also
 rotates the new queries and key (RoPE) and writes the key and value into the cache in place
 (outputs aliased to the caches), which XLA did in three more kernels (~3.7 us per layer at
-Llama-3-70B TP 2 sizes):
+Llama-3-70B TP 2 sizes). For Qwen3 it first applies the per-head q/k RMSNorm (``q_norm``,
+``k_norm``), which XLA made five launch-bound kernels between the q/k/v product and the
+attention (~6 us per layer on an H200 at Qwen3-Coder-Next sizes):
 
     out, cache_k, cache_v = decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin)
+    out, cache_k, cache_v = decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin,
+                                                  q_norm=q_scale, k_norm=k_scale, norm_eps=1e-6)
 
 JAX 0.11 warns that Pallas's Triton backend is deprecated in favour of Mosaic GPU; this kernel
 needs a port before that backend goes.
@@ -29,6 +33,7 @@ needs a port before that backend goes.
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -121,28 +126,45 @@ def _kernel(kv_len_ref, q_ref, k_ref, v_ref, *out_refs, seq_len, group, rows, bl
     _store_result(out_refs, m, l, acc, group)
 
 
-def _step_kernel(pos_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, *out_refs, seq_len, group, rows,
-                 block_s, split_len, scale, exact):
+def _step_kernel(pos_ref, qkv_ref, cos_ref, sin_ref, *refs, seq_len, group, rows, block_s,
+                 split_len, scale, exact, norm_eps):
     """One program of `decode_attention_step`: query group (b, j) at position pos, over cache
     positions [split * split_len, +split_len) below pos and the new token itself. The program of
     split 0 writes the rotated key and the value at pos (``k_out_ref``/``v_out_ref`` alias the
     caches) and starts its softmax from the new token; no program reads position pos from memory,
     so the write races with nothing. The rotary halves of a head are separate tiles (the scores
-    are q1 k1^T + q2 k2^T), so nothing is concatenated in registers."""
+    are q1 k1^T + q2 k2^T), so nothing is concatenated in registers. With ``norm_eps`` (not
+    None) the refs start with the query and key RMSNorm scales [D]."""
+    if norm_eps is None:
+        q_norm_ref = k_norm_ref = None
+        k_ref, v_ref, *out_refs = refs
+    else:
+        q_norm_ref, k_norm_ref, k_ref, v_ref, *out_refs = refs
     *result_refs, k_out_ref, v_out_ref = out_refs
     dtype = k_out_ref.dtype
-    half = qkv_ref.shape[-1] // 2
+    d = qkv_ref.shape[-1]
+    half = d // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]                   # [1, half] f32
+    f32 = jnp.float32
 
-    def rotate(rows_slice, mask=None):   # rotate-half RoPE in f32, rounded to the dtype
+    def rotate(rows_slice, mask=None, norm_ref=None):   # rotate-half RoPE in f32, rounded to the dtype
         fill = {} if mask is None else {"mask": mask, "other": 0.0}   # (Triton: no other without mask)
-        x1 = plt.load(qkv_ref.at[rows_slice, lo], **fill).astype(jnp.float32)
-        x2 = plt.load(qkv_ref.at[rows_slice, hi], **fill).astype(jnp.float32)
+        x1 = plt.load(qkv_ref.at[rows_slice, lo], **fill).astype(f32)
+        x2 = plt.load(qkv_ref.at[rows_slice, hi], **fill).astype(f32)
+        if norm_ref is not None:
+            # RMSNorm of each head first, as the decoder's RMSNorm computes it: in f32 over the
+            # whole head (both halves), times the scale, rounded to the dtype; the rotation
+            # starts from those rounded values. (Masked rows are 0 and stay 0.)
+            inv = jax.lax.rsqrt(((x1 * x1).sum(axis=1) + (x2 * x2).sum(axis=1)) / d + norm_eps)
+            w1 = norm_ref[lo].astype(f32)[None, :]
+            w2 = norm_ref[hi].astype(f32)[None, :]
+            x1 = (x1 * inv[:, None] * w1).astype(dtype).astype(f32)
+            x2 = (x2 * inv[:, None] * w2).astype(dtype).astype(f32)
         return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
 
-    q1, q2 = rotate(pl.ds(0, rows), (jnp.arange(rows) < group)[:, None])     # [rows, half]
-    k1, k2 = rotate(pl.ds(group, 1))                                          # [1, half]
+    q1, q2 = rotate(pl.ds(0, rows), (jnp.arange(rows) < group)[:, None], q_norm_ref)  # [rows, half]
+    k1, k2 = rotate(pl.ds(group, 1), norm_ref=k_norm_ref)                              # [1, half]
     v = plt.load(qkv_ref.at[pl.ds(group + 1, 1), :]).astype(dtype)           # [1, D]
     pos = pos_ref[0]
     is_writer = pl.program_id(2) == 0
@@ -152,7 +174,6 @@ def _step_kernel(pos_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, *out_refs, se
     plt.store(v_out_ref.at[pl.ds(pos, 1), :], v, mask=jnp.full(v.shape, writes))
 
     # The new token's score, in f32 from the rounded operands as a dot would take them.
-    f32 = jnp.float32
     s_new = ((q1.astype(f32) * k1.astype(f32)).sum(axis=1)
              + (q2.astype(f32) * k2.astype(f32)).sum(axis=1)) * scale          # [rows]
     m0, l0, acc0 = _empty_state(rows, v.shape[1])
@@ -284,26 +305,49 @@ def supported_step(qkv_shape, cache_shape, qkv_dtype=None, cache_dtype=None) -> 
     return None
 
 
-def decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin, *, block_s: int | None = None,
+def _check_norms(q_norm, k_norm, norm_eps, d: int) -> str | None:
+    """None if the optional q/k RMSNorm arguments of `decode_attention_step` are valid."""
+    if (q_norm is None) != (k_norm is None):
+        given, missing = ("q_norm", "k_norm") if k_norm is None else ("k_norm", "q_norm")
+        return f"{given} given without {missing}: pass both RMSNorm scales or neither"
+    if q_norm is None:
+        return None
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        shape, dtype = getattr(w, "shape", None), getattr(w, "dtype", None)
+        if shape != (d,) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            return (f"{name} must be a floating [{d}] array (one RMSNorm scale over head_dim), "
+                    f"got shape {shape} dtype {dtype}")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, numbers.Real) or not norm_eps >= 0:
+        return f"norm_eps must be a float >= 0, got {norm_eps!r}"
+    return None
+
+
+def decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin, *, q_norm=None, k_norm=None,
+                          norm_eps: float = 1e-6, block_s: int | None = None,
                           splits: int | None = None, num_warps: int = 4,
                           interpret: bool | None = None):
-    """A decoder's whole single-token attention step in one kernel: rotary embedding of the new
-    queries and key, the key and value written into the cache, attention over positions
-    ``0 .. pos``.
+    """A decoder's whole single-token attention step in one kernel: RMSNorm of each query and key
+    head (optional, Qwen3's q/k norm), rotary embedding of the new queries and key, the key and
+    value written into the cache, attention over positions ``0 .. pos``.
 
     Args:
       qkv: ``[B, KVH, G + 2, D]``, the fused projection of the token at position ``pos`` grouped
-        by kv head: its ``G`` query heads, then its key, then its value (unrotated).
+        by kv head: its ``G`` query heads, then its key, then its value (unnormalized, unrotated).
       cache_k, cache_v: ``[B, S, KVH, D]`` in qkv's dtype; positions ``< pos`` are attended.
         Donate them: the kernel writes position ``pos`` in place (outputs aliased to them).
       pos: int32 scalar or ``[1]``, ``0 <= pos < S``.
       cos, sin: ``[D / 2]`` f32, the rotary angles' cosines and sines at ``pos`` (rotate-half
         convention: ``x1 * cos - x2 * sin, x2 * cos + x1 * sin`` on the halves of a head).
+      q_norm, k_norm: ``[D]`` floating RMSNorm scales, both or neither. Given, every query head
+        is normalized with ``q_norm`` and the key with ``k_norm`` before the rotation:
+        ``x * rsqrt(mean(x^2) + norm_eps) * scale`` in f32 over the head, rounded to qkv's
+        dtype (the decoder's ``RMSNorm``). The value is not normalized.
+      norm_eps: the RMSNorm epsilon (used only with the scales).
       block_s, splits, num_warps, interpret: as in `decode_attention`.
 
     Returns ``(out [B, KVH, G, D], cache_k, cache_v)``: the attention output in qkv's dtype and
-    the caches with the rotated key and the value at ``pos``. The rotated operands are rounded
-    to qkv's dtype, as the decoder's XLA path rounds them.
+    the caches with the rotated key and the value at ``pos``. The normalized and the rotated
+    operands are each rounded to qkv's dtype, as the decoder's XLA path rounds them.
     """
     why = supported_step(qkv.shape, cache_k.shape, qkv.dtype, cache_k.dtype)
     if not why and (cache_v.shape != cache_k.shape or cache_v.dtype != cache_k.dtype):
@@ -311,6 +355,8 @@ def decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin, *, block_s: int 
     d = qkv.shape[-1]
     if not why and (cos.shape != (d // 2,) or sin.shape != (d // 2,)):
         why = f"cos {cos.shape} and sin {sin.shape} must be [{d // 2}] (half the head_dim)"
+    if not why:
+        why = _check_norms(q_norm, k_norm, norm_eps, d)
     if why:
         raise ValueError(f"decode_attention_step: {why}")
     if interpret is None:
@@ -319,24 +365,29 @@ def decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin, *, block_s: int 
     g, s = g2 - 2, cache_k.shape[1]
     block_s, splits, split_len = _plan(s, d, qkv.dtype.itemsize, b, kvh, block_s, splits,
                                        "decode_attention_step")
+    normed = q_norm is not None
     kernel = functools.partial(_step_kernel, seq_len=s, group=g, rows=_pow2_at_least(g),
                                block_s=block_s, split_len=split_len, scale=d ** -0.5,
-                               exact=qkv.dtype == jnp.float32)
+                               exact=qkv.dtype == jnp.float32,
+                               norm_eps=float(norm_eps) if normed else None)
     out_specs, out_shape = _result_specs(b, kvh, g, d, splits, qkv.dtype)
     n = len(out_shape)
     half = pl.BlockSpec((d // 2,), lambda i, j, h: (0,))
+    whole = pl.BlockSpec((d,), lambda i, j, h: (0,))
+    norms = (q_norm, k_norm) if normed else ()
+    first_cache = 4 + len(norms)         # operand index of cache_k (aliased to its output)
     *results, cache_k, cache_v = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
         in_specs=[pl.BlockSpec((1,), lambda i, j, h: (0,)),
                   pl.BlockSpec((None, None, g2, d), lambda i, j, h: (i, j, 0, 0)),
-                  half, half, _cache_block(s, d), _cache_block(s, d)],
+                  half, half, *[whole] * len(norms), _cache_block(s, d), _cache_block(s, d)],
         out_specs=out_specs + [_cache_block(s, d), _cache_block(s, d)],
         out_shape=out_shape + [jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype)] * 2,
-        input_output_aliases={4: n, 5: n + 1},
+        input_output_aliases={first_cache: n, first_cache + 1: n + 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="decode_attention_step",
     )(jnp.reshape(pos, (1,)).astype(jnp.int32), qkv, cos.astype(jnp.float32),
-      sin.astype(jnp.float32), cache_k, cache_v)
+      sin.astype(jnp.float32), *norms, cache_k, cache_v)
     return _finish(results, qkv.dtype), cache_k, cache_v

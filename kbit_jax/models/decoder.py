@@ -73,10 +73,10 @@ __all__ = [
     "quantized_tied_head", "variable_shardings", "rope", "rope_tables", "shard_model",
 ]
 
-#: ``attention=`` values: "xla" (jnp rotary embedding, cache update, einsums and softmax),
-#: "pallas" (single-token steps through ``decode_attention.decode_attention_step``, one kernel
-#: for all of it; interpreted off the GPU), "auto" (that kernel on a GPU for single-token steps
-#: whose shapes and dtypes it takes, XLA otherwise).
+#: ``attention=`` values: "xla" (jnp q/k norm, rotary embedding, cache update, einsums and
+#: softmax), "pallas" (single-token steps through ``decode_attention.decode_attention_step``, one
+#: kernel for all of it; interpreted off the GPU), "auto" (that kernel on a GPU for single-token
+#: steps whose shapes and dtypes it takes, XLA otherwise).
 ATTENTION_MODES = ("auto", "xla", "pallas")
 #: ``norm=`` values, the same three: the residual add and RMSNorm through XLA (two kernels per
 #: norm), or through ``fused_norm.add_rms_norm`` (one; "auto": on a GPU).
@@ -189,7 +189,9 @@ class Attention(nnx.Module):
     checkpoint's separate q/k/v kernels.
 
     With ``cfg.qk_norm`` (Qwen3), ``q_norm`` and ``k_norm`` (RMSNorm over head_dim, one scale
-    shared by all heads) normalize each query and key head before the rotary embedding.
+    shared by all heads) normalize each query and key head before the rotary embedding: inside
+    the attention kernel on single-token steps that take it (no kernel between the q/k/v
+    product and the attention), through XLA otherwise.
     """
 
     def __init__(self, cfg: DecoderConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto"):
@@ -211,18 +213,36 @@ class Attention(nnx.Module):
         self.tp_axis = None
 
     def _attend_one(self, qkv, cache_k, cache_v, pos, cos, sin):
-        """decode_attention_step on qkv [B, KVH, G + 2, D]; under a mesh, per device (a Pallas
-        kernel has no partitioning rule of its own) over the kv-head axis when the attention is
-        tensor-parallel, on the whole (replicated) heads and cache otherwise."""
+        """decode_attention_step on qkv [B, KVH, G + 2, D] (with ``cfg.qk_norm``, the q/k RMSNorm
+        inside the kernel too); under a mesh, per device (a Pallas kernel has no partitioning
+        rule of its own) over the kv-head axis when the attention is tensor-parallel, on the
+        whole (replicated) heads and cache otherwise. The norm scales are replicated."""
+        norms = () if self.q_norm is None else (self.q_norm.scale[...], self.k_norm.scale[...])
+
+        def step(qkv, cache_k, cache_v, pos, cos, sin, *norms):
+            if not norms:
+                return _decode.decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin)
+            return _decode.decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin,
+                                                 q_norm=norms[0], k_norm=norms[1],
+                                                 norm_eps=self.q_norm.eps)
+
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
-            return _decode.decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin)
+            return step(qkv, cache_k, cache_v, pos, cos, sin, *norms)
         axis = self.tp_axis if self.tp_axis in mesh.axis_names else None
         heads, cache = P(None, axis, None, None), P(None, None, axis, None)
-        return jax.shard_map(_decode.decode_attention_step, mesh=mesh,
-                             in_specs=(heads, cache, cache, P(), P(), P()),
+        return jax.shard_map(step, mesh=mesh,
+                             in_specs=(heads, cache, cache, P(), P(), P()) + (P(),) * len(norms),
                              out_specs=(heads, cache, cache), check_vma=False)(
-                                 qkv, cache_k, cache_v, pos, cos, sin)
+                                 qkv, cache_k, cache_v, pos, cos, sin, *norms)
+
+    def _kernel_why_not(self, qkv_shape, qkv_dtype, cache_k) -> str | None:
+        """Why `decode_attention_step` does not take this single-token step (None: it does)."""
+        why = _decode.supported_step(qkv_shape, cache_k.shape, qkv_dtype, cache_k.dtype)
+        if not why and self.q_norm is not None and self.q_norm.eps != self.k_norm.eps:
+            why = (f"q_norm eps {self.q_norm.eps} differs from k_norm eps {self.k_norm.eps} "
+                   "(the kernel takes one)")
+        return why
 
     def _check_cache(self, cache_k):
         """ValueError when, under Explicit mesh axes, the cache's kv-head axis is not placed as
@@ -254,18 +274,19 @@ class Attention(nnx.Module):
         g = h // kvh
         positions = pos + jnp.arange(t)
         qkv = self.qkv_proj(x).reshape(b, t, kvh, g + 2, hd)
-        if self.q_norm is not None:
-            qkv = jnp.concatenate([self.q_norm(qkv[:, :, :, :g]), self.k_norm(qkv[:, :, :, g:g + 1]),
-                                   qkv[:, :, :, g + 1:]], axis=3)
         if t == 1 and cache_k is not None and _takes_kernel(
-                self.attention, "attention", lambda: _decode.supported_step(
-                    (b, kvh, g + 2, hd), cache_k.shape, qkv.dtype, cache_k.dtype)):
-            # One kernel: rotary embedding, the cache writes at pos and the attention.
+                self.attention, "attention",
+                lambda: self._kernel_why_not((b, kvh, g + 2, hd), qkv.dtype, cache_k)):
+            # One kernel: the q/k RMSNorm (Qwen3), rotary embedding, the cache writes at pos and
+            # the attention.
             cos, sin = rope_tables(positions, hd, self.rope_theta, self.rope_scaling)
             out, cache_k, cache_v = self._attend_one(qkv[:, 0], cache_k, cache_v,
                                                      jnp.asarray(pos, jnp.int32), cos[0], sin[0])
             out = out[:, None]
         else:
+            if self.q_norm is not None:
+                qkv = jnp.concatenate([self.q_norm(qkv[:, :, :, :g]), self.k_norm(qkv[:, :, :, g:g + 1]),
+                                       qkv[:, :, :, g + 1:]], axis=3)
             q = rope(qkv[:, :, :, :g].reshape(b, t, h, hd), positions, self.rope_theta, self.rope_scaling)
             k = rope(qkv[:, :, :, g], positions, self.rope_theta, self.rope_scaling)
             v = qkv[:, :, :, g + 1]
@@ -702,8 +723,8 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
     replicated when ``cfg`` has MoE layers, tensor-parallel otherwise, `attention_placement`).
 
     ``attention`` picks the single-token attention: `ATTENTION_MODES` ("auto": the Pallas
-    kernel of ``decode_attention.decode_attention_step`` on a GPU, rotary embedding and cache
-    write included). ``norm`` picks the residual add + RMSNorm: `KERNEL_MODES` ("auto": the
+    kernel of ``decode_attention.decode_attention_step`` on a GPU, q/k norm, rotary embedding
+    and cache write included). ``norm`` picks the residual add + RMSNorm: `KERNEL_MODES` ("auto": the
     Pallas kernel of ``fused_norm.add_rms_norm`` on a GPU). ``mlp_gate``: `MLP_GATE_MODES`
     ("auto": silu(gate) * up inside the quantized gate/up projection's kernel). ``moe_method``:
     the dense MoE layers' path, ``kbit_jax.flax.moe.MOE_METHODS`` ("auto": gather the chosen
