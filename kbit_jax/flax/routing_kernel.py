@@ -43,13 +43,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-__all__ = ["MAX_TILE", "route_sorted", "supported"]
+__all__ = ["MAX_LOGITS_TILE", "MAX_SORT_TILE", "route_sorted", "supported"]
 
-#: Most elements of the kernel's largest tile: the logits ``[T_pad, G_pad]`` and the order's
-#: compare ``[n_pad, T_pad, k_pad]`` (each dimension padded to a power of two, Triton's tile
-#: rule). 2^14 int32 is 64 KiB of registers, 16 per thread at 8 warps: batch 16 at 512
-#: experts, or batch 8 at 1024, with 10 experts per token up to batch 8.
-MAX_TILE = 2**14
+#: Most elements of the logits' tile ``[T_pad, G_pad]`` (each dimension padded to a power of
+#: two, Triton's tile rule): 2^13, 32 per thread at 8 warps for each of the few live tiles (the
+#: order keys, the chosen pairs) within the registers of one SM's 256 threads: batch 16 at 512
+#: experts, batch 8 at 1024.
+MAX_LOGITS_TILE = 2**13
+#: Most elements of the order's compare ``[n_pad, T_pad, k_pad]`` (n = T * k): 2^14, a transient
+#: of one reduction: batch 8 with 10 experts per token, batch 16 with 8.
+MAX_SORT_TILE = 2**14
 
 _KEY_MIN = -(2**31)   # the "taken / padding" key: below every element's (see the module docstring)
 
@@ -68,10 +71,10 @@ def supported(t: int, g: int, k: int) -> str | None:
     if t < 1 or k < 1 or k > g:
         return f"T={t}, k={k}, G={g}: needs T >= 1 and 1 <= k <= G"
     tp, gp, kp, np_ = _tiles(t, g, k)
-    if tp * gp > MAX_TILE:
-        return f"the logits' tile [{tp}, {gp}] has more than MAX_TILE={MAX_TILE} elements"
-    if np_ * tp * kp > MAX_TILE:
-        return f"the sort's tile [{np_}, {tp}, {kp}] has more than MAX_TILE={MAX_TILE} elements"
+    if tp * gp > MAX_LOGITS_TILE:
+        return f"the logits' tile [{tp}, {gp}] has more than MAX_LOGITS_TILE={MAX_LOGITS_TILE} elements"
+    if np_ * tp * kp > MAX_SORT_TILE:
+        return f"the sort's tile [{np_}, {tp}, {kp}] has more than MAX_SORT_TILE={MAX_SORT_TILE} elements"
     return None
 
 
