@@ -251,11 +251,13 @@ def test_expert_parallel_decode_collectives_and_tokens(ep, bits, attention_paral
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (simulated) devices")
 def test_replicated_attention_pallas_kernels():
-    """The Pallas attention and norm kernels (interpreted on the CPU) under replicated attention
-    run whole on every device (shard_maps over replicated operands): still one all-reduce per
-    layer and no all-gather."""
+    """The Pallas attention, norm and routing kernels (interpreted on the CPU) under replicated
+    attention and expert parallelism run whole on every device (shard_maps over replicated
+    operands): still one all-reduce per layer and no all-gather."""
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
-    model, _ = decoder.build_model(CFG, bits=4, mesh=mesh, attention="pallas", norm="pallas")
+    model, _ = decoder.build_model(CFG, bits=4, mesh=mesh, attention="pallas", norm="pallas",
+                                   moe_routing="kernel")
+    assert all(model.layers[i].mlp.routing == "kernel" for i in CFG.moe_layers)
     graphdef, state = nnx.split(model)
     with jax.set_mesh(mesh):
         cache = decoder.init_cache(CFG, 2, 16, sharding=model.cache_sharding())

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from kbit_jax.flax import routing_kernel
 from kbit_jax.flax.moe import KbitMoE, MoE
@@ -162,3 +163,18 @@ def test_kernel_on_gpu_equals_compare_path(rng, t, g, k, normalize, dtype):
         assert_same(got, want, g, k, normalize)
         auto = jax.jit(lambda x: route_sorted(x, k, normalize))(logits)
         assert_same(auto, got, g, k, normalize)
+
+
+def test_kernel_under_a_mesh_and_inside_shard_map(rng):
+    """Under a mesh the kernel runs on every device alike (replicated in and out), also when
+    called inside a shard_map over the mesh's axes: the one-device results."""
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    logits = tied_logits(rng, 2, 64, jnp.float32)
+    want = route_sorted(logits, 4, True, method="kernel")
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda x: route_sorted(x, 4, True, method="kernel"))(logits)
+        inner = jax.jit(jax.shard_map(lambda x: route_sorted(x, 4, True, method="kernel"), mesh=mesh,
+                                      in_specs=P(), out_specs=P(), check_vma=False))(logits)
+    for result in (got, inner):
+        for a, b, name in zip(result, want, NAMES):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)

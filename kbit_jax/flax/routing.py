@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from . import routing_kernel
 
@@ -168,11 +169,21 @@ def route_sorted(logits, k: int, normalize: bool, *, method: str = "auto"):
         return (weights, ids, *sorted_rows(ids, g, method=method))
 
     if method == "kernel":
-        return routing_kernel.route_sorted(logits, k, normalize)
+        return _replicated(lambda x: routing_kernel.route_sorted(x, k, normalize))(logits)
     if method == "auto" and _kernel_fits(logits, k):
-        kernel = lambda x: routing_kernel.route_sorted(x, k, normalize, interpret=False)  # noqa: E731
+        kernel = _replicated(lambda x: routing_kernel.route_sorted(x, k, normalize, interpret=False))
         return jax.lax.platform_dependent(logits, cuda=kernel, default=lambda x: xla(x, "auto"))
     return xla(logits, method)
+
+
+def _replicated(kernel):
+    """``kernel`` on every device of the active mesh alike (under ``shard_map``, replicated in and
+    out: every device routes all tokens), or as it is without a mesh or inside a ``shard_map``
+    over all of its axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.are_all_axes_manual:
+        return kernel
+    return jax.shard_map(kernel, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
 
 
 def sorted_rows(ids, num_experts: int, *, method: str = "auto"):
