@@ -161,12 +161,14 @@ class _Lines:
         return getattr(self.stream, name)
 
 
-def weight_bytes(cfg, bits, tp: int = 1, attention: str = "tensor") -> float:
+def weight_bytes(cfg, bits, tp: int = 1, attention: str = "tensor", quantize_head: bool = True) -> float:
     """Bytes of one device's weights: dense MLPs and routed experts split over the ``tp``
     devices (tensor / expert parallel), attention too unless ``attention`` is "replicated",
     k-bit at ``bits + 0.25`` bits per weight (codes and one E4M4 scale per 32) when quantized;
     embedding, routers, norms and shared experts replicated (lm_head split), bf16 unless
-    quantized."""
+    quantized. A quantized model's head is k-bit as ``decoder.build_model`` makes it (with
+    ``quantize_head``; a tied embedding then gets a k-bit copy as the head)."""
+    from kbit_jax.models import decoder
     per_weight = 2.0 if bits is None else (bits + 0.25) / 8
     attn = cfg.n_layers * cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     n_moe = len(cfg.moe_layers)
@@ -176,7 +178,11 @@ def weight_bytes(cfg, bits, tp: int = 1, attention: str = "tensor") -> float:
     head = 0 if cfg.tie_embeddings else cfg.dim * cfg.vocab_size
     rest = cfg.num_params() - attn - split - shared - head          # embedding, routers, norms
     attn_tp = 1 if attention == "replicated" else tp
-    return (split / tp + attn / attn_tp + shared) * per_weight + 2 * head / tp + 2 * rest
+    if bits is not None and decoder.head_dense_reason(cfg, quantize_head) is None:
+        head_bytes = cfg.dim * cfg.vocab_size * per_weight
+    else:
+        head_bytes = 2 * head
+    return (split / tp + attn / attn_tp + shared) * per_weight + head_bytes / tp + 2 * rest
 
 
 def run_worker(args) -> list[dict]:
@@ -204,7 +210,7 @@ def run_worker(args) -> list[dict]:
     tp = args.tp
     base = {"config": args.config, "layers": cfg.n_layers, "layers_override": bool(args.layers),
             "weights": args.weights, "bits": bits, "tp": tp,
-            **{m: getattr(args, m) for m in MODES}, "quantize_head": args.quantize_head,
+            **{m: getattr(args, m) for m in MODES}, "quantize_head": not args.dense_head,
             "prompt": args.prompt, "new_tokens": args.new_tokens,
             "xla_flags": args.xla_flags[0] if args.xla_flags else "",
             "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
@@ -222,7 +228,7 @@ def run_worker(args) -> list[dict]:
 
     # Would the model fit? Per device: its share of the weights (`weight_bytes`), the largest
     # KV cache's share (all of it with replicated attention); activations are small at decode.
-    weight_bytes_ = weight_bytes(cfg, bits, tp, placement)
+    weight_bytes_ = weight_bytes(cfg, bits, tp, placement, quantize_head=not args.dense_head)
     cache_bytes = (4 * cfg.n_layers * max(args.batches) * max_len * cfg.n_kv_heads * cfg.head_dim
                    / (1 if placement == "replicated" else tp))
     limit, _ = _device_memory(devices)
@@ -239,7 +245,7 @@ def run_worker(args) -> list[dict]:
     if args.progress:
         sys.stderr = _Lines(sys.stderr)
     model, report = decoder.build_model(cfg, bits=bits, codebook=args.codebook, seed=0,
-                                      param_dtype=jnp.bfloat16, quantize_head=args.quantize_head,
+                                      param_dtype=jnp.bfloat16, quantize_head=not args.dense_head,
                                       progress=args.progress, mesh=mesh,
                                       **{m: getattr(args, m) for m in MODES})
     jax.block_until_ready(nnx.state(model))
@@ -462,8 +468,8 @@ def start_worker(args, config: str, weights: str, tp: int, modes: dict, xla_flag
         cmd += ["--profile", args.profile]
     if args.progress:
         cmd += ["--progress"]
-    if args.quantize_head:
-        cmd += ["--quantize-head"]
+    if args.dense_head:
+        cmd += ["--dense-head"]
     if args.compile_cache:
         cmd += ["--compile-cache", args.compile_cache]
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ, "PYTHONPATH": ROOT}
@@ -572,7 +578,7 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         "",
         f"Prompt {args.prompt} tokens, {args.new_tokens} new tokens (decode tok/s counts the "
         f"{args.new_tokens - 1} steps after prefill, summed over the batch); codebook "
-        f"{args.codebook!r}; lm_head {'quantized' if args.quantize_head else 'bf16'}; median of {args.reps}. "
+        f"{args.codebook!r}; lm_head {'bf16' if args.dense_head else 'quantized'}; median of {args.reps}. "
         f"Peak GiB is the worker process's device peak, model building included (with tp > 1: "
         f"the largest over its devices). tp = tensor-parallel devices ({args.axis_type} mesh "
         f"axis); attention: the single-token attention (`decoder.ATTENTION_MODES`; auto = the "
@@ -686,8 +692,9 @@ def parse_args(argv=None):
     p.add_argument("--name", default="decode", help="file name stem under --out (default: decode)")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace per row under this dir")
     p.add_argument("--progress", action="store_true", help="progress bar while building models")
-    p.add_argument("--quantize-head", action="store_true",
-                   help="quantize lm_head too (default: dense, like embeddings; it is ~1/8 of an 8B model's bytes)")
+    p.add_argument("--dense-head", action="store_true",
+                   help="keep lm_head bf16 in the k-bit models (default: quantized like the blocks; "
+                        "read whole every step, a bf16 head is ~1/5 of a K=4 8B step's weight bytes)")
     p.add_argument("--in-process", action="store_true",
                    help="run every model in this process (peak memory is then cumulative)")
     p.add_argument("--xla-flags", action="append", default=None, metavar="FLAGS",

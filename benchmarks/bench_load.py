@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dense-head", action="store_true",
+                   help="keep the output projection bf16 (default: quantized with the layers)")
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
 
@@ -128,18 +130,18 @@ def main(argv=None) -> int:
     from kbit_jax.models import decoder
 
     device = jax.devices()[0]
-    print(f"{args.config} K={args.bits} batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new "
+    print(f"{args.config} K={args.bits} (lm_head {'bf16' if args.dense_head else 'quantized'}) batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new "
           f"tokens, median of {args.reps}; {device.device_kind}; checkpoint {args.dir}"
           + (f" (written in {write_s:.0f} s)" if write_s else " (reused)"), flush=True)
     rows = {}
     for name in ("loaded", "random"):
         t0 = time.perf_counter()
         if name == "loaded":
-            model = models.load(args.dir, bits=args.bits)
+            model = models.load(args.dir, bits=args.bits, quantize_head=not args.dense_head)
             if model.config != cfg:
                 raise SystemExit(f"{args.dir} holds {model.config}, not {args.config}")
         else:
-            model, _ = decoder.build_model(cfg, bits=args.bits)
+            model, _ = decoder.build_model(cfg, bits=args.bits, quantize_head=not args.dense_head)
         jax.block_until_ready(nnx.state(model))
         build_s = time.perf_counter() - t0
         gib = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / GIB

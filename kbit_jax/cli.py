@@ -80,8 +80,9 @@ def _model_args(parser, *, bits_required=False):
                         help="quantize the linear layers to 2..5 bits while loading "
                              "(default: keep them dense; a quantized directory loads as saved)")
     parser.add_argument("--codebook", default="nf", help="codebook name (default nf)")
-    parser.add_argument("--quantize-head", action="store_true",
-                        help="quantize the output projection too (default: dense)")
+    parser.add_argument("--dense-head", action="store_true",
+                        help="with --bits, keep the output projection dense (default: quantize it "
+                             "too: it is read whole at every step)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="dense weights and activations (default bfloat16)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
@@ -109,7 +110,7 @@ def _load(args, mesh=None):
 
     t0 = time.perf_counter()
     model = models.load(args.model, bits=args.bits, codebook=args.codebook, dtype=getattr(jnp, args.dtype),
-                        mesh=mesh, quantize_head=args.quantize_head, progress=not args.no_progress)
+                        mesh=mesh, quantize_head=not args.dense_head, progress=not args.no_progress)
     state = nnx.state(model)
     jax.block_until_ready(state)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))

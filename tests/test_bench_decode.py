@@ -181,3 +181,32 @@ def test_moe_routing_rows(monkeypatch, tmp_path):
     assert jobs == [("tiny-moe", "auto"), ("tiny-moe", "compare"), ("tiny", "auto")]
     assert bench_decode.mode_cell({}, "moe_routing") == "auto (no kernel)"
     assert bench_decode.mode_cell({"moe_routing": "kernel"}, "moe_routing") == "kernel"
+
+
+def test_head_quantized_unless_dense_head(monkeypatch):
+    """The k-bit models' lm_head is quantized unless --dense-head: the flag reaches the
+    worker's command line and the table's header, and the fit estimate counts the head at
+    k bits (a tied embedding keeps its bf16 table and gets a k-bit copy as the head)."""
+    from kbit_jax.models import config, decoder
+
+    default, dense = bench_decode.parse_args([]), bench_decode.parse_args(["--dense-head"])
+    assert not default.dense_head and dense.dense_head
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--quantize-head"])
+    commands = []
+    monkeypatch.setattr(bench_decode.subprocess, "Popen", lambda cmd, **kw: commands.append(cmd))
+    modes = dict.fromkeys(bench_decode.MODES, "auto")
+    for args in (default, dense):
+        bench_decode.start_worker(args, "tiny", "4", 1, modes)
+    assert "--dense-head" not in commands[0] and "--dense-head" in commands[1]
+    assert "lm_head quantized;" in bench_decode.to_markdown({}, default, [])
+    assert "lm_head bf16;" in bench_decode.to_markdown({}, dense, [])
+
+    cfg = decoder.LLAMA3_8B
+    head = cfg.dim * cfg.vocab_size
+    k4 = bench_decode.weight_bytes(cfg, 4)
+    assert bench_decode.weight_bytes(cfg, 4, quantize_head=False) - k4 == pytest.approx(head * (2 - 4.25 / 8))
+    assert bench_decode.weight_bytes(cfg, None, quantize_head=True) == 2 * cfg.num_params()
+    tied = config.DecoderConfig(**{**cfg.to_dict(), "tie_embeddings": True})
+    assert bench_decode.weight_bytes(tied, 4) - bench_decode.weight_bytes(tied, 4, quantize_head=False) \
+        == pytest.approx(head * 4.25 / 8)

@@ -10,12 +10,14 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 pytest.importorskip("safetensors")
 tokenizers = pytest.importorskip("tokenizers")
 
 from test_models import LLAMA, random_tensors, write_checkpoint  # noqa: E402
 
+import kbit_jax.flax as kflax  # noqa: E402
 from kbit_jax import models  # noqa: E402
 from kbit_jax.cli import windows  # noqa: E402
 
@@ -99,6 +101,18 @@ def test_generate_quantize_perplexity(checkpoint, tmp_path):
     want = math.exp(-np.mean(logp[np.arange(n - 1), ids[1:]]))
     got = float(whole.stdout.strip().splitlines()[-1].split()[1])
     assert abs(got - want) <= 1e-4 * want
+
+
+def test_quantize_head_flag(checkpoint, tmp_path):
+    """`quantize --bits` quantizes the output projection with the layers (the saved model loads
+    it back as a KbitLinear); --dense-head keeps it dense."""
+    for flags, head in (([], kflax.KbitLinear), (["--dense-head"], nnx.Linear)):
+        out = tmp_path / ("dense-head" if flags else "k4")
+        saved = run("quantize", "--model", checkpoint, "--bits", "4", "--out", str(out), "--no-progress", *flags)
+        assert saved.returncode == 0, saved.stderr
+        model = models.load(out, progress=False)
+        assert type(model.lm_head) is head
+        assert isinstance(model.layers[0].mlp.down_proj, kflax.KbitLinear)
 
 
 def test_cli_errors(checkpoint, tmp_path):

@@ -264,34 +264,118 @@ def test_raw_reader_matches_safetensors(tmp_path, rng):
 
 def test_quantized_load_is_quantize_of_the_weights(tmp_path, rng):
     """bits=K: each fused kernel is kbit_jax.quantize of the dense one (same leaves), every
-    linear layer of the blocks quantized, the head dense unless quantize_head."""
+    linear layer of the blocks quantized and the head too, unless quantize_head=False."""
     path = write_checkpoint(tmp_path, LLAMA, random_tensors(LLAMA, rng))
     dense = models.load(path, dtype=jnp.float32, progress=False)
     q = models.load(path, bits=3, dtype=jnp.float32, progress=False)
     dense_layers = dict(nnx.iter_modules(dense))
     quantized = [(p, m) for p, m in nnx.iter_modules(q) if isinstance(m, kflax.KbitLinear)]
-    assert len(quantized) == 4 * LLAMA["num_hidden_layers"]
+    assert len(quantized) == 4 * LLAMA["num_hidden_layers"] + 1
+    assert ("lm_head",) in dict(quantized) and q.lm_head.bits == 3
     for p, m in quantized:
         want = kbit_jax.quantize(dense_layers[p].kernel.get_value(), 3)
         for a, b in zip(jax.tree.leaves(m.weight), jax.tree.leaves(want)):
             np.testing.assert_array_equal(a, b)
-    assert isinstance(q.lm_head, nnx.Linear)
-    head = models.load(path, bits=3, quantize_head=True, progress=False)
-    assert isinstance(head.lm_head, kflax.KbitLinear) and head.lm_head.bits == 3
+    kept = models.load(path, bits=3, quantize_head=False, progress=False)
+    assert type(kept.lm_head) is nnx.Linear and kept.lm_head.kernel.get_value().dtype == jnp.bfloat16
+    assert isinstance(kept.layers[0].attn.o_proj, kflax.KbitLinear)
 
 
-def test_tied_quantized_head(tmp_path, rng):
-    """A tied model's head: the embedding (no lm_head), or its quantized transpose."""
-    path = write_checkpoint(tmp_path, QWEN3, random_tensors(QWEN3, rng))
-    tokens = tokens_for(QWEN3, rng)
-    tied = models.load(path, bits=4, dtype=jnp.float32, progress=False)
-    assert tied.lm_head is None
-    head = models.load(path, bits=4, dtype=jnp.float32, quantize_head=True, progress=False)
-    table = head.embed.embedding.get_value()
-    for a, b in zip(jax.tree.leaves(head.lm_head.weight), jax.tree.leaves(kbit_jax.quantize(table.T, 4))):
+def final_hidden(model, tokens) -> np.ndarray:
+    """The output projection's input (the final norm's output) [B, T, dim], float64: ``model``
+    with an identity head (exact: one nonzero product per output)."""
+    probe = nnx.clone(model)
+    dim = model.config.dim
+    probe.lm_head = nnx.Linear(dim, dim, use_bias=False, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    probe.lm_head.kernel.set_value(jnp.eye(dim, dtype=jnp.float32))
+    return np.asarray(probe(tokens), np.float64)
+
+
+def assert_head_logits(q, kept, w, tokens):
+    """``q`` (quantized head) and ``kept`` (dense head ``w [dim, vocab]``) share every block, so
+    their logits differ by h @ (W_q - W) only, h the head's input: per logit at most
+    |h| |W_q - W|'s column (Cauchy-Schwarz) plus each dim-term float32 dot's rounding
+    ((dim + 1) u |h| @ |W|); and the quantized head computes h @ dequantize(W_q) to that
+    rounding. The difference is not zero (the head is quantized)."""
+    w = np.asarray(w, np.float64)
+    w_q = np.asarray(kbit_jax.dequantize(q.lm_head.weight), np.float64)
+    h = final_hidden(q, tokens)
+    np.testing.assert_array_equal(h, final_hidden(kept, tokens))
+    dim = w.shape[0]
+    rounding_q = (dim + 1) * U32 * (np.abs(h) @ np.abs(w_q))
+    rounding = (dim + 1) * U32 * (np.abs(h) @ np.abs(w))
+    got, dense_head = np.asarray(q(tokens), np.float64), np.asarray(kept(tokens), np.float64)
+    assert np.all(np.abs(got - h @ w_q) <= rounding_q)
+    bound = np.linalg.norm(h, axis=-1, keepdims=True) * np.linalg.norm(w_q - w, axis=0) + rounding_q + rounding
+    assert np.all(np.abs(got - dense_head) <= bound)
+    assert np.abs(got - dense_head).max() > 0
+
+
+@pytest.mark.parametrize("hf", [LLAMA, QWEN3], ids=["lm_head", "tied-embedding"])
+def test_head_quantized_by_default(hf, tmp_path, rng):
+    """A quantized load quantizes the output projection (a tied one: a quantized copy of the
+    embedding's transpose, the embedding kept for the lookup); quantize_head=False keeps it
+    dense; the logits differ by the head's quantization only (`assert_head_logits`)."""
+    path = write_checkpoint(tmp_path, hf, random_tensors(hf, rng))
+    tokens = tokens_for(hf, rng)
+    q = models.load(path, bits=4, dtype=jnp.float32, progress=False)
+    kept = models.load(path, bits=4, dtype=jnp.float32, quantize_head=False, progress=False)
+    assert isinstance(q.lm_head, kflax.KbitLinear) and q.lm_head.bits == 4
+    if hf["tie_word_embeddings"]:
+        assert kept.lm_head is None                      # the embedding is the head
+        w = np.asarray(kept.embed.embedding.get_value(), np.float64).T
+        np.testing.assert_array_equal(q.embed.embedding.get_value(), kept.embed.embedding.get_value())
+    else:
+        assert type(kept.lm_head) is nnx.Linear
+        w = np.asarray(kept.lm_head.kernel.get_value(), np.float64)
+    for a, b in zip(jax.tree.leaves(q.lm_head.weight), jax.tree.leaves(kbit_jax.quantize(w.astype(np.float32), 4))):
         np.testing.assert_array_equal(a, b)
-    # the heads differ by the head's quantization only: relative error of K=4 weights (~0.1)
-    assert 0 < rel_err(head(tokens), tied(tokens)) < 0.3
+    assert_head_logits(q, kept, w, tokens)
+
+
+TIED = mconfig.DecoderConfig(**{**decoder.TINY.to_dict(), "tie_embeddings": True})
+#: in_features of the head and of q/k/v and gate/up not whole 32-element blocks (o and down are)
+ODD_DIM = mconfig.DecoderConfig(vocab_size=256, dim=48, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32,
+                                hidden_dim=64, rope_theta=10_000.0)
+
+
+@pytest.mark.parametrize("cfg", [decoder.TINY, TIED], ids=["lm_head", "tied-embedding"])
+def test_build_model_quantizes_the_head(cfg, rng):
+    """build_model(bits=K) quantizes the head (the report says so, its bytes counted), the
+    same weight as quantizing the dense model's head; quantize_head=False keeps it dense; the
+    logits differ by the head's quantization only (`assert_head_logits`)."""
+    q, report = decoder.build_model(cfg, bits=4, param_dtype=jnp.float32)
+    kept, kept_report = decoder.build_model(cfg, bits=4, param_dtype=jnp.float32, quantize_head=False)
+    dense, _ = decoder.build_model(cfg, param_dtype=jnp.float32)
+    assert isinstance(q.lm_head, kflax.KbitLinear) and "lm_head" in report.replaced
+    assert ("lm_head", "kept dense (quantize_head=False)") in kept_report.skipped
+    assert "lm_head" not in kept_report.replaced
+    w = dense.embed.embedding.get_value().T if cfg.tie_embeddings else dense.lm_head.kernel.get_value()
+    for a, b in zip(jax.tree.leaves(q.lm_head.weight), jax.tree.leaves(kbit_jax.quantize(w, 4))):
+        np.testing.assert_array_equal(a, b)
+    assert report.bytes_after == sum(x.nbytes for x in jax.tree.leaves(nnx.state(q)))
+    head_bytes = sum(x.nbytes for x in jax.tree.leaves(q.lm_head.weight))
+    if cfg.tie_embeddings:
+        assert kept.lm_head is None and report.bytes_after == kept_report.bytes_after + head_bytes
+    else:
+        assert type(kept.lm_head) is nnx.Linear
+        assert report.bytes_after == kept_report.bytes_after - w.nbytes + head_bytes
+    assert_head_logits(q, kept, w, tokens_for({"vocab_size": cfg.vocab_size}, rng))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied-embedding"])
+def test_head_that_cannot_be_quantized_stays_dense(tied):
+    """A head whose in_features (dim) is not whole 32-element blocks stays dense, the reason in
+    the report, as do the blocks' layers of that K; the model builds and runs."""
+    cfg = mconfig.DecoderConfig(**{**ODD_DIM.to_dict(), "tie_embeddings": tied})
+    model, report = decoder.build_model(cfg, bits=4, param_dtype=jnp.float32)
+    assert ("lm_head", "in_features=48 is not a multiple of 32") in report.skipped
+    assert model.lm_head is None if tied else type(model.lm_head) is nnx.Linear
+    assert type(model.layers[0].attn.qkv_proj) is nnx.Linear                 # K = dim = 48
+    assert isinstance(model.layers[0].attn.o_proj, kflax.KbitLinear)         # K = 2 * 32
+    assert decoder.head_dense_reason(cfg) == "in_features=48 is not a multiple of 32"
+    assert decoder.head_dense_reason(decoder.TINY) is None
+    assert model(jnp.zeros((1, 3), jnp.int32)).shape == (1, 3, cfg.vocab_size)
 
 
 SHARDED = [pytest.param(LLAMA_TP8, None, False, id="llama-dense"),

@@ -11,6 +11,7 @@ over 2 devices).
 Skipped when torch or transformers is missing (``pip install -e ".[test]"`` brings them).
 """
 
+import json
 import os
 import shutil
 
@@ -126,7 +127,8 @@ def test_moe_expert_parallel_matches_transformers(tmp_path, rng):
 def write_dequantized(model: decoder.Llama, src, dst) -> None:
     """A copy of the Hugging Face directory ``src`` in ``dst`` with every quantized weight of
     ``model`` replaced by its dequantized values, split back into q/k/v, gate/up and the
-    experts and transposed to transformers' ``[out, in]``."""
+    experts and transposed to transformers' ``[out, in]``; a quantized head as
+    ``lm_head.weight`` (a tied model's config then unties it: its embedding stays dense)."""
     from safetensors.numpy import load_file, save_file
 
     cfg = model.config
@@ -160,6 +162,12 @@ def write_dequantized(model: decoder.Llama, src, dst) -> None:
         put(pre + "mlp.down_proj.weight", layer.mlp.down_proj.dequantized_kernel(jnp.float32))
     os.makedirs(dst)
     shutil.copyfile(os.path.join(src, "config.json"), os.path.join(dst, "config.json"))
+    if isinstance(model.lm_head, kflax.KbitLinear):
+        put("lm_head.weight", model.lm_head.dequantized_kernel(jnp.float32))
+        with open(os.path.join(dst, "config.json")) as f:
+            hf_config = json.load(f)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump({**hf_config, "tie_word_embeddings": False}, f)
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -175,10 +183,11 @@ def test_quantized_k5(kind, tmp_path, rng):
     ``E_j``); the residual stream adds the sublayers' perturbations, and the norms, softmax and
     SiLU have gain <= 1 at these scales, so to first order the logits move by at most the sum
     of the ``e_j`` along one path (Frobenius norm, relative): per layer at most 7 matrices
-    (q, k, v, o and the MLP's or each chosen expert's gate, up, down), so at most the sum of
-    the 7 x layers largest ``e_j``. Measured on these models: K=5 gives ``e_j ~ 0.05`` each,
-    a bound of 0.4 (dense, 2 layers of fused q/k/v, o, gate/up, down) to ~1 (MoE, 3 layers),
-    logit errors 0.14-0.17."""
+    (q, k, v, o and the MLP's or each chosen expert's gate, up, down), and the output
+    projection (quantized by default; a tied one against the embedding), so at most the sum of
+    the 7 x layers + 1 largest ``e_j``. Measured on these models: K=5 gives ``e_j ~ 0.05``
+    each, a bound of 0.45 (dense, 2 layers of fused q/k/v, o, gate/up, down, and the head) to
+    ~1 (MoE, 3 layers), logit errors 0.14-0.17."""
     hf = hf_model(kind, rng, tmp_path)
     tokens = rng.integers(0, 256, (2, 12)).astype(np.int32)
     want = hf_logits(hf, tokens)
@@ -194,7 +203,9 @@ def test_quantized_k5(kind, tmp_path, rng):
     dense_layers = dict(nnx.iter_modules(dense))
     errors = []
     for path, layer in nnx.iter_modules(model):
-        if isinstance(layer, kflax.KbitLinear):
+        if path == ("lm_head",) and dense.lm_head is None:     # tied: the embedding is the head
+            pairs = [(layer.dequantized_kernel(jnp.float32), dense.embed.embedding.get_value().T)]
+        elif isinstance(layer, kflax.KbitLinear):
             pairs = [(layer.dequantized_kernel(jnp.float32), dense_layers[path].kernel.get_value())]
         elif isinstance(layer, kflax.KbitMoE):     # the experts, each matrix on its own
             moe = dense_layers[path]
@@ -208,6 +219,7 @@ def test_quantized_k5(kind, tmp_path, rng):
                    for q, w in pairs]
     assert max(errors) < 0.08                                # K=5: ~0.05 per matrix
     # one path through the network: per layer q/k/v, o, and gate/up/down of the MLP or of
-    # the top-k experts; the sum over all matrices bounds that from above
-    path_errors = sum(sorted(errors, reverse=True)[:7 * model.config.n_layers])
+    # the top-k experts, then the head; the sum over all matrices bounds that from above
+    assert isinstance(model.lm_head, kflax.KbitLinear)
+    path_errors = sum(sorted(errors, reverse=True)[:7 * model.config.n_layers + 1])
     assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want) <= path_errors

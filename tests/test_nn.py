@@ -320,23 +320,30 @@ def test_greedy_generation_deterministic_and_cache_consistent(tiny):
     np.testing.assert_array_equal(jnp.argmax(logits[:, 7:7 + n_new], -1), out)
 
 
-def test_build_model_quantizes_while_building(tiny):
+@pytest.mark.parametrize("quantize_head", [True, False])
+def test_build_model_quantizes_while_building(tiny, quantize_head):
     """build_model(bits=...) quantizes block by block as it builds: same layers, same state
-    layout and the same report as quantize_model on the finished dense model (abstractly:
-    nnx.eval_shape runs the real construction code without allocating)."""
+    layout and the same report as quantize_model on the finished dense model, lm_head included
+    unless quantize_head=False (abstractly: nnx.eval_shape runs the real construction code
+    without allocating)."""
     model, _ = tiny
     ref = nnx.clone(model)
-    ref_report = knn.quantize_model(ref, bits=4, progress=False)
+    with_head = lambda path, linear: knn.default_filter(path, linear) or path == ("lm_head",)
+    ref_report = knn.quantize_model(ref, bits=4, filter=with_head if quantize_head else None, progress=False)
     reports = []
 
     def build():
-        m, r = llama.build_model(llama.TINY, bits=4, param_dtype=jnp.float32)
+        m, r = llama.build_model(llama.TINY, bits=4, param_dtype=jnp.float32, quantize_head=quantize_head)
         reports.append(r)
         return m
 
     built = nnx.eval_shape(build)
     report = reports[0]
-    assert report.replaced == ref_report.replaced and report.skipped == ref_report.skipped
+    assert report.replaced == ref_report.replaced
+    assert ("lm_head" in report.replaced) == quantize_head
+    assert [p for p, _ in report.skipped] == [p for p, _ in ref_report.skipped]
+    if not quantize_head:
+        assert report.skipped == [("lm_head", "kept dense (quantize_head=False)")]
     assert (report.bytes_before, report.bytes_after) == (ref_report.bytes_before, ref_report.bytes_after)
     shapes = lambda m: jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(m))
     assert shapes(built) == shapes(ref)
@@ -362,7 +369,7 @@ def test_orbax_round_trip_exact(tiny, tmp_path, rng):
     knn.save_checkpoint(tmp_path / "model", q)
 
     def make():
-        m, _ = llama.build_model(llama.TINY, bits=5, param_dtype=jnp.float32, seed=1)
+        m, _ = llama.build_model(llama.TINY, bits=5, param_dtype=jnp.float32, seed=1, quantize_head=False)
         return m
 
     abstract = nnx.eval_shape(make)

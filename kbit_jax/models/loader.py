@@ -336,7 +336,7 @@ def is_saved_model(path) -> bool:
 
 
 def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloat16, mesh=None,
-         quantize_head: bool = False, progress: bool = True, axis: str = "tp",
+         quantize_head: bool = True, progress: bool = True, axis: str = "tp",
          attention: str = "auto", norm: str = "auto", mlp_gate: str = "auto",
          attention_parallel: str = "auto") -> decoder.Llama:
     """A `decoder.Llama` from a Hugging Face directory (``config.json`` + ``*.safetensors``, with
@@ -358,8 +358,11 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
         "tensor" (q/k/v and o split over the axis by heads), "replicated" (whole on every
         device, no all-reduce after o_proj), "auto" (replicated in a model with MoE layers,
         ``decoder.attention_placement`` says why).
-      quantize_head: quantize the output projection too (a tied one gets a quantized copy of
-        the embedding; the embedding itself stays dense).
+      quantize_head: with ``bits``, quantize the output projection too (the default: it is
+        read whole at every decode step; a tied one gets a quantized copy of the embedding,
+        which itself stays dense for the token lookup). False keeps it dense in ``dtype``; a
+        head that cannot be quantized stays dense (``decoder.head_dense_reason`` says when and
+        why). A saved model keeps the head it was saved with.
       progress: a progress bar on stderr (tqdm).
       attention, norm, mlp_gate: the decoder's kernel choices (``decoder.build_model``).
 
@@ -403,7 +406,8 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
     next(steps)
     embedding = ckpt.read("model.embed_tokens.weight")
     fill.set_array(model.embed.embedding, embedding)
-    tied_head = cfg.tie_embeddings and quantized and quantize_head
+    quantized_head = quantized and decoder.head_dense_reason(cfg, quantize_head) is None
+    tied_head = cfg.tie_embeddings and quantized_head
     if not tied_head:
         del embedding                     # kept on the host only to make a quantized tied head
     for i, layer in enumerate(model.layers):
@@ -433,7 +437,7 @@ def load(path, *, bits: int | None = None, codebook: Any = "nf", dtype=jnp.bfloa
     next(steps)
     fill.set_array(model.norm.scale, ckpt.read("model.norm.weight"))
     if not cfg.tie_embeddings:
-        fill.set_linear(model, "lm_head", _kernel(read("lm_head.weight")), quantized and quantize_head)
+        fill.set_linear(model, "lm_head", _kernel(read("lm_head.weight")), quantized_head)
     elif tied_head:                       # a quantized copy of the tied embedding
         fill.set_linear(model, "lm_head", _kernel(fill.to_device(embedding)), True)
         del embedding
