@@ -289,7 +289,8 @@ class KbitMoE(nnx.Module):
     ``expert_sharding`` (constructor and ``from_dense``): logical axis names of the stacked
     ``(G, K, N)`` expert weights, put on the quantized leaves as ``out_sharding`` (e.g.
     ``("expert", None, None)`` for expert parallelism under ``jit``: each device multiplies its
-    own experts' rows and one all-reduce combines, no weight moves)."""
+    own experts' rows and one all-reduce combines, no weight moves). ``routing``: how tokens are
+    routed, as `MoE`'s (``from_dense`` keeps the dense block's)."""
 
     def __init__(self, router: nnx.Linear, gate_up: KbitWeight, down: KbitWeight, *, top_k: int,
                  norm_topk_prob: bool = True, activation: str = "silu",

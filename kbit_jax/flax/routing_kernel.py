@@ -25,13 +25,13 @@ launch over tiles that fit one program's registers (`supported`).
 Results: ids, order, inverse and sizes are the comparison path's whenever the kernel's
 probabilities order the experts as XLA's do. Both compute the same formula, but each compiler
 has its own ``exp`` and its own order of the G-term sum, so two probabilities within one
-rounding of each other (logits within ~2^-23 relative) may tie in one and not the other; exact
+rounding of each other (logits within ~2^-23 of each other) may tie in one and not the other; exact
 ties of the logits are ties in both. The weights: the probabilities may differ by the two
 ``exp`` errors (libdevice's ``expf``: 2 ulp each) and the two sums' orders ((G - 1) 2^-24 each
 way); renormalized, the sum over G cancels and the weights are within ``(k + 8) * 2^-23``
 relative of `routing.route`'s, else within ``(G + 8) * 2^-23``. One corner of the order keys: the
-float whose bits are all ones (a negative NaN) ranks with the next-lower key's value
-(``0xFFFFFFFE``), the lower expert first: the lowest key is the kernel's mark for "taken".
+lowest key is the kernel's mark for "taken", so the float whose bits are all ones (a negative
+NaN) ranks as if its bits were ``0xFFFFFFFE`` (tied with that NaN: the lower expert first).
 """
 
 from __future__ import annotations
