@@ -112,6 +112,12 @@ def test_auto_takes_the_kernel_on_gpus_where_it_fits():
     compare = lambda x: route_sorted(x, 10, True, method="compare")  # noqa: E731
     assert "moe_route_sorted" not in lowered(compare, jnp.zeros((1, 512)), platform="cuda")
     assert "moe_route_sorted" in lowered(lambda x: route(x, 10, True), jnp.zeros((1, 512)), platform="cuda")
+    # Triton's lowering (in Python, no GPU needed) takes every tile shape and dtype
+    for t, g, k, dtype in ((16, 512, 8, jnp.float32), (8, 1024, 10, jnp.bfloat16), (3, 100, 7, jnp.float16),
+                           (1, 8, 1, jnp.float32)):
+        for normalize in (True, False):
+            kernel = lambda x: route_sorted(x, k, normalize)  # noqa: E731
+            assert "moe_route_sorted" in lowered(kernel, jnp.zeros((t, g), dtype), platform="cuda")
 
 
 def test_bad_inputs():
