@@ -107,9 +107,13 @@ DEFAULT_WEIGHTS = {"llama3-8b": "bf16,2,3,4,5", "llama3-70b": "bf16,2,3,4", "tin
 #: its arguments before importing jax and flax (the decoder module would pull them in).
 MODES = {"attention": ("auto", "xla", "pallas"), "norm": ("auto", "xla", "pallas"),
          "mlp_gate": ("auto", "xla"), "moe_method": ("auto", "gather", "gather-reduce", "ragged", "all"),
+         "moe_routing": ("auto", "compare", "sort", "kernel"),
          "attention_parallel": ("auto", "tensor", "replicated")}
-#: What a row written before a mode existed ran (markdown of older JSON rows).
-MODE_BEFORE = {"attention_parallel": "tensor"}
+#: What a row written before a mode existed ran (markdown of older JSON rows): routing through
+#: XLA (the comparison path at decode sizes on a GPU) before the routing kernel.
+MODE_BEFORE = {"attention_parallel": "tensor", "moe_routing": "auto (no kernel)"}
+#: Configs without MoE layers: one row whatever --moe-routing lists.
+DENSE_CONFIGS = ("llama3-8b", "llama3-70b", "tiny", "tiny-tp")
 
 
 # -- worker: one model, all batch sizes -------------------------------------------------------
@@ -580,7 +584,9 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         f"axis); attention: the single-token attention (`decoder.ATTENTION_MODES`; auto = the "
         f"Pallas kernel on a GPU); norm: the residual add + RMSNorm (auto = its Pallas kernel on "
         f"a GPU); mlp gate: where silu(gate) * up runs (auto = inside the kbit gate/up kernel); "
-        f"moe method: the bf16 MoE layers' expert path (`kbit_jax.flax.moe.MOE_METHODS`); attention "
+        f"moe method: the bf16 MoE layers' expert path (`kbit_jax.flax.moe.MOE_METHODS`); moe "
+        f"routing: how MoE layers route their tokens (`kbit_jax.flax.routing.ROUTING_METHODS`; auto "
+        f"= softmax, top-k and the sort by expert as one Pallas kernel on a GPU at decode sizes); attention "
         f"parallel: how attention is placed over the tp devices (`decoder.ATTENTION_PARALLEL`: "
         f"tensor = heads split, an all-reduce after o_proj; replicated = whole on every device, no "
         f"collective; auto = replicated with MoE layers), the placement it ran in parentheses; moe "
@@ -594,10 +600,10 @@ def to_markdown(env: dict, args, rows: list[dict]) -> str:
         + (" Rows ran concurrently on disjoint GPUs (--concurrent)."
            if any(r.get("concurrent") for r in rows) else ""),
         "",
-        "| config | tp | attention | norm | mlp gate | moe method | attention parallel | "
+        "| config | tp | attention | norm | mlp gate | moe method | moe routing | attention parallel | "
         + ("xla flags | " if show_flags else "")
         + "batch | weights | moe | decode tok/s | vs bf16 | ms/step | prefill ms | model GiB | GiB/dev | peak GiB |",
-        "|---|---:|---|---|---|---|---|" + ("---|" if show_flags else "") + "---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---|---|---|---|---|" + ("---|" if show_flags else "") + "---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         tp, mode_cells = r.get("tp", 1), " | ".join(modes(r))
@@ -673,6 +679,10 @@ def parse_args(argv=None):
                         "other mode): auto (gather-einsum at decode sizes, else lax.ragged_dot), "
                         "gather, gather-reduce, ragged, all (every expert; the reference) "
                         "(default auto)")
+    p.add_argument("--moe-routing", default="auto",
+                   help="comma list of MoE routing methods, each a row (with every other mode; "
+                        "MoE configs only): auto (one Pallas kernel on a GPU at decode sizes, else "
+                        "compare on a GPU / sort), compare, sort, kernel (default auto)")
     p.add_argument("--attention-parallel", default="auto",
                    help="comma list of attention placements over the tp devices, each a row at "
                         "tp > 1 (with every other mode): tensor (heads split, an all-reduce after "
@@ -740,6 +750,8 @@ def main(argv=None):
                             continue      # k-bit MoE layers have one path: one row
                         if tp == 1 and modes["attention_parallel"] != args.attention_parallel.split(",")[0]:
                             continue      # one device: nothing to place, one row
+                        if config in DENSE_CONFIGS and modes["moe_routing"] != args.moe_routing.split(",")[0]:
+                            continue      # no MoE layers: nothing to route, one row
                         jobs.append((config, weights, tp, modes, xla_flags))
     if args.in_process:
         for config, weights, tp, modes, _ in jobs:

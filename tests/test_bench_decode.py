@@ -162,6 +162,27 @@ def test_a_run_cut_short_keeps_the_rows_of_its_finished_workers(monkeypatch, tmp
     assert (tmp_path / "cut.md").read_text() == "1 rows\n"
 
 
+def test_moe_routing_rows(monkeypatch, tmp_path):
+    """--moe-routing: a comma list of routing methods (bad values refused), each a row of the MoE
+    configs and one row of a dense config; rows of runs before the option routed through XLA."""
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--moe-routing", "fast"])
+    jobs = []
+
+    def worker(args, config, weights, tp, modes, xla_flags=""):
+        jobs.append((config, modes["moe_routing"]))
+        return [{"config": config, "weights": weights, "tp": tp, "status": "ok", **modes}]
+
+    monkeypatch.setattr(bench_decode, "run_subprocess", worker)
+    monkeypatch.setattr(bench_decode, "environment", lambda: {"platform": "cpu"})
+    monkeypatch.setattr(bench_decode, "to_markdown", lambda env, args, rows: f"{len(rows)} rows\n")
+    bench_decode.main(["--configs", "tiny-moe,tiny", "--weights", "4", "--batches", "1",
+                       "--moe-routing", "auto,compare", "--out", str(tmp_path), "--name", "routing"])
+    assert jobs == [("tiny-moe", "auto"), ("tiny-moe", "compare"), ("tiny", "auto")]
+    assert bench_decode.mode_cell({}, "moe_routing") == "auto (no kernel)"
+    assert bench_decode.mode_cell({"moe_routing": "kernel"}, "moe_routing") == "kernel"
+
+
 def test_head_quantized_unless_dense_head(monkeypatch):
     """The k-bit models' lm_head is quantized unless --dense-head: the flag reaches the
     worker's command line and the table's header, and the fit estimate counts the head at

@@ -261,14 +261,15 @@ def _draw_qk_norm_scales(model, seed):
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (simulated) devices")
 def test_replicated_attention_pallas_kernels(rng):
-    """The Pallas attention and norm kernels (interpreted on the CPU) under replicated attention
-    run whole on every device (shard_maps over replicated operands, the q/k norm scales
-    included): still one all-reduce per layer and no all-gather, and (float32, random q/k norm
-    scales) the prefill and decode-step logits of one device with XLA's attention, as in
-    `test_expert_parallel_equals_one_device`."""
+    """The Pallas attention, norm and routing kernels (interpreted on the CPU) under replicated
+    attention and expert parallelism run whole on every device (shard_maps over replicated
+    operands, the q/k norm scales included): still one all-reduce per layer and no all-gather,
+    and (float32, random q/k norm scales) the prefill and decode-step logits of one device with
+    XLA's attention and the comparison routing, as in `test_expert_parallel_equals_one_device`."""
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
     ep, _ = decoder.build_model(CFG, bits=4, param_dtype=jnp.float32, mesh=mesh, attention="pallas",
-                                norm="pallas")
+                                norm="pallas", moe_routing="kernel")
+    assert all(ep.layers[i].mlp.routing == "kernel" for i in CFG.moe_layers)
     one, _ = decoder.build_model(CFG, bits=4, param_dtype=jnp.float32, attention="xla", norm="xla")
     seed = int(rng.integers(1 << 31))
     for model in (one, ep):

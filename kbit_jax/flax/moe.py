@@ -50,7 +50,7 @@ from ..primitives.ragged_dot import local_experts_product
 from ..reference import GLU_ACTIVATIONS
 from ..sharding import weight_specs
 from .layers import KbitLinear, QuantizedWeight, _check_quant_config
-from .routing import route, sorted_rows, sorted_tokens
+from .routing import ROUTING_METHODS, route, route_sorted, sorted_tokens
 
 __all__ = ["KbitMoE", "MOE_METHODS", "MoE", "dense_method", "route"]
 
@@ -91,6 +91,11 @@ def _check_config(hidden, intermediate, num_experts, top_k, activation, shared_i
         raise ValueError(f"activation must be one of {tuple(GLU_ACTIVATIONS)}, got {activation!r}")
     if shared_intermediate is not None and (not isinstance(shared_intermediate, int) or shared_intermediate <= 0):
         raise ValueError(f"shared_intermediate must be None or a positive int, got {shared_intermediate!r}")
+
+
+def _check_routing(routing):
+    if routing not in ROUTING_METHODS:
+        raise ValueError(f"routing must be one of {ROUTING_METHODS}, got {routing!r}")
 
 
 def _tokens(x, hidden):
@@ -142,15 +147,19 @@ class MoE(nnx.Module):
       method: how the routed experts are multiplied, one of `MOE_METHODS` ("auto":
         `dense_method` of ``T * top_k`` and ``num_experts``). Every path rounds the GLU's output
         and each expert's output to the computation dtype and sums in float32.
+      routing: how the tokens are routed, one of ``kbit_jax.flax.routing.ROUTING_METHODS``
+        ("auto": one Pallas kernel on an NVIDIA GPU at decode sizes, `routing.route_sorted`).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  norm_topk_prob: bool = True, activation: str = "silu",
                  shared_intermediate: int | None = None, dtype: Any = None,
-                 param_dtype: Any = jnp.float32, method: str = "auto", rngs: nnx.Rngs):
+                 param_dtype: Any = jnp.float32, method: str = "auto", routing: str = "auto",
+                 rngs: nnx.Rngs):
         _check_config(hidden, intermediate, num_experts, top_k, activation, shared_intermediate)
         if method not in MOE_METHODS:
             raise ValueError(f"method must be one of {MOE_METHODS}, got {method!r}")
+        _check_routing(routing)
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         self.router = nnx.Linear(hidden, num_experts, use_bias=False, param_dtype=param_dtype, rngs=rngs)
         self.gate = nnx.Param(init(rngs.params(), (num_experts, hidden, intermediate), param_dtype))
@@ -169,7 +178,7 @@ class MoE(nnx.Module):
         self.norm_topk_prob, self.activation = norm_topk_prob, activation
         self.shared_intermediate = shared_intermediate
         self.dtype, self.param_dtype = dtype, param_dtype
-        self.method = method
+        self.method, self.routing = method, routing
         self.ep_axis = None   # the mesh axis the experts are sharded over (shard_model sets it)
 
     def method_for(self, tokens: int) -> str:
@@ -181,34 +190,36 @@ class MoE(nnx.Module):
         router (`method_for` says how), plus the shared expert."""
         dtype = jnp.dtype(self.dtype or x.dtype)
         tokens = _tokens(x, self.hidden).astype(dtype)
-        weights, ids = route(self.router(tokens), self.top_k, self.norm_topk_prob)
+        weights, ids, *rows = route_sorted(self.router(tokens), self.top_k, self.norm_topk_prob,
+                                           method=self.routing)
         method = self.method_for(tokens.shape[0])
         if method == "all":
             y = self._all_experts(tokens, weights, ids, dtype)
         else:
             mesh = _ep_mesh(self.ep_axis)
             ep = self.ep_axis if mesh is not None else None
-            body = lambda tokens, weights, ids, gate, up, down: self._routed(  # noqa: E731
-                tokens, weights, ids, gate, up, down, method, dtype, ep)
+            body = lambda tokens, weights, ids, rows, gate, up, down: self._routed(  # noqa: E731
+                tokens, weights, ids, rows, gate, up, down, method, dtype, ep)
             experts = (self.gate[...], self.up[...], self.down[...])
             if ep is None:
-                y = body(tokens, weights, ids, *experts)
+                y = body(tokens, weights, ids, rows, *experts)
             else:
                 stacked = P(ep, None, None)
                 y = jax.shard_map(
                     lambda *a: jax.lax.psum(body(*a), ep), mesh=mesh,
-                    in_specs=(P(), P(), P(), stacked, stacked, stacked), out_specs=P(),
-                    check_vma=False)(tokens, weights, ids, *experts)
+                    in_specs=(P(), P(), P(), P(), stacked, stacked, stacked), out_specs=P(),
+                    check_vma=False)(tokens, weights, ids, rows, *experts)
         if self.shared_gate is not None:
             act = GLU_ACTIVATIONS[self.activation]
             s = act(self.shared_gate(tokens).astype(jnp.float32)) * self.shared_up(tokens).astype(jnp.float32)
             y = y + self.shared_down(s.astype(dtype)).astype(jnp.float32)
         return y.astype(dtype).reshape(x.shape)
 
-    def _routed(self, tokens, weights, ids, gate, up, down, method, dtype, ep_axis):
+    def _routed(self, tokens, weights, ids, rows, gate, up, down, method, dtype, ep_axis):
         """The routed experts' weighted sum ``[T, K]`` (float32) over the experts in ``gate``,
         ``up``, ``down`` (this device's, from global id `_first_expert`, under expert
-        parallelism: pairs routed elsewhere contribute zeros)."""
+        parallelism: pairs routed elsewhere contribute zeros). ``rows``: (order, inverse,
+        sizes) of the pairs sorted by expert (`route_sorted`; unused by the gathers)."""
         act = GLU_ACTIVATIONS[self.activation]
         local, k = gate.shape[0], self.top_k
         first = _first_expert(ep_axis, local)
@@ -227,7 +238,7 @@ class MoE(nnx.Module):
             h = (act(dot(rows, gate)) * dot(rows, up)).astype(dtype)
             out = dot(h, down).astype(dtype)
             return _combine(out, jnp.where(mine.reshape(weights.shape), weights, 0.0))
-        order, inverse, sizes = sorted_rows(ids, self.num_experts)
+        order, inverse, sizes = rows
 
         def ragged(x, w):
             kernel = lambda x_, w_, _a, _b, _c, sizes_: jax.lax.ragged_dot(  # noqa: E731
@@ -278,12 +289,13 @@ class KbitMoE(nnx.Module):
     ``expert_sharding`` (constructor and ``from_dense``): logical axis names of the stacked
     ``(G, K, N)`` expert weights, put on the quantized leaves as ``out_sharding`` (e.g.
     ``("expert", None, None)`` for expert parallelism under ``jit``: each device multiplies its
-    own experts' rows and one all-reduce combines, no weight moves)."""
+    own experts' rows and one all-reduce combines, no weight moves). ``routing``: how tokens are
+    routed, as `MoE`'s (``from_dense`` keeps the dense block's)."""
 
     def __init__(self, router: nnx.Linear, gate_up: KbitWeight, down: KbitWeight, *, top_k: int,
                  norm_topk_prob: bool = True, activation: str = "silu",
                  shared_gate_up: KbitLinear | None = None, shared_down: KbitLinear | None = None,
-                 dtype: Any = None, expert_sharding=None):
+                 dtype: Any = None, expert_sharding=None, routing: str = "auto"):
         if not isinstance(router, nnx.Linear):
             raise TypeError(f"router must be an nnx.Linear, got {type(router).__name__}")
         for name, w in (("gate_up", gate_up), ("down", down)):
@@ -306,7 +318,8 @@ class KbitMoE(nnx.Module):
         self.shared_down = shared_down if shared_down is not None else nnx.data(None)
         self.hidden, self.intermediate, self.num_experts = hidden, two_h // 2, g
         self.top_k, self.norm_topk_prob, self.activation = top_k, norm_topk_prob, activation
-        self.dtype = dtype
+        _check_routing(routing)
+        self.dtype, self.routing = dtype, routing
         self.ep_axis = None   # the mesh axis the experts are sharded over (shard_model sets it)
 
     @classmethod
@@ -333,7 +346,8 @@ class KbitMoE(nnx.Module):
                                                       dtype=moe.dtype, param_dtype=moe.param_dtype),
                 shared_down=KbitLinear.from_linear(moe.shared_down, bits, codebook))
         return cls(router, gate_up, down, top_k=moe.top_k, norm_topk_prob=moe.norm_topk_prob,
-                   activation=moe.activation, dtype=moe.dtype, expert_sharding=expert_sharding, **shared)
+                   activation=moe.activation, dtype=moe.dtype, expert_sharding=expert_sharding,
+                   routing=moe.routing, **shared)
 
     @property
     def weights(self) -> tuple[KbitWeight, KbitWeight]:
@@ -344,30 +358,32 @@ class KbitMoE(nnx.Module):
         """``x[..., K]`` -> ``[..., K]``, in the block's dtype (x's when None)."""
         dtype = jnp.dtype(self.dtype or x.dtype)
         tokens = _tokens(x, self.hidden).astype(dtype)
-        weights, ids = route(self.router(tokens), self.top_k, self.norm_topk_prob)
+        weights, _, *rows = route_sorted(self.router(tokens), self.top_k, self.norm_topk_prob,
+                                         method=self.routing)
         gate_up, down = self.weights
         mesh = _ep_mesh(self.ep_axis)
         if mesh is None:
-            y = self._routed(tokens, weights, ids, gate_up, down, None)
+            y = self._routed(tokens, weights, rows, gate_up, down, None)
         else:
             ep, stacked = self.ep_axis, P(self.ep_axis, None, None)
             y = jax.shard_map(
                 lambda *a: jax.lax.psum(self._routed(*a, ep), ep), mesh=mesh,
                 in_specs=(P(), P(), P(), weight_specs(gate_up, stacked), weight_specs(down, stacked)),
-                out_specs=P(), check_vma=False)(tokens, weights, ids, gate_up, down)
+                out_specs=P(), check_vma=False)(tokens, weights, rows, gate_up, down)
         if self.shared_gate_up is not None:
             s = self.shared_down(self.shared_gate_up(tokens, glu=self.activation))
             y = y + s.astype(jnp.float32)
         return y.astype(dtype).reshape(x.shape)
 
-    def _routed(self, tokens, weights, ids, gate_up, down, ep_axis):
+    def _routed(self, tokens, weights, rows, gate_up, down, ep_axis):
         """The routed experts' weighted sum ``[T, K]`` (float32). The ``T * k`` (token, expert)
         pairs are sorted by expert once; both grouped products (gate/up with the GLU in the
         kernel, then down) run on that order, reading only the experts some pair chose; the
         outputs are gathered back to token order inside the weighted sum over each token's k
         experts (one fused multiply-reduce). Under expert parallelism (``ep_axis``) the products
-        cover this device's experts, zeros elsewhere (`kbit_jax.moe.local_ragged_dot`)."""
-        order, inverse, sizes = sorted_rows(ids, self.num_experts)
+        cover this device's experts, zeros elsewhere (`kbit_jax.moe.local_ragged_dot`). ``rows``:
+        (order, inverse, sizes) of the pairs sorted by expert (`route_sorted`)."""
+        order, inverse, sizes = rows
         if ep_axis is None:
             product = ragged_dot
         else:

@@ -13,18 +13,32 @@ sizes, so each function takes the comparison path only while the compared grid h
 compiler does not fuse the compared grid into its reduction but writes it out, slower than
 its sorts. Both paths return identical results (same ids, same order of ties, same values bit
 for bit); ``method="compare"`` or ``"sort"`` picks one on every platform.
+
+`route_sorted` does both steps of a block (``route``, then ``sorted_rows`` of its ids). With
+``method="kernel"`` (and with "auto" on an NVIDIA GPU where `routing_kernel.supported` says it
+fits: decode batches) they run as one Pallas kernel (`kbit_jax.flax.routing_kernel`) instead of
+XLA's several launch-bound ones; its results are the comparison path's but for the rounding
+ties that module's docstring describes.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["COMPARE_LIMIT", "ROUTING_METHODS", "route", "sorted_rows", "sorted_tokens", "top_k"]
+from . import routing_kernel
+
+__all__ = ["COMPARE_LIMIT", "ROUTING_METHODS", "SELECT_METHODS", "route", "route_sorted", "sorted_rows",
+           "sorted_tokens", "top_k"]
 
 #: How `top_k` and `sorted_rows` select: "auto" (comparisons on a GPU while the grid is within
 #: `COMPARE_LIMIT`, else the sort), "compare", "sort".
-ROUTING_METHODS = ("auto", "compare", "sort")
+SELECT_METHODS = ("auto", "compare", "sort")
+#: How `route` and `route_sorted` (a MoE block's ``routing=``) run: `SELECT_METHODS`, or "kernel"
+#: (`routing_kernel.route_sorted`, one Pallas kernel; ValueError where it does not fit). "auto":
+#: that kernel on an NVIDIA GPU where it fits, else `SELECT_METHODS`' "auto".
+ROUTING_METHODS = SELECT_METHODS + ("kernel",)
 
 #: Most elements of one compare-and-reduce grid before the sort path is taken: 2^21 is 8
 #: compares per thread over one wave of an H200 (132 SMs x 2048 resident threads = 2^18), well
@@ -36,8 +50,8 @@ COMPARE_LIMIT = 2**21
 
 def _dispatch(method: str, fits: bool, compare, sort, *args):
     """``compare(*args)`` or ``sort(*args)`` as ``method`` says (see `ROUTING_METHODS`)."""
-    if method not in ROUTING_METHODS:
-        raise ValueError(f"method must be one of {ROUTING_METHODS}, got {method!r}")
+    if method not in SELECT_METHODS:
+        raise ValueError(f"method must be one of {SELECT_METHODS}, got {method!r}")
     if method == "compare":
         return compare(*args)
     if method == "sort" or not fits:
@@ -109,7 +123,17 @@ def route(logits, k: int, normalize: bool, *, method: str = "auto"):
     renormalized to sum to 1 when ``normalize``. On the comparison path the renormalizing sum
     comes out of the reduction that picks the values (no kernel of its own); it adds the same
     k values in another order, so the weights are within ``(k + 2) * 2^-23`` relative of the
-    sort path's."""
+    sort path's. ``method`` "kernel" (or "auto" where `route_sorted` takes the kernel): the
+    weights and ids of `route_sorted`."""
+    if method not in ROUTING_METHODS:
+        raise ValueError(f"method must be one of {ROUTING_METHODS}, got {method!r}")
+    if method == "kernel" or (method == "auto" and _kernel_fits(logits, k)):
+        return route_sorted(logits, k, normalize, method=method)[:2]
+    return _route(logits, k, normalize, method)
+
+
+def _route(logits, k: int, normalize: bool, method: str):
+    """`route` on the comparison or sort path (``method`` one of `SELECT_METHODS`)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     t, g = probs.shape
 
@@ -122,6 +146,44 @@ def route(logits, k: int, normalize: bool, *, method: str = "auto"):
     if normalize:
         weights = weights / total[:, None]
     return weights, ids
+
+
+def _kernel_fits(logits, k: int) -> bool:
+    return logits.ndim == 2 and routing_kernel.supported(*logits.shape, k) is None
+
+
+def route_sorted(logits, k: int, normalize: bool, *, method: str = "auto"):
+    """`route` and `sorted_rows` of its ids, as a block routes its tokens: (weights float32[T, k],
+    ids int32[T, k], order, inverse int32[T * k], sizes int32[G]) for ``logits[T, G]``.
+
+    ``method`` (`ROUTING_METHODS`): "kernel" runs `routing_kernel.route_sorted`, one Pallas
+    kernel (interpreted off the GPU; ValueError where `routing_kernel.supported` says it does
+    not fit); "auto" runs it on an NVIDIA GPU where it fits, elsewhere `route` and
+    `sorted_rows` with "auto"; "compare" and "sort" run those two with that method."""
+    if method not in ROUTING_METHODS:
+        raise ValueError(f"method must be one of {ROUTING_METHODS}, got {method!r}")
+    g = logits.shape[-1]
+
+    def xla(logits, method):
+        weights, ids = _route(logits, k, normalize, method)
+        return (weights, ids, *sorted_rows(ids, g, method=method))
+
+    if method == "kernel":
+        return _replicated(lambda x: routing_kernel.route_sorted(x, k, normalize))(logits)
+    if method == "auto" and _kernel_fits(logits, k):
+        kernel = _replicated(lambda x: routing_kernel.route_sorted(x, k, normalize, interpret=False))
+        return jax.lax.platform_dependent(logits, cuda=kernel, default=lambda x: xla(x, "auto"))
+    return xla(logits, method)
+
+
+def _replicated(kernel):
+    """``kernel`` on every device of the active mesh alike (under ``shard_map``, replicated in and
+    out: every device routes all tokens), or as it is without a mesh or inside a ``shard_map``
+    over all of its axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.are_all_axes_manual:
+        return kernel
+    return jax.shard_map(kernel, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
 
 
 def sorted_rows(ids, num_experts: int, *, method: str = "auto"):

@@ -359,7 +359,8 @@ class Block(nnx.Module):
     quantize it into a ``KbitMoE``)."""
 
     def __init__(self, cfg: DecoderConfig, param_dtype, rngs: nnx.Rngs, *, attention: str = "auto",
-                 norm: str = "auto", mlp_gate: str = "auto", moe: bool = False, moe_method: str = "auto"):
+                 norm: str = "auto", mlp_gate: str = "auto", moe: bool = False, moe_method: str = "auto",
+                 moe_routing: str = "auto"):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
         self.attn = Attention(cfg, param_dtype, rngs, attention=attention)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, param_dtype, kernel=norm)
@@ -367,7 +368,7 @@ class Block(nnx.Module):
             self.mlp = MoE(cfg.dim, cfg.moe_hidden_dim, cfg.n_experts, cfg.experts_per_token,
                            norm_topk_prob=cfg.norm_topk_prob, param_dtype=param_dtype,
                            shared_intermediate=cfg.shared_expert_dim or None, method=moe_method,
-                           rngs=rngs)
+                           routing=moe_routing, rngs=rngs)
         else:
             self.mlp = MLP(cfg, param_dtype, rngs, gate=mlp_gate)
 
@@ -392,7 +393,8 @@ class Llama(nnx.Module):
     one is allocated. ``attention`` picks the single-token attention (`ATTENTION_MODES`;
     prompts always take the XLA path), ``norm`` the residual add + RMSNorm (`KERNEL_MODES`),
     ``mlp_gate`` where the MLP's silu(gate) * up runs (`MLP_GATE_MODES`), ``moe_method`` how
-    a dense MoE layer multiplies its experts (``kbit_jax.flax.moe.MOE_METHODS``).
+    a dense MoE layer multiplies its experts (``kbit_jax.flax.moe.MOE_METHODS``), ``moe_routing``
+    how MoE layers route their tokens (``kbit_jax.flax.routing.ROUTING_METHODS``).
 
     With ``cfg.tie_embeddings`` the output projection is the embedding (``lm_head`` is None)
     unless a separate, quantized head was made from it (`build_model` and ``models.load``
@@ -400,13 +402,14 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: DecoderConfig, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
                  block_hook=None, attention: str = "auto", norm: str = "auto", mlp_gate: str = "auto",
-                 moe_method: str = "auto"):
+                 moe_method: str = "auto", moe_routing: str = "auto"):
         self.config = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, param_dtype=param_dtype, rngs=rngs)
         blocks = []
         for _ in range(cfg.n_layers):
             blocks.append(Block(cfg, param_dtype, rngs, attention=attention, norm=norm, mlp_gate=mlp_gate,
-                                moe=len(blocks) in cfg.moe_layers, moe_method=moe_method))
+                                moe=len(blocks) in cfg.moe_layers, moe_method=moe_method,
+                                moe_routing=moe_routing))
             if block_hook is not None:
                 block_hook(blocks[-1])
         self.layers = nnx.List(blocks)
@@ -703,7 +706,8 @@ def quantized_tied_head(embed: nnx.Embed, bits: int, codebook: Any = "nf") -> kf
 def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = "nf", seed: int = 0,
                 param_dtype=jnp.bfloat16, quantize_head: bool = True, progress: bool = False,
                 mesh=None, axis: str = "tp", attention: str = "auto", norm: str = "auto",
-                mlp_gate: str = "auto", moe_method: str = "auto", attention_parallel: str = "auto"):
+                mlp_gate: str = "auto", moe_method: str = "auto", moe_routing: str = "auto",
+                attention_parallel: str = "auto"):
     """A randomly initialized model, and the ``QuantizeReport`` (None when ``bits`` is None).
 
     With ``bits``, each block goes through ``kbit_jax.flax.quantize_model`` as soon as it is
@@ -729,8 +733,12 @@ def build_model(cfg: DecoderConfig, *, bits: int | None = None, codebook: Any = 
     ("auto": silu(gate) * up inside the quantized gate/up projection's kernel). ``moe_method``:
     the dense MoE layers' path, ``kbit_jax.flax.moe.MOE_METHODS`` ("auto": gather the chosen
     experts at decode sizes, `moe_path`; quantized layers always run ``kbit_jax.ragged_dot``).
+    ``moe_routing``: how every MoE layer routes its tokens, ``kbit_jax.flax.routing.ROUTING_METHODS``
+    ("auto": softmax, top-k and the sort by expert as one Pallas kernel on a GPU at decode
+    sizes, ``kbit_jax.flax.routing_kernel``).
     """
-    modes = dict(attention=attention, norm=norm, mlp_gate=mlp_gate, moe_method=moe_method)
+    modes = dict(attention=attention, norm=norm, mlp_gate=mlp_gate, moe_method=moe_method,
+                 moe_routing=moe_routing)
     placement = attention_placement(cfg, attention_parallel)   # every block placed alike
     place = functools.partial(shard_model, mesh=mesh, axis=axis, attention_parallel=placement)
     if mesh is not None:

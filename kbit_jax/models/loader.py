@@ -270,7 +270,7 @@ class _Filler:
                 stacked = P(self.axis, None, None)
                 gate_up, down = (shard_weight(w, self.mesh, stacked) for w in (gate_up, down))
             block.mlp = kflax.KbitMoE(moe.router, gate_up, down, top_k=cfg.experts_per_token,
-                                      norm_topk_prob=cfg.norm_topk_prob)
+                                      norm_topk_prob=cfg.norm_topk_prob, routing=moe.routing)
         else:
             for var, w in ((moe.gate, gate), (moe.up, up), (moe.down, down)):
                 var.set_value(jax.device_put(_experts_kernel(w).astype(self.dtype), self.experts))
