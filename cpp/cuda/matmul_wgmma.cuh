@@ -738,6 +738,51 @@ struct WgPlan {
   int64_t ctas() const { return whole_tiles + (tiles - whole_tiles) * ks; }
 };
 
+// What both launchers of this kernel (WgLauncher below, ragged_dot_wgmma.cuh's grouped one) set
+// up on the host: its shared memory above the 48 KB default, reserved once per device and kernel,
+// and its tensor maps.
+template <auto kKernel, size_t kBytes>
+std::string reserve_wgmma_smem(int dev, const std::string& where) {
+  static std::atomic<bool> reserved[kMaxDevices];
+  if (reserved[dev].load(std::memory_order_relaxed)) return std::string();
+  const cudaError_t err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBytes));
+  if (err != cudaSuccess)
+    return std::string("cannot reserve ") + std::to_string(kBytes) + " bytes of shared memory: " +
+           cudaGetErrorString(err) + " (" + where + ")";
+  reserved[dev].store(true, std::memory_order_relaxed);
+  return std::string();
+}
+
+// x as {K, rows} (16-bit elements): a box of {64 k, box_rows rows} lands as a stage's [row][64 k],
+// each 128-byte row's 16-byte pieces swizzled by the row's index mod 8 (see the kernel's header).
+template <class Cfg>
+std::string encode_wgmma_x_map(CUtensorMap* map, const void* x, int64_t k, int64_t rows, int box_rows) {
+  const uint64_t dims[2] = {uint64_t(k), uint64_t(rows)};
+  const uint64_t strides[1] = {uint64_t(k) * 2};
+  const uint32_t box[2] = {uint32_t(32 * Cfg::kKCH), uint32_t(box_rows)};
+  return encode_tensor_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, x, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// The weight cells as {16 BITS words of a 16-column piece, N / 16 pieces, `rows` k-block rows}
+// (uint32): a box of {16 BITS, BN / 16, KCH} lands as the stage's KCH rows of BN cells, each row
+// contiguous, as the decode reads them. The scale bytes as {N, rows}. (A stack of weights or
+// experts is rows b KB + kb.)
+template <int BITS, class Cfg>
+std::string encode_wgmma_weight_maps(CUtensorMap* wmap, CUtensorMap* smap, const void* planes, const void* scales,
+                                     int64_t n, int64_t rows) {
+  const uint64_t w_dims[3] = {uint64_t(16 * BITS), uint64_t(n) / 16, uint64_t(rows)};
+  const uint64_t w_strides[2] = {uint64_t(16 * BITS * 4), uint64_t(n) * BITS * 4};
+  const uint32_t w_box[3] = {uint32_t(16 * BITS), uint32_t(Cfg::kBN / 16), uint32_t(Cfg::kKCH)};
+  const uint64_t s_dims[2] = {uint64_t(n), uint64_t(rows)}, s_strides[1] = {uint64_t(n)};
+  const uint32_t s_box[2] = {uint32_t(Cfg::kBN), uint32_t(Cfg::kKCH)};
+  std::string bad = encode_tensor_map(wmap, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, planes, w_dims, w_strides, w_box,
+                                      CU_TENSOR_MAP_SWIZZLE_NONE);
+  if (bad.empty())
+    bad = encode_tensor_map(smap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, scales, s_dims, s_strides, s_box,
+                            CU_TENSOR_MAP_SWIZZLE_NONE);
+  return bad;
+}
+
 // One instantiation's launcher: its shared-memory reservation and resident-cluster counts are
 // cached per device (function statics, one set per template instance).
 template <int BITS, int BM, int J, int WG, class Act>
@@ -753,14 +798,8 @@ struct WgLauncher {
 
   // The dynamic shared memory above the 48 KB default, once per device.
   static std::string reserve(const MatmulArgs& a, int dev) {
-    static std::atomic<bool> smem_set[kMaxDevices];
-    if (smem_set[dev].load(std::memory_order_relaxed)) return std::string();
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    if (err != cudaSuccess)
-      return std::string("kbit_matmul_wgmma_kernel: cannot reserve ") + std::to_string(Cfg::kSmemBytes) +
-             " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape(a) + ")";
-    smem_set[dev].store(true, std::memory_order_relaxed);
-    return std::string();
+    const std::string bad = reserve_wgmma_smem<kernel, Cfg::kSmemBytes>(dev, shape(a));
+    return bad.empty() ? bad : "kbit_matmul_wgmma_kernel: " + bad;
   }
 
   // Clusters of c CTAs resident at once (cudaOccupancyMaxActiveClusters, cached).
@@ -905,39 +944,16 @@ struct WgLauncher {
       r.plan_cost = 0;  // (matmul_fused.cuh's plans only)
       r.chunk_price = 0;
     }
-    // x as {K, B * M rows}: a box of {64 k, BM rows} lands as a stage's [row][64 k], each 128-byte
-    // row's 16-byte pieces swizzled by the row's index mod 8 (see the header). Each batch entry's
-    // last row tile, where it is partial, loads through a second map whose box has only its rows:
-    // TMA's zero fill of the box's rows past B * M is slow. With 63 of 128 rows filled (M = 65,
-    // H100) the paired 128-row tile took 1.2-1.3x its time at M = 96
-    // on Llama-3-8B gate/up, Llama-3-70B down and o (e.g. 26.6 against 21.2 us), from ~40 filled
-    // rows up; with the rows read from memory instead, 65 took no longer than 96.
+    // x as {K, B * M rows}. Each batch entry's last row tile, where it is partial, loads through a
+    // second map whose box has only its rows: TMA's zero fill of the box's rows past B * M is slow.
+    // With 63 of 128 rows filled (M = 65, H100) the paired 128-row tile took 1.2-1.3x its time at
+    // M = 96 on Llama-3-8B gate/up, Llama-3-70B down and o (e.g. 26.6 against 21.2 us), from ~40
+    // filled rows up; with the rows read from memory instead, 65 took no longer than 96.
     CUtensorMap xmap, xmap_tail, wmap, smap;
-    const uint64_t x_dims[2] = {uint64_t(a.k), uint64_t(a.batch * a.m)};
-    const uint64_t x_strides[1] = {uint64_t(a.k) * 2};
-    const uint32_t x_box[2] = {uint32_t(32 * Cfg::kKCH), uint32_t(BM)};
-    std::string bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_box,
-                                        CU_TENSOR_MAP_SWIZZLE_128B);
+    std::string bad = encode_wgmma_x_map<Cfg>(&xmap, a.x, a.k, a.batch * a.m, BM);
     xmap_tail = xmap;
-    const uint32_t x_tail_box[2] = {x_box[0], uint32_t(p.tail_rows)};
-    if (bad.empty() && p.tail_rows < BM)
-      bad = encode_tensor_map(&xmap_tail, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_tail_box,
-                              CU_TENSOR_MAP_SWIZZLE_128B);
-    // The weight cells as {16 bits words of a 16-column piece, N / 16 pieces, B * KB k-block rows}
-    // (uint32): a box of {16 bits, BN / 16, KCH} lands as the stage's KCH rows of BN cells, each
-    // row contiguous, as the decode reads them. The scale bytes as {N, B * KB rows}.
-    const uint64_t rows = uint64_t(a.batch) * (a.k / 32), n = uint64_t(a.n);
-    const uint64_t w_dims[3] = {uint64_t(16 * BITS), n / 16, rows};
-    const uint64_t w_strides[2] = {uint64_t(16 * BITS * 4), n * BITS * 4};
-    const uint32_t w_box[3] = {uint32_t(16 * BITS), uint32_t(Cfg::kBN / 16), uint32_t(Cfg::kKCH)};
-    const uint64_t s_dims[2] = {n, rows}, s_strides[1] = {n};
-    const uint32_t s_box[2] = {uint32_t(Cfg::kBN), uint32_t(Cfg::kKCH)};
-    if (bad.empty())
-      bad = encode_tensor_map(&wmap, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, a.planes, w_dims, w_strides, w_box,
-                              CU_TENSOR_MAP_SWIZZLE_NONE);
-    if (bad.empty())
-      bad = encode_tensor_map(&smap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.scales, s_dims, s_strides, s_box,
-                              CU_TENSOR_MAP_SWIZZLE_NONE);
+    if (bad.empty() && p.tail_rows < BM) bad = encode_wgmma_x_map<Cfg>(&xmap_tail, a.x, a.k, a.batch * a.m, p.tail_rows);
+    if (bad.empty()) bad = encode_wgmma_weight_maps<BITS, Cfg>(&wmap, &smap, a.planes, a.scales, a.n, a.batch * (a.k / 32));
     if (!bad.empty()) return "kbit_matmul_wgmma_kernel: " + bad + " (" + shape(a) + ")";
     const ClusterLaunch launch(static_cast<unsigned>(w.ctas()), Cfg::kThreads, Cfg::kSmemBytes, stream, w.ks);
     cudaLaunchKernelEx(&launch.cfg, kernel, p, xmap, xmap_tail, wmap, smap);

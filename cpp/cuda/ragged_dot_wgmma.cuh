@@ -11,7 +11,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -32,15 +31,8 @@ struct GroupedWgLauncher {
   }
 
   static std::string launch(const RaggedDotArgs& a, cudaStream_t stream) {
-    const int dev = current_device();
-    static std::atomic<bool> smem_set[kMaxDevices];
-    if (!smem_set[dev].load(std::memory_order_relaxed)) {
-      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-      if (err != cudaSuccess)
-        return std::string("kbit_ragged_dot_wgmma_kernel: cannot reserve ") + std::to_string(Cfg::kSmemBytes) +
-               " bytes of shared memory: " + cudaGetErrorString(err) + " (" + shape(a) + ")";
-      smem_set[dev].store(true, std::memory_order_relaxed);
-    }
+    const std::string reserved = reserve_wgmma_smem<kernel, Cfg::kSmemBytes>(current_device(), shape(a));
+    if (!reserved.empty()) return "kbit_ragged_dot_wgmma_kernel: " + reserved;
     WgParams p{};
     copy_operands(a, p);
     p.M = a.m;
@@ -63,27 +55,11 @@ struct GroupedWgLauncher {
     p.slot_rows = BM;
     p.push_step_q = Cfg::kPushRowsPerStep;
     p.push_step_r = 0;
-    // x as {K, M rows} (a box of {64 k, BM rows}, 128-byte swizzle, as the dense launcher's map);
-    // the weight cells as {16 bits words, N / 16 pieces, G * KB k-block rows}, the scale bytes as
-    // {N, G * KB rows}: expert g's k-block kb is row g KB + kb.
+    // x as {K, M rows} and the experts' weights as G * KB k-block rows (expert g's k-block kb is
+    // row g KB + kb), mapped as the dense launcher maps them.
     CUtensorMap xmap, wmap, smap;
-    const uint64_t x_dims[2] = {uint64_t(a.k), uint64_t(a.m)};
-    const uint64_t x_strides[1] = {uint64_t(a.k) * 2};
-    const uint32_t x_box[2] = {uint32_t(32 * Cfg::kKCH), uint32_t(BM)};
-    std::string bad = encode_tensor_map(&xmap, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, a.x, x_dims, x_strides, x_box,
-                                        CU_TENSOR_MAP_SWIZZLE_128B);
-    const uint64_t rows = uint64_t(a.groups) * (a.k / 32), n = uint64_t(a.n);
-    const uint64_t w_dims[3] = {uint64_t(16 * BITS), n / 16, rows};
-    const uint64_t w_strides[2] = {uint64_t(16 * BITS * 4), n * BITS * 4};
-    const uint32_t w_box[3] = {uint32_t(16 * BITS), uint32_t(Cfg::kBN / 16), uint32_t(Cfg::kKCH)};
-    const uint64_t s_dims[2] = {n, rows}, s_strides[1] = {n};
-    const uint32_t s_box[2] = {uint32_t(Cfg::kBN), uint32_t(Cfg::kKCH)};
-    if (bad.empty())
-      bad = encode_tensor_map(&wmap, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, a.planes, w_dims, w_strides, w_box,
-                              CU_TENSOR_MAP_SWIZZLE_NONE);
-    if (bad.empty())
-      bad = encode_tensor_map(&smap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a.scales, s_dims, s_strides, s_box,
-                              CU_TENSOR_MAP_SWIZZLE_NONE);
+    std::string bad = encode_wgmma_x_map<Cfg>(&xmap, a.x, a.k, a.m, BM);
+    if (bad.empty()) bad = encode_wgmma_weight_maps<BITS, Cfg>(&wmap, &smap, a.planes, a.scales, a.n, a.groups * (a.k / 32));
     if (!bad.empty()) return "kbit_ragged_dot_wgmma_kernel: " + bad + " (" + shape(a) + ")";
     const ClusterLaunch launch(static_cast<unsigned>(ctas), Cfg::kThreads, Cfg::kSmemBytes, stream, 1);
     const WgGroups grp{a.group_sizes, static_cast<int>(a.groups)};
