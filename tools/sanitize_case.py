@@ -1,7 +1,8 @@
 """A small workload for compute-sanitizer (tools/gpu_check.sh): every CUDA kernel once per bits.
 
     python tools/sanitize_case.py [PART ...]   the named parts (default: all): small, clusters,
-                                               glu, wide5, wgmma, wgmma_f16, wgmma64 (racecheck
+                                               glu, wide5, wgmma, wgmma_f16, wgmma64, ragged
+                                               (racecheck
                                                over all of them takes minutes)
 """
 
@@ -126,7 +127,24 @@ def wgmma64():
                 jax.block_until_ready(kj.matmul(x.astype(jnp.float16), q))
 
 
-PARTS = {"small": small, "clusters": clusters, "glu": glu, "wide5": wide5, "wgmma": wgmma,
+def ragged():
+    # The grouped expert product (kbit_ragged_dot), bits 2..5, bf16, with and without a GLU: at
+    # decode sizes (4 and 12 rows over 8 experts, some without rows, and rows past the groups'
+    # sum, which the kernel zeroes) the warp-specialized kernel's grouped mode with its
+    # device-built schedule; at 40 rows per expert the wgmma kernel's grouped mode, one expert's
+    # tile per CTA; 64 experts with 1 row each the schedule over many groups.
+    cases = ((8, (1, 0, 2, 0, 1, 0, 0, 0), 5), (8, (3, 1, 0, 2, 0, 4, 1, 0), 12),
+             (8, (40, 40, 0, 40, 40, 40, 40, 40), 280), (64, (1,) * 64, 64))
+    for bits in (2, 3, 4, 5):
+        for g, sizes, m in cases:
+            q = kj.quantize(jax.random.normal(jax.random.key(bits + g), (g, 512, 256)), bits)
+            x = jax.random.normal(jax.random.key(m), (m, 512), jnp.bfloat16)
+            group_sizes = jnp.array(sizes, jnp.int32)
+            jax.block_until_ready(kj.ragged_dot(x, q, group_sizes))
+            jax.block_until_ready(kj.ragged_dot(x, q, group_sizes, glu="silu"))
+
+
+PARTS = {"small": small, "clusters": clusters, "glu": glu, "wide5": wide5, "wgmma": wgmma, "ragged": ragged,
          "wgmma_f16": wgmma_f16, "wgmma64": wgmma64}
 
 if __name__ == "__main__":
