@@ -1128,7 +1128,7 @@ static double time_variants(Timer& tm, kbit::cuda::MatmulArgs a, const WeightCop
 }
 
 // The launcher's k-split choice against every cluster size: for each shape (the ten above and
-// a Llama-3-70B layer's products per device at TP 2 and 4), bits 2, 4, 5 and M 1, 16 (or
+// a Llama-3-70B layer's products per device at TP 1, 2 and 4), bits 2, 4, 5 and M 1, 16 (or
 // KBIT_HARNESS_SWEEP_M), one line
 //   SWEEP <shape> K N bits M  <default us> <default k_split> <ctas>  then per forced size
 //   1..8: <us>/<k_split launched>/<ctas>   (a size the launcher rejects runs as another)
@@ -1147,7 +1147,7 @@ static void bench_sweep() {
   BenchEnv env(std::max<size_t>(16, *std::max_element(ms.begin(), ms.end())));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
   Timer tm;
-  const std::vector<Shape> shapes = shapes_and_llama70b_layers({2, 4});
+  const std::vector<Shape> shapes = shapes_and_llama70b_layers({1, 2, 4});
   for (const Shape& s : shapes)
     for (int bits : bits_list) {
       const WeightCopies w(env, s, bits);
@@ -1201,7 +1201,7 @@ static void bench_sweep() {
     }
 }
 
-// The ten shapes and a Llama-3-70B layer's products at TP 2 and 4, x `bits_list` x `ms`: each
+// The ten shapes and a Llama-3-70B layer's products at TP 1, 2 and 4, x `bits_list` x `ms`: each
 // case timed first with the launcher's own choice, then handed to `each(shape, a, w, us, dflt)`
 // with that time and the tuning the launch reported.
 template <class Each>
@@ -1209,7 +1209,7 @@ static void time_cases_after_default(const std::vector<int>& bits_list, const st
                                      Each each) {
   BenchEnv env(*std::max_element(ms.begin(), ms.end()));
   printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
-  for (const Shape& s : shapes_and_llama70b_layers({2, 4}))
+  for (const Shape& s : shapes_and_llama70b_layers({1, 2, 4}))
     for (int bits : bits_list) {
       const WeightCopies w(env, s, bits);
       for (int M : ms) {
