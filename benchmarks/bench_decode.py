@@ -381,8 +381,9 @@ def _profile_summary(path, steps):
     import profile_summary  # benchmarks/, next to this script
     try:
         trace = profile_summary.load_trace(path)
-        # The Llama layer's kbit products in order: q/k/v, o, gate/up, down (lm_head too when
-        # quantized, which breaks the period; the summary then says so).
+        # The Llama layer's kbit products in order: q/k/v, o, gate/up, down; the layers are found
+        # from the q/k/v product before each attention kernel, so a quantized lm_head is counted
+        # apart.
         kernels = profile_summary.kernel_events(trace)
         split = time_split(kernels, profile_summary.category)
         return "\n".join([time_split_text(split, steps),

@@ -139,33 +139,128 @@ def _gap_lines(gap, n, steps) -> list[str]:
     return lines
 
 
+#: Attention kernels (the Pallas decode attention: ``decode_attention_step``); a decoder layer's
+#: q/k/v product is the last kbit matmul before one. XLA's attention runs as fusions, which do not.
+ATTENTION = re.compile(r"attention", re.I)
+#: The grouped (expert, ``kbit_ragged_dot``) products: the fused kernels with a group operand, or
+#: the ragged SIMT kernel. A trace holding one is not a dense decoder's.
+GROUPED = re.compile(r"GroupParams|WgGroups|ragged", re.I)
+#: The kbit products of a dense decoder layer (`kbit_jax.models.decoder`: Attention then MLP), in
+#: order from the q/k/v product: q/k/v, the attention, o_proj, the norm, gate/up (SwiGLU in the
+#: kernel), down.
+DENSE_ROLES = ("q/k/v", "o_proj", "gate/up", "down")
+
+
+def _is_kbit_matmul(name: str) -> bool:
+    return category(name) == "kbit fused matmul"
+
+
+def qkv_products(kernels) -> list[int]:
+    """Indices (into `kernels`) of the q/k/v products: the last kbit matmul before each attention
+    kernel. Empty when the trace holds no attention kernel (XLA attention: fusions)."""
+    out, last = [], None
+    for i, (_, _, name) in enumerate(kernels):
+        if _is_kbit_matmul(name):
+            last = i
+        elif ATTENTION.search(name) and last is not None and (not out or out[-1] != last):
+            out.append(last)
+    return out
+
+
+def decoder_layers(kernels, period: int):
+    """The trace cut into decoder layers: ``(anchored, layers, apart, past)``. Anchored (the trace
+    has attention kernels): a layer runs from one q/k/v product to the next (the last one to the
+    trace's end) and is whole when it holds exactly ``period`` kbit matmul calls; a step's last
+    layer also holds the lm_head's call when the head is quantized, so it is not whole. Not
+    anchored: consecutive runs of ``period`` kbit matmul calls from the first, whose first
+    product's role is unknown. ``layers``: the whole layers as (first kernel index, end kernel
+    index, kbit call indices); ``apart``: the kbit call indices outside them; ``past``: those of
+    ``apart`` that follow the first ``period`` calls of a layer holding more (the lm_head at a
+    step's end; anchored only)."""
+    kbit = [i for i, (_, _, name) in enumerate(kernels) if _is_kbit_matmul(name)]
+    anchors = qkv_products(kernels)
+    if anchors:
+        bounds = anchors + [len(kernels)]
+        spans = [(a, b, [i for i in kbit if a <= i < b]) for a, b in zip(bounds, bounds[1:])]
+        layers = [span for span in spans if len(span[2]) == period]
+        past = [i for _, _, calls in spans if len(calls) > period for i in calls[period:]]
+    else:
+        starts = kbit[::period] + [len(kernels)]
+        layers = [(starts[j], starts[j + 1], kbit[j * period:(j + 1) * period])
+                  for j in range(len(kbit) // period)]
+        past = []
+    inside = {i for _, _, calls in layers for i in calls}
+    return bool(anchors), layers, [i for i in kbit if i not in inside], past
+
+
+def _roles(kernels, anchored: bool, period: int) -> list[str]:
+    """Labels of a layer's kbit products in order: `DENSE_ROLES` for a dense decoder's layers of 4
+    anchored at their q/k/v product (no grouped expert product in the trace); otherwise "q/k/v"
+    first when anchored and positions for the rest."""
+    if anchored and period == len(DENSE_ROLES) and not any(GROUPED.search(name) for _, _, name in kernels):
+        return list(DENSE_ROLES)
+    return (["q/k/v"] if anchored else ["position 0"]) + [f"position {k}" for k in range(1, period)]
+
+
 def _kbit_by_position(kernels, steps, period) -> list[str]:
-    """Median time of the kbit matmul calls by their position modulo ``period`` (e.g. 4 in a
-    decoder layer with q/k/v, o, gate/up and down projections), in order of execution."""
-    calls = [e - s for s, e, name in kernels if category(name) == "kbit fused matmul"]
-    if not calls or len(calls) % period:
-        return [f"kbit matmul calls: {len(calls)}, not a multiple of {period}; no per-position times"]
-    lines = [f"kbit matmul time by position in a period of {period} calls (median, min, max us):"]
-    for i in range(period):
-        t = sorted(calls[i::period])
-        lines.append(f"  position {i}: {t[len(t) // 2]:8.1f} {t[0]:8.1f} {t[-1]:8.1f}  x{len(t) / steps:.1f} per step")
+    """Median time of the kbit matmul calls by their position in a decoder layer (`decoder_layers`:
+    from the q/k/v product when the trace has attention kernels), in order of execution; the calls
+    outside whole layers (the lm_head, a step's last layer with it) are counted apart."""
+    anchored, layers, apart, past = decoder_layers(kernels, period)
+    n_kbit = sum(1 for _, _, name in kernels if _is_kbit_matmul(name))
+    if not anchored and (not n_kbit or n_kbit % period):
+        return [f"kbit matmul calls: {n_kbit}, not a multiple of {period} and no attention kernel to "
+                f"find the layers by; no per-position times"]
+    if not layers:
+        return [f"kbit matmul calls: {n_kbit}, no layer of {period} from one q/k/v product to the next; "
+                f"no per-position times"]
+    roles = _roles(kernels, anchored, period)
+    start = "from the q/k/v product" if anchored else "from the first call; the first product's role is unknown"
+    lines = [f"kbit matmul time by position in a layer of {period} calls ({start}; "
+             f"{len(layers) / steps:.1f} whole layers per step; median, min, max us):"]
+    for k in range(period):
+        t = sorted(kernels[calls[k]][1] - kernels[calls[k]][0] for _, _, calls in layers)
+        lines.append(f"  {roles[k] + ':':<11s} {t[len(t) // 2]:8.1f} {t[0]:8.1f} {t[-1]:8.1f}  "
+                     f"x{len(t) / steps:.1f} per step")
+    if apart:
+        total = sum(kernels[i][1] - kernels[i][0] for i in apart)
+        lines.append(f"  outside whole layers: x{len(apart) / steps:.1f} per step, {total / steps:.1f} us per step")
+    if past:
+        t = sorted(kernels[i][1] - kernels[i][0] for i in past)
+        lines.append(f"    of them after a layer's {period} products (at a step's end: the lm_head): "
+                     f"x{len(t) / steps:.1f} per step, median {t[len(t) // 2]:.1f} us")
     return lines
 
 
 def layer_sequence(kernels, period: int = 4) -> str:
-    """The kernels of one decoder layer in the middle of the trace, in order: start (from the
-    layer's first kbit matmul), idle gap before, duration, name. A layer is ``period``
-    consecutive kbit matmul calls, so the listing runs from one q/k/v projection to the next;
-    it shows which kernels the idle gaps precede and what a collective costs in place."""
-    kbit = [i for i, (_, _, name) in enumerate(kernels) if category(name) == "kbit fused matmul"]
-    if len(kbit) < 2 * period:
-        return f"layer sequence: {len(kbit)} kbit matmul calls, fewer than two periods of {period}"
-    first = kbit[(len(kbit) // period // 2) * period]
-    last = kbit[kbit.index(first) + period]
+    """The kernels of one whole decoder layer in the middle of the trace (`decoder_layers`), in
+    order: start (from the layer's first kbit matmul), idle gap before, duration, role (with
+    attention kernels in the trace: q/k/v, then o_proj, gate/up, down in a dense decoder's layers
+    of 4, positions otherwise), name. With attention kernels in the trace the listing runs from
+    one q/k/v product to the next and holds no step boundary (no lm_head); it shows which kernels
+    the idle gaps precede and what a collective costs in place."""
+    anchored, layers, _, _ = decoder_layers(kernels, period)
+    # A listing ends at the next layer's first product, not at the trace's end (only the last
+    # layer can run to it).
+    ended = [layer for layer in layers if layer[1] < len(kernels)]
+    if not ended:
+        n_kbit = sum(1 for _, _, name in kernels if _is_kbit_matmul(name))
+        if anchored:
+            return (f"layer sequence: {n_kbit} kbit matmul calls, no layer of {period} from one q/k/v "
+                    f"product to the next")
+        return f"layer sequence: {n_kbit} kbit matmul calls, fewer than two periods of {period}"
+    first, last, calls = ended[min(len(layers) // 2, len(ended) - 1)]
+    roles = _roles(kernels, anchored, period)
+    role_of = dict(zip(calls, roles)) if anchored else {}
+    start = ("from its q/k/v product" if anchored else
+             f"{period} kbit matmul calls; no attention kernel in the trace, so the first product's role is unknown")
     t0, end = kernels[first][0], kernels[first][0]
-    lines = [f"one layer's kernels ({last - first}): start us, gap us, duration us, name"]
-    for s, e, name in kernels[first:last]:
-        lines.append(f"  {s - t0:8.1f} {max(0.0, s - end):6.1f} {e - s:8.1f}  {name[:90]}")
+    lines = [f"one layer's kernels ({last - first}, {start}): start us, gap us, duration us, "
+             + ("role, name" if anchored else "name")]
+    for i in range(first, last):
+        s, e, name = kernels[i]
+        role = f"{role_of.get(i, ''):<10s} " if anchored else ""
+        lines.append(f"  {s - t0:8.1f} {max(0.0, s - end):6.1f} {e - s:8.1f}  {role}{name[:90]}")
         end = max(end, e)
     return "\n".join(lines)
 
@@ -213,9 +308,10 @@ def main():
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--period", type=int, default=0,
-                   help="also give the kbit matmul times by call position modulo this (4 for a Llama layer)")
+                   help="also give the kbit matmul times by position in a decoder layer of this many calls "
+                        "(4 for a Llama layer: q/k/v, o_proj, gate/up, down)")
     p.add_argument("--layer", action="store_true",
-                   help="also list one layer's kernels in order (a period of kbit matmul calls)")
+                   help="also list one decoder layer's kernels in order (from one q/k/v product to the next)")
     args = p.parse_args()
     for path in args.paths:
         print(f"== {path}")

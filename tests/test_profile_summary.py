@@ -5,6 +5,9 @@ categories are checked here."""
 import os
 import sys
 
+import numpy as np
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import profile_summary  # noqa: E402
 
@@ -96,9 +99,115 @@ def test_layer_sequence_lists_one_period_from_the_middle_with_gaps():
             t += dur
     text = profile_summary.layer_sequence(profile_summary.kernel_events(trace(events)), period=2)
     lines = text.splitlines()
-    assert lines[0].startswith("one layer's kernels (3)")
+    assert lines[0].startswith("one layer's kernels (3, 2 kbit matmul calls; no attention kernel in the trace")
     rows = [line.split(None, 3) for line in lines[1:]]
     # the middle layer (index 2 of 4) starts at its first kbit call
     assert [r[3] for r in rows] == [kbit[:90], "psum_2_fusion", kbit[:90]]
     assert [r[0] for r in rows] == ["0.0", "13.0", "18.5"] and [r[1] for r in rows] == ["0.0", "3.0", "0.5"]
     assert "fewer than two periods" in profile_summary.layer_sequence(profile_summary.kernel_events(trace(events[:3])), 2)
+
+
+KBIT = "void kbit::cuda::fused::kbit_matmul_ws_kernel<4, kbit::cuda::ActBF16, 1, 1>(kbit::cuda::fused::Params)"
+#: One dense decoder layer's kernels as the Pallas path runs them: (name, duration us), the q/k/v
+#: product first. Durations are a Llama-3-70B-like step's (H200, 4 bits, batch 1).
+LAYER = [(KBIT, 19.6), ("decode_attention_step", 5.9), (KBIT, 13.2), ("add_rms_norm__1", 3.2),
+         (KBIT, 70.8), (KBIT, 35.6), ("add_rms_norm__1", 3.3)]
+ROLES = {0: "q/k/v", 2: "o_proj", 4: "gate/up", 5: "down"}
+
+
+def decode_steps(steps, layers, head=(KBIT, 60.0), attention="decode_attention_step", jitter=0.0):
+    """(start, end, name) of `steps` decode steps of a dense decoder: the embedding and rotary
+    fusions, `layers` layers (`LAYER`), the final norm, the lm_head (None: none) and sampling;
+    0.1 us between kernels. With `jitter` each product's time varies by up to that much, fresh
+    per call."""
+    rng = np.random.default_rng()
+    out, t = [], 0.0
+    def put(name, dur):
+        nonlocal t
+        t += 0.1
+        out.append((t, t + dur, name))
+        t += dur
+    for _ in range(steps):
+        put("loop_gather_fusion", 1.5)
+        put("loop_cosine_fusion", 1.3)
+        for _ in range(layers):
+            for name, dur in LAYER:
+                if name == "decode_attention_step":
+                    name = attention
+                put(name, dur + (rng.uniform(-jitter, jitter) if name == KBIT else 0.0))
+        put("add_rms_norm", 2.7)
+        if head:
+            put(*head)
+        put("input_reduce_fusion", 1.8)
+    return out
+
+
+def test_layer_sequence_starts_at_qkv_with_a_quantized_head():
+    # 80 layers and a quantized head: 321 kbit calls per step, so a period of 4 from the first
+    # call drifts off the layer; the listing starts at the product before the attention.
+    kernels = decode_steps(steps=3, layers=80)
+    text = profile_summary.layer_sequence(kernels, period=4)
+    lines = text.splitlines()
+    assert lines[0].startswith("one layer's kernels (7, from its q/k/v product)") and "role, name" in lines[0]
+    rows = [line.split(None, 3) for line in lines[1:]]
+    assert [float(r[2]) for r in rows] == [d for _, d in LAYER]
+    for k, (name, _) in enumerate(LAYER):
+        if k in ROLES:
+            assert rows[k][3].split(None, 1) == [ROLES[k], KBIT[:90]]
+        else:
+            assert rows[k][3] == name
+    assert "add_rms_norm " not in text and "input_reduce" not in text   # no step boundary in it
+
+
+def test_kbit_by_position_from_qkv_with_the_head_counted_apart():
+    steps, layers = 4, 10
+    kernels = decode_steps(steps, layers, jitter=0.5)
+    text = profile_summary.summarize(kernels, steps=steps, period=4)
+    assert "not a multiple" not in text
+    (header,) = [line for line in text.splitlines() if line.startswith("kbit matmul time by position")]
+    # a step's last layer holds the head's call too: 9 whole layers per step
+    assert "from the q/k/v product" in header and "9.0 whole layers per step" in header
+    rows = {line.split(":")[0].strip(): line.split(":", 1)[1].split()
+            for line in text.splitlines() if line.strip().split(":")[0] in ROLES.values()}
+    assert list(rows) == ["q/k/v", "o_proj", "gate/up", "down"]
+    kbit = [k for k in kernels if k[2] == KBIT]
+    per_step = 4 * layers + 1
+    for nth, role in enumerate(ROLES.values()):
+        # the role's calls in whole layers: the nth product of every layer but a step's last
+        times = sorted(kbit[s * per_step + 4 * j + nth][1] - kbit[s * per_step + 4 * j + nth][0]
+                       for s in range(steps) for j in range(layers - 1))
+        median, low, high, count = rows[role][:4]
+        assert float(median) == pytest.approx(times[len(times) // 2], abs=0.06)
+        assert float(low) == pytest.approx(times[0], abs=0.06) and float(high) == pytest.approx(times[-1], abs=0.06)
+        assert count == "x9.0"
+    (apart,) = [line for line in text.splitlines() if "outside whole layers" in line]
+    # a step's last layer (four products) and the head, per step
+    outside = sum(e - s for step in range(steps)
+                  for s, e, _ in kbit[(step + 1) * per_step - 5:(step + 1) * per_step])
+    assert apart.split(":")[1].split()[:4] == ["x5.0", "per", "step,", f"{outside / steps:.1f}"]
+    (head,) = [line for line in text.splitlines() if "after a layer's 4 products" in line]
+    assert head.split(":")[-1].split() == ["x1.0", "per", "step,", "median", "60.0", "us"]
+
+
+def test_no_attention_kernel_falls_back_to_periods_from_the_first_call():
+    # XLA attention: fusions between the products, no attention kernel to anchor a layer on.
+    kernels = decode_steps(steps=2, layers=6, head=None, attention="loop_softmax_fusion")
+    text = profile_summary.layer_sequence(kernels, period=4)
+    assert "first product's role is unknown" in text.splitlines()[0]
+    assert "q/k/v" not in text and "o_proj" not in text
+    summary = profile_summary.summarize(kernels, steps=2, period=4)
+    assert "the first product's role is unknown" in summary
+    assert [line.split()[:2] for line in summary.splitlines() if line.strip().startswith("position")] == \
+        [["position", f"{k}:"] for k in range(4)]
+    # with the head the count is no multiple of the period, and nothing anchors the layers
+    with_head = decode_steps(steps=2, layers=6, attention="loop_softmax_fusion")
+    assert "not a multiple of 4 and no attention kernel" in profile_summary.summarize(with_head, 2, period=4)
+
+
+def test_grouped_expert_products_keep_only_the_qkv_label():
+    grouped = KBIT.replace("1, 1>", "1, 1, kbit::cuda::fused::GroupParams>")
+    # the MLP's products (70.8 and 35.6 us) as grouped expert products
+    kernels = [(s, e, grouped if name == KBIT and e - s > 30 else name)
+               for s, e, name in decode_steps(steps=2, layers=6, head=None)]
+    text = profile_summary.layer_sequence(kernels, period=4)
+    assert "q/k/v" in text and "o_proj" not in text and "position 1" in text
