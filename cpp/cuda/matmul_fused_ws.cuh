@@ -348,7 +348,10 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
         if (p.balanced) {
           int peer = 0;
           const int role = walk.piece_role(cur, peer);
-          reducer.finish_piece(acc, item_seq++, role, peer, warp, lane, store);
+          if (last_item && role != kPieceSend && NW > 1)
+            reducer.finish_last_piece(acc, item_seq++, role, peer, warp, lane, store);
+          else
+            reducer.finish_piece(acc, item_seq++, role, peer, warp, lane, store);
           return;
         }
       }
