@@ -27,6 +27,13 @@ inline int m_tiles(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 
 // critical path it must have against the uniform k-split's.
 constexpr int kBalancedMaxRanks = 4;
 constexpr double kBalancedGain = 0.9;
+// In one block of 8 rows (MT = 1) of the dense product the path may be 0.95 of the uniform
+// split's: a CTA's last piece ends there as a whole item does (ItemReducer::finish_last_piece),
+// and Llama-3-8B gate/up (K 4096, N 28672: 448 items, 28 chunks a rank against 32) takes 0.93x
+// the time balanced at M = 1 and 8 (H200, bits 4: 23.4 us against 25.2). On the ten layers and
+// Llama-3-70B's at TP 1, 2 and 4 it picks nothing else than 0.9 does at M = 1 and 8 (bits 2 and
+// 3 plan as bits 4 there).
+constexpr double kBalancedGainOneTile = 0.95;
 // Whether the launcher may choose chunk-balanced clusters (ItemWalk): yes unless the environment
 // has KBIT_JAX_BALANCE=0 (read once per process; for comparisons).
 inline bool balanced_clusters_enabled() {
@@ -191,7 +198,8 @@ struct Planner {
       const int want = tuning && tuning->balance >= 0 ? tuning->balance : balanced_clusters_enabled() ? -1 : 0;
       constexpr int kRecv = WsConfig<BITS, MT, V>::Reducer::kMaxRanks - 1;
       const int nchi = chunks_per_item(KB);
-      double best_bal = want == 1 ? 1e30 : kBalancedGain * best_cost;
+      const double gain = MT == 1 && BITS <= 4 && !kGrouped ? kBalancedGainOneTile : kBalancedGain;
+      double best_bal = want == 1 ? 1e30 : gain * best_cost;
       const int ks_top = want == 1 ? ks_max : std::min(ks_max, kBalancedMaxRanks);
       for (int ks = 2; want != 0 && ks <= ks_top; ++ks) {
         if (!size_allowed(ks)) continue;
