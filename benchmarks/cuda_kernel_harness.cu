@@ -969,13 +969,13 @@ static std::array<Shape, 4> llama70b_layer(int tp) {
            {"down", 28672 / tp, 8192}}};
 }
 
-// The ten shapes, Llama-3-8B's decode products that are not among them (fused q/k/v, o, fused
-// gate/up), then the Llama-3-70B layer's products at each of `tps` that are not among them
+// The ten shapes, Llama-3-8B's decode products that are not among them (q/k/v and gate+up, each
+// one fused product, and o), then the Llama-3-70B layer's products at each of `tps` that are not among them
 // (TP 2's gate/up is llama3-70b.gate_up).
 static std::vector<Shape> shapes_and_llama70b_layers(const std::vector<int>& tps) {
   std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
   for (const Shape& s : {Shape{"llama3-8b.qkv", 4096, 6144}, Shape{"llama3-8b.o", 4096, 4096},
-                         Shape{"llama3-8b.gate_up2", 4096, 28672}})
+                         Shape{"llama3-8b.gate+up", 4096, 28672}})
     shapes.push_back(s);
   for (int tp : tps)
     for (const Shape& s : llama70b_layer(tp))
