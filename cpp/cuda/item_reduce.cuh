@@ -204,6 +204,14 @@ struct ItemReducer {
     }
   }
 
+  // add_received for float4 group e4 alone (the shared last-item ends: warp e4 owns group e4).
+  __device__ void add_received_group(float4& v, int n, int e4, int lane) const {
+    for (int s = 0; s < n; ++s) {
+      const float4 q = lds128f(recv_slot_addr(s, e4, lane));
+      v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
+    }
+  }
+
   // The CTA's sum of its seq-th item (seq = 0, 1, ... per CTA), called by every consumer warp:
   // the non-leaders leave their sums in their slots and return false; the leader adds every
   // warp's into v (warp order) and returns true.
@@ -302,10 +310,7 @@ struct ItemReducer {
       }
       if (warp == 0 && lane == 0) mbar_arrive_expect_tx(cl_full + 8 * leader, uint32_t((ks - 1) * kSlotBytes));
       mbar_wait<true>(cl_full + 8 * leader, uint32_t(seq / NW) & 1u);
-      for (int s = 0; s < ks - 1; ++s) {  // ranks 1..ks-1, in rank order
-        const float4 q = lds128f(recv_slot_addr(s, e4, lane));
-        v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
-      }
+      add_received_group(v, ks - 1, e4, lane);  // ranks 1..ks-1
     }
     store.group(e4, v);
   }
@@ -385,10 +390,7 @@ struct ItemReducer {
       if (role == kPieceOwn) {
         if (warp == 0 && lane == 0) mbar_arrive_expect_tx(cl_full, uint32_t(peer * kSlotBytes));
         mbar_wait<true>(cl_full, 0);
-        for (int s = 0; s < peer; ++s) {  // ranks rank+1 .. rank+peer
-          const float4 q = lds128f(recv_slot_addr(s, e4, lane));
-          v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
-        }
+        add_received_group(v, peer, e4, lane);  // ranks rank+1 .. rank+peer
       }
       store.group(e4, v);
     }
