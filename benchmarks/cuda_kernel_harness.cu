@@ -11,6 +11,8 @@
 //   build/cuda_kernel_harness layers             a Llama-3-70B layer's products at TP 1, 2, 4, M = 1
 //   build/cuda_kernel_harness prefetch           the same products after an idle gap, with and without
 //                                                an L2 prefetch of their weights issued before the gap
+//   build/cuda_kernel_harness chain              a Llama-3-8B layer's products and norms in one CUDA
+//                                                graph: plain launches against a PDL chain
 //   build/cuda_kernel_harness host               host time of a launch and of its parts
 //   build/cuda_kernel_harness sweep              every cluster size (k-split) vs the launcher's choice
 //   build/cuda_kernel_harness narrow             M <= 8 in the 16-row tilings' 32-column groups
@@ -69,6 +71,7 @@
 
 #include "cuda/codes.cuh"
 #include "cuda/common.cuh"
+#include "cuda/dependent_launch.cuh"
 #include "cuda/fast_div.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/tma.cuh"
@@ -1643,6 +1646,117 @@ static void bench_prefetch() {
   }
 }
 
+// ---- Chained launches: a decoder layer's products and norms in one graph, with and without PDL ----
+
+// The residual add + RMSNorm between two products (r += x; y = r * rsqrt(mean(r^2) + eps) * w)
+// over one row of n bf16 values, one CTA of 512 threads; dependent_launch.cuh's contract (global
+// memory only after pdl_wait), so it can be launched as a programmatic dependent.
+__global__ void __launch_bounds__(512) add_rms_norm_row(const __nv_bfloat16* x, __nv_bfloat16* r,
+                                                        const __nv_bfloat16* w, __nv_bfloat16* y, int n) {
+  kbit::cuda::pdl_allow_dependents();
+  kbit::cuda::pdl_wait();
+  __shared__ float part[16];
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = __bfloat162float(x[i]) + __bfloat162float(r[i]);
+    r[i] = __float2bfloat16(v);
+    ss += v * v;
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float tot = 0.f;
+  for (int i = 0; i < int(blockDim.x >> 5); ++i) tot += part[i];
+  const float inv = rsqrtf(tot / n + 1e-5f);
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    y[i] = __float2bfloat16(__bfloat162float(r[i]) * inv * __bfloat162float(w[i]));
+}
+
+// One Llama-3-8B decoder layer as a decode step runs it after attention (bits 2 and 4, M = 1
+// and 8): o, add + RMSNorm, gate/up (GLU epilogue), down, add + RMSNorm, the next layer's q/k/v,
+// each layer on weights of its own (cold), captured into one CUDA graph per batch of layers:
+//   plain:    every kernel a plain launch (as XLA's command buffers run custom calls today)
+//   chained:  every kernel after o a programmatic dependent launch of the one before it, which a
+//             chain of kernels inside one custom call keeps in the graph: a kernel's CTAs set up
+//             and prefetch their first weights while its predecessor's last CTAs finish.
+// Each graph starts its layers after an idle kernel (attention's stand-in, timed alone and
+// subtracted), so o starts on an idle GPU in all of them.
+static void bench_chain() {
+  using namespace kbit::cuda;
+  BenchEnv env(8);
+  printf("device: %s; device-to-device copy: %.0f GB/s\n", env.prop.name, env.copy_gbs);
+  const Shape layer[4] = {{"o", 4096, 4096}, {"gate+up", 4096, 28672}, {"down", 14336, 4096}, {"qkv", 4096, 6144}};
+  __nv_bfloat16 *r, *nw, *h;
+  CK(cudaMalloc(&r, 4096 * 8 * 2)); CK(cudaMalloc(&nw, 4096 * 2)); CK(cudaMalloc(&h, 8 * 14336 * 2));
+  CK(cudaMemset(r, 0, 4096 * 8 * 2)); CK(cudaMemset(nw, 0x3f, 4096 * 2)); CK(cudaMemset(h, 0, 8 * 14336 * 2));
+  Timer tm;
+  constexpr unsigned kGapNs = 4000;
+  struct Variant { const char* name; bool chained, gap_only; };
+  const Variant variants[] = {{"plain", false, false}, {"chained", true, false}, {"gap", false, true}};
+  for (int bits : {4, 2}) {
+    size_t off[4], plane_bytes[4], scale_bytes[4], stride = 0;
+    for (int p = 0; p < 4; ++p) {
+      const size_t KB = layer[p].K / 32;
+      plane_bytes[p] = KB * layer[p].N * bits * 4;
+      scale_bytes[p] = KB * layer[p].N;
+      off[p] = stride;
+      stride += (plane_bytes[p] + 255) / 256 * 256 + (scale_bytes[p] + 255) / 256 * 256;
+    }
+    auto planes_at = [&](int l, int p) { return env.pool + l * stride + off[p]; };
+    auto scales_at = [&](int l, int p) { return planes_at(l, p) + (plane_bytes[p] + 255) / 256 * 256; };
+    const int layers = int(std::min<size_t>(24, BenchEnv::kPoolBytes / stride));
+    for (int l = 0; l < layers; ++l)
+      for (int p = 0; p < 4; ++p) tame_scales<<<1024, 256>>>(scales_at(l, p), scale_bytes[p]);
+    CK(cudaDeviceSynchronize());
+    double bytes = 0;
+    for (int p = 0; p < 4; ++p) bytes += double(plane_bytes[p] + scale_bytes[p]);
+    for (int m : {1, 8}) {
+      double t[3];
+      const int nv = int(sizeof(variants) / sizeof(variants[0]));
+      for (int v = 0; v < nv; ++v) {
+        const Variant& var = variants[v];
+        std::string err;
+        auto run = [&](int call, cudaStream_t s) {
+          idle_gap<<<1, 32, 0, s>>>(kGapNs);
+          if (var.gap_only) return;
+          const int l = call % layers;
+          auto product = [&](int p, const void* x, void* y, int glu) {
+            MatmulArgs a = env.matmul_args(layer[p], bits, m);
+            a.x = x; a.y = y; a.glu = glu;
+            a.planes = reinterpret_cast<const uint32_t*>(planes_at(l, p));
+            a.scales = scales_at(l, p);
+            MatmulTuning tune;
+            tune.dependent = (var.chained && p != 0) ? 1 : 0;
+            const std::string e = launch_matmul(a, s, &tune);
+            if (!e.empty() && err.empty()) err = e;
+          };
+          auto norm = [&](void* y) {
+            const ClusterLaunch lc(1, 512, 0, s, 1, var.chained);
+            if (cudaLaunchKernelEx(&lc.cfg, add_rms_norm_row, static_cast<const __nv_bfloat16*>(env.y), r,
+                                   static_cast<const __nv_bfloat16*>(nw), static_cast<__nv_bfloat16*>(y), 4096) !=
+                cudaSuccess && err.empty())
+              err = "norm launch failed";
+          };
+          product(0, env.x, env.y, 0);
+          norm(env.x);
+          product(1, env.x, h, 1);
+          product(2, h, env.y, 0);
+          norm(env.x);
+          product(3, env.x, env.y, 0);
+        };
+        t[v] = tm.median_graph_us(run, 7, layers);
+        if (!err.empty()) { printf("  ERROR %s\n", err.c_str()); ++g_failures; }
+      }
+      const double gap = t[nv - 1];
+      printf("CHAIN llama3-8b layer bits %d M %d (us per layer; bytes at copy rate %.2f us, gap %.2f us subtracted):",
+             bits, m, bytes / (env.copy_gbs * 1e3), gap);
+      for (int v = 0; v + 1 < nv; ++v) printf("  %s %.2f (%.3fx)", variants[v].name, t[v] - gap, (t[v] - gap) / (t[0] - gap));
+      printf("\n");
+    }
+  }
+  cudaFree(r); cudaFree(nw); cudaFree(h);
+}
+
 // Host time of one launch_matmul call and of its parts, in us per call (median of 9 batches of
 // 200 calls, the GPU queue never full): a decode step issues ~4 kbit products per layer, and
 // when the host launches slower than the GPU runs them, the GPU idles (XLA command buffers,
@@ -1851,7 +1965,7 @@ int main(int argc, char** argv) {
   }
   const std::pair<const char*, void (*)()> timing_modes[] = {
       {"sweep", bench_sweep}, {"narrow", bench_narrow}, {"wide5", bench_wide5}, {"host", bench_host},
-      {"layers", bench_layers}, {"sel", bench_sel}, {"prefetch", bench_prefetch},
+      {"layers", bench_layers}, {"sel", bench_sel}, {"prefetch", bench_prefetch}, {"chain", bench_chain},
       {"rows", bench_rows}, {"split", bench_split_last}, {"wgplans", bench_wgmma_plans},
       {"tiles", bench_tiles}, {"balance", bench_balance}};
   for (const auto& [name, run] : timing_modes)

@@ -15,6 +15,9 @@
 #                                                 cluster-size sweep, ~1 s a run, for A/B rounds)
 #   tools/kernel_profile.sh prefetch             those products after an idle gap, with and without
 #                                                 an L2 prefetch of their weights before the gap
+#   tools/kernel_profile.sh chain                a Llama-3-8B layer's products and norms in one CUDA
+#                                                 graph: plain launches against a chain of
+#                                                 programmatic dependent launches
 #   tools/kernel_profile.sh repeat BITS DTYPE B M K N KS VARIANT REPS   one test case launched
 #                                                 REPS times, every run checked (the harness's
 #                                                 "repeat": a hunt for intermittent failures)
@@ -88,6 +91,7 @@ case $mode in
   sel) "$bin" sel | tee "$OUT/sel${TAG:-}.log" | grep -E "^SEL|copy" ;;
   layers) "$bin" layers | tee "$OUT/layers${TAG:-}.log" ;;
   prefetch) "$bin" prefetch | tee "$OUT/prefetch${TAG:-}.log" ;;
+  chain) "$bin" chain | tee "$OUT/chain${TAG:-}.log" ;;
   repeat) timeout 300 "$bin" repeat "$@" > "$OUT/repeat${TAG:-}.log" 2>&1; echo "harness repeat rc=$?"
           grep -E "^REPEAT [0-9]+ of|^repeat" "$OUT/repeat${TAG:-}.log" ;;
   host) "$bin" host | tee "$OUT/host${TAG:-}.log" ;;

@@ -67,7 +67,8 @@ struct Launcher : Planner<BITS, Act, MT, V, WS, kGrouped> {
     prm.vec16 = ((a.n * BITS) % 4 == 0 && (reinterpret_cast<uintptr_t>(a.planes) & 15) == 0) ? 1 : 0;
     prm.scale_bytes = a.batch * int64_t(KB) * a.n;
     // (the cp.async kernel does not keep dependent_launch.cuh's contract: plain launches)
-    const bool dependent = WS && dependent_launch_enabled(stream);
+    const bool dependent =
+        WS && (tuning && tuning->dependent >= 0 ? tuning->dependent == 1 : dependent_launch_enabled(stream));
     prm.inputs_ready = dependent ? 0 : 1;
     prm.glu = a.glu;
     const WalkDivs dv{FastDiv(ks), FastDiv(static_cast<int>(ncl)), FastDiv(static_cast<int>(pl.m_blocks)),

@@ -54,6 +54,9 @@ struct MatmulTuning {
   int wg_split_last = -1;      // wgmma kernel: a last round of tiles that fills half the GPU or less split over
                                // 2-CTA clusters (WgLauncher::plan): 1 = wherever so, 0 = never, -1 = the
                                // launcher picks (ignored where k_split is set)
+  int dependent = -1;          // warp-specialized kernel: 1 = a programmatic dependent launch even while the
+                               // stream is captured (a chain of kernels in one graph), 0 = a plain launch,
+                               // -1 = dependent_launch_enabled decides
   MatmulLaunchReport* report = nullptr;  // where the launcher writes what it chose (or nowhere)
 };
 
