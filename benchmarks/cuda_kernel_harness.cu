@@ -599,8 +599,7 @@ static void diagnose_matmul_run(const MMCase& c, const std::vector<double>& ref,
   printf("%s\n", tiles.size() > 32 ? " ..." : "");
 }
 
-// The launchers' choices where their fitted prices decide (Config::chunk_cost and Planner::plan
-// in matmul_fused_config.cuh / matmul_fused_plan.cuh, WgLauncher in matmul_wgmma.cuh), each the
+// The launchers' choices where their fitted terms decide (cpp/cuda/plan_terms.h), each the
 // faster option in the timings the prices were fitted on: bf16 at M = 9..16 on a wide, short
 // layer (K 256, N 32768) takes the N-split tiling in blocks of 16 rows, bf16 on a narrow layer
 // (K 5120, N 2048) a 16-row tiling (variant 0 or 1). fp16 on Llama-3-8B gate/up (K 4096,
@@ -1314,8 +1313,8 @@ static void bench_tiles() {
 
 // The warp-specialized kernel's cluster sizes at M <= 16, uniform k-split and chunk-balanced
 // (ItemWalk) alike, in the launcher's own tiling (V0, V1 or V4; the N-split tiling has no
-// balanced form): the data Launcher::plan's choice between them (kBalancedMaxRanks,
-// kBalancedGain) is fitted on. One line per case,
+// balanced form): the data Launcher::plan's choice between them (plan_terms.h's
+// kBalancedMaxRanks, kBalancedGain) is fitted on. One line per case,
 //   BALANCE <shape> K N bits M <default us> v<variant>/<k_split>/<ctas>/<balanced> <plan cost>
 //           then per cluster size ks = 1..8: u<ks> <us>/<ctas>/<plan cost>  (uniform k-split)
 //           and from 2: b<ks> <us>/<ctas>/<plan cost>  ("b<ks> -" where it cannot be balanced)
@@ -1377,7 +1376,7 @@ static void bench_sel() {
 //   ROWS <shape> K N bits M <16-row us> <N-split us> <default us> <cp.async us> <default / best>
 //        v<the default's variant>/<rows of its blocks> plan <16-row cost> <N-split cost> <its price>
 // (the plan costs of matmul_fused.cuh's launcher, MatmulLaunchReport::planned_*, from one more launch
-// with its own choice: what benchmarks/nsplit_price_fit.py fits the N-split prices on)
+// with its own choice: the data the N-split prices, terms::nsplit_price, are fitted on)
 // KBIT_HARNESS_ROWS_M="1 4 16" times other M (1..128) instead, KBIT_HARNESS_ROWS_BITS="2 3 4 5"
 // other bits, and KBIT_HARNESS_ROWS_TP="2 4" adds a Llama-3-70B layer's products at those
 // tensor-parallel sizes to the ten shapes.

@@ -1,6 +1,5 @@
 // kbit_matmul dispatch: the fused tensor-core kernels where they apply (matmul_wgmma.cuh for
-// bf16 and fp16 at kWgmmaMinRows..kWgmmaMaxRows rows, from kWgmmaEarlyMinRows for the products
-// wgmma_rule_rows calls early, and to kWgmmaWideBitsMaxRows at bits 5; matmul_fused.cuh
+// bf16 and fp16 in the rows of wgmma_rule_rows, whose terms are in plan_terms.h; matmul_fused.cuh
 // otherwise), the generic SIMT kernel (matmul_generic.cu) elsewhere; plus the build information
 // of the module.
 #include <algorithm>
@@ -8,6 +7,7 @@
 #include <cstdlib>
 
 #include "cuda/common.cuh"
+#include "cuda/plan_terms.h"
 
 namespace kbit::cuda {
 
@@ -21,41 +21,21 @@ template <int BITS>
 std::string launch_wgmma_bits(const MatmulArgs& a, cudaStream_t stream, const MatmulTuning* tuning);
 }  // namespace wgmma
 
-// Rows of x for which bf16 and fp16 products take the wgmma kernel (matmul_wgmma.cuh) instead of
-// matmul_fused.cuh's. The rule is fitted on bf16 products, whose alternatives in matmul_fused.cuh
-// are the faster (fp16 has no scaled-weights N-split path), so fp16 takes the same rows. Timed
-// with both kernels on every case (H200, the ten benchmark shapes and Llama-3-70B's per-device
-// layers at TP 2 and 4, bits 2-5, M = 17..64, launched as JAX runs them):
-//  * From 40 rows the wgmma kernel is the faster on every case (the N = 2048 layers at bits 2-4
-//    included), so every product takes it from kWgmmaMinRows.
-//  * At 17..32 it wins on every N of 2560..8192 (the Llama-3-70B layers at TP 1-4: 0.62-0.98x
-//    the fused kernel's time) but Llama-3-8B down (K 14336, N 4096) at bits 3-4, at bits 5 on
-//    every N, and on the wide layers of at most 48 Mi weights (Qwen3 gate/up at bits 2, M = 17:
-//    9.5 against 15.1 us, where the fused kernel's 16-row blocks leave 160 items for 132 SMs);
-//    the fused kernel keeps the Llama gate/up layers (N >= 14336, by 1.04-1.12x) and N = 2048 at
-//    bits 2-4 (by up to 1.10x). The rule below (kWgmmaEarly*) is within 0.5 % of the faster
-//    kernel on (geometric) average over those cases, 8.3 % at worst (Qwen3 q, bits 2).
-//  * Up to 1024 rows at bits 2-4 it takes 0.67-0.98x the time of dequantize + dense dot on the
-//    ten shapes (at 2048: 0.85-1.15x, slower on half); at bits 5, 0.81-1.19x at M = 768..1024,
-//    so bits 5 stops at 512.
-// The environment overrides the range for every N and bits (KBIT_JAX_WGMMA_MIN_M / _MAX_M, read
-// once per process; MIN_M=0: never).
-constexpr int kWgmmaMinRows = 33, kWgmmaEarlyMinRows = 17, kWgmmaMaxRows = 1024, kWgmmaWideBitsMaxRows = 512;
-// Early: bits 5 at any N; else N >= 2560 with K * N <= 48 Mi weights, or N of 5120..8192.
-constexpr int kWgmmaEarlyBits = 5, kWgmmaEarlyMinN = 2560;
-constexpr int64_t kWgmmaEarlyMaxWeights = int64_t(48) << 20;
-constexpr int kWgmmaEarlyBandMinN = 5120, kWgmmaEarlyBandMaxN = 8192;
-int env_or(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::atoi(v) : fallback;
-}
+// The wgmma kernel's rows by plan_terms.h's rule (terms::kWgmma*).
 std::pair<int, int> wgmma_rule_rows(int64_t n, int64_t k, int bits) {
+  using namespace terms;
   const bool early = bits >= kWgmmaEarlyBits ||
                      (n >= kWgmmaEarlyMinN && (k * n <= kWgmmaEarlyMaxWeights ||
                                                (n >= kWgmmaEarlyBandMinN && n <= kWgmmaEarlyBandMaxN)));
   return {early ? kWgmmaEarlyMinRows : kWgmmaMinRows, bits >= kWgmmaEarlyBits ? kWgmmaWideBitsMaxRows : kWgmmaMaxRows};
 }
 
+// The environment overrides the rule's range for every N and bits (KBIT_JAX_WGMMA_MIN_M / _MAX_M,
+// read once per process; MIN_M=0: never).
+int env_or(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : fallback;
+}
 std::pair<int, int> wgmma_rows_here(int64_t n, int64_t k, int bits) {
   static const int forced_min = env_or("KBIT_JAX_WGMMA_MIN_M", -1), forced_max = env_or("KBIT_JAX_WGMMA_MAX_M", -1);
   const auto [rule_min, rule_max] = wgmma_rule_rows(n, k, bits);

@@ -45,13 +45,14 @@
 // kernel fixes.
 //
 // The files:
-//   matmul_fused_config.cuh    the tilings (Tiling), their sizes and chunk prices (Config, WsConfig)
+//   matmul_fused_config.cuh    the tilings (Tiling) and their sizes (Config, WsConfig)
 //   matmul_fused_walk.cuh      kernel parameters and the work walk (Params, ItemWalk)
 //   matmul_fused_steps.cuh     the per-k-block steps both kernels share
 //   matmul_fused_epilogue.cuh  an item's store (tensor scale, rounding, GLU)
 //   matmul_fused_cp_async.cuh  the cp.async kernel
 //   matmul_fused_ws.cuh        the warp-specialized (TMA producer + consumers) kernel
 //   matmul_fused_plan.cuh      host planning per tiling (cluster size, ring depth, cost)
+//   plan_terms.h               the plans' measured terms (chunk prices, item ends, limits)
 //   matmul_fused_launch.cuh    host launch per tiling (parameters, tensor maps)
 //   this file                  the choice of kernel and tiling (launch_fused_bits)
 //   ragged_dot_ws.cuh          the grouped product (kbit_ragged_dot) on the warp-specialized
@@ -75,7 +76,7 @@ template <class A>
 struct ActTag { using type = A; };
 
 // The fused matmul for bits = BITS: the kernel and the tiling, then the launch.
-//  * Kernel. The warp-specialized kernel (matmul_fused_ws.cuh) takes M <= kWsMaxRows where its
+//  * Kernel. The warp-specialized kernel (matmul_fused_ws.cuh) takes M <= terms::kWsMaxRows where its
 //    tensor copies apply: N % 16 == 0 (16-byte rows of scale bytes), 16-byte-aligned buffers (K
 //    is a multiple of 32) and 32-bit copy coordinates (B * M and B * K / 32 rows). Otherwise the
 //    cp.async kernel (matmul_fused_cp_async.cuh).
@@ -88,7 +89,8 @@ struct ActTag { using type = A; };
 //    kWarpKBlock on the ten benchmark shapes at M = 1 and 4) and kWarpKBlock at bits 2 and 4
 //    (1.02x and 1.01x with kWarpKPair). At M > 8 the cp.async kernel keeps kWarpKBlock, and the
 //    warp-specialized kernel plans kWarpKBlock, kWarpKPair, kNSplit and at bits 5 kWideBits5
-//    (Planner::plan: cluster size and critical path, in one unit through Config::chunk_cost)
+//    (Planner::plan: cluster size and critical path, in one unit through the chunk prices of
+//    plan_terms.h)
 //    and takes the shortest plan: kWarpKPair where the columns are plentiful (Llama-3 gate/up
 //    and down at M = 16: 0.72-0.88x the time of kWarpKBlock at bits 2..4), kWarpKBlock where
 //    64-column groups would leave too few items (N = 2048: kWarpKPair up to 1.11x), kNSplit where
@@ -101,7 +103,7 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
   }
   auto al16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
   // (tensor-copy coordinates are 32-bit: rows B * M and B * K / 32 must fit)
-  const int64_t ws_rows = tuning && tuning->ws_max_rows >= 0 ? tuning->ws_max_rows : kWsMaxRows;
+  const int64_t ws_rows = tuning && tuning->ws_max_rows >= 0 ? tuning->ws_max_rows : terms::kWsMaxRows;
   const bool ws = a.m <= ws_rows && a.n % 16 == 0 && al16(a.planes) && al16(a.scales) && al16(a.x) &&
                   a.batch * a.m < (int64_t(1) << 31) && a.batch * (a.k / 32) < (int64_t(1) << 31);
   const int min_mt = ws && tuning ? tuning->min_m_tiles : 0;
@@ -143,11 +145,11 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
       if constexpr (has_wide)
         if (variant == Tiling::kWideBits5) return LW::launch(a, stream, tuning);
       // At M <= 8, kWideBits5 against kWarpKPair (see Tiling::kWideBits5):
-      //  * Where its ring has 3 stages (M <= 3) the plans decide, its chunk at kWideBits5Price
+      //  * Where its ring has 3 stages (M <= 3) the plans decide, its chunk at terms::kWideBits5Price
       //    kWarpKPair chunks (M = 1..3: within 0.4 % of the faster tiling on average).
       //  * With 2 stages (M = 4..8) it pays only where it turns kWarpKPair's two rounds of items,
       //    or its cluster, into one round of whole items on single CTAs that each stream fewer
-      //    chunks than the deep ring is for (kDeepRingMinChunks): wide5_one_round.
+      //    chunks than the deep ring is for (terms::kDeepRingMinChunks): wide5_one_round.
       if constexpr (has_wide && MT == 1)
         if (ws && !forced_variant) {
           using L1 = Launcher<BITS, A, 1, Tiling::kWarpKPair, true>;
@@ -161,7 +163,7 @@ std::string launch_fused_bits(const MatmulArgs& a, cudaStream_t stream, const Ma
               const bool pair_one_round = p1.ks == 1 && p1.items <= p1.ncl;
               const int chunks = ceil_div(pw.KB, LW::Cfg::kKCH);  // (an item's: ks is 1)
               const bool wide5_one_round = pw.ks == 1 && !pw.balanced && pw.items <= pw.ncl &&
-                                           chunks < kDeepRingMinChunks;
+                                           chunks < terms::kDeepRingMinChunks;
               wide = !pair_one_round && wide5_one_round;
             }
           }

@@ -10,6 +10,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/item_reduce.cuh"
+#include "cuda/plan_terms.h"
 #include "cuda/weight_path.cuh"
 
 namespace kbit::cuda::fused {
@@ -48,12 +49,6 @@ struct Tiling {
   // from the winners, so launch_fused_bits takes it there by a rule (wide5_one_round).
   static constexpr int kWideBits5 = 4;
 };
-// kWideBits5's chunk in kWarpKBlock chunks of MT = 2 (Config::chunk_cost): with it the plan picks
-// a tiling within 0.5 % (bf16) and 1.1 % (fp16) of the fastest on (geometric) average over 17
-// shapes x M 9, 12, 16, 9 % at worst (Qwen3 q at M = 16). 1.65 would take GLM-4.7 gate/up (1.09x
-// the time), 1.76 would give Llama-3-70B gate/up at M = 9 back to kNSplit (1.09x).
-constexpr double kWideBits5Price = 1.72;
-
 template <int BITS, int MT, int V = Tiling::kWarpKBlock>
 struct Config {
   static_assert(V != Tiling::kNSplit || MT >= 2, "the N-split tiling serves blocks of 16, 32 or 64 rows");
@@ -93,39 +88,12 @@ struct Config {
   static constexpr int kKCH = V == Tiling::kNSplit ? 2 : kWarps * kKPW;
   static constexpr int kKBW = V == Tiling::kNSplit ? kKCH : kKPW;  // k-blocks each warp computes per chunk
   static constexpr int kAcc = kTN * MT * 4;
-  // A chunk's time in kWarpKBlock chunks of the same MT: the unit in which the launcher compares
-  // the tilings' plans (launch_fused_bits, at M > 8 on the warp-specialized kernel). The prices
-  // are fitted on harness timings with every tiling forced (H200 and H100; 10-17 shapes x bits
-  // 2..5 x M 9..128), so that the plan picks the faster tiling:
-  //  * kWarpKPair at MT = 2 (twice the columns at bits 2..4): 1.0 in one block of rows (M <= 16)
-  //    at bits 2 and 4, else 1.4. (At 1.4 for M <= 16 kWarpKBlock ran Qwen3 q and o, where
-  //    kWarpKPair takes 0.85-0.96x its time; 1.0 at M > 16 took Llama-3-70B gate/up at M = 32
-  //    from kNSplit: 70 -> 88 us.)
-  //  * kNSplit, bf16 (nsplit_price_bf16): at MT = 2 0.4 at bits 2 and 4, 0.8 at bits 3 and 5
-  //    (bits 3's decode is slower there; 0.6 at bits 5 would take the Llama-3-70B down layers
-  //    at M = 9, 1.35-1.38x the time); at MT = 4 0.9 (with an item end of 1.25 chunks per
-  //    cluster rank, Planner::plan), at MT = 8 1.3: the faster tiling's time within 0.6 % on
-  //    average, 22 % at worst (a small N = 2048 shape at M = 128).
-  //  * kNSplit, fp16 (nsplit_price_f16): fp16 takes kNSplit's slower scale path
-  //    (mma_k_block_scaled_weights is bf16 only), so its prices are per bits value: within
-  //    0.49 % of the faster tiling on average over 572 cases, 13 % at worst (Llama-3-70B down,
-  //    M = 24). At MT = 4 no price separates Qwen3 and GLM-4.7 gate/up (kNSplit faster by up
-  //    to 1.13x) from the Llama-3-70B down layers (slower by up to 1.16x); 0.9 keeps the small
-  //    layers, which are nearest the dense dot's time.
-  static constexpr double nsplit_price_bf16() {
-    if constexpr (MT == 2) return BITS == 3 || BITS == 5 ? 0.8 : 0.4;
-    if constexpr (MT == 4) return 0.9;
-    return 1.3;
-  }
-  static constexpr double nsplit_price_f16() {
-    if constexpr (MT == 2) return BITS == 3 ? 0.8 : BITS == 5 ? 0.95 : 0.4;
-    if constexpr (MT == 4) return 0.9;
-    return BITS == 2 ? 2.1 : BITS == 5 ? 1.6 : 1.7;
-  }
+  // A chunk's time in kWarpKBlock chunks of the same MT, the unit in which the launcher compares
+  // the tilings' plans: this tiling's price (plan_terms.h).
   static constexpr double chunk_cost(bool bf16, bool one_block_of_rows) {
-    if constexpr (V == Tiling::kNSplit) return bf16 ? nsplit_price_bf16() : nsplit_price_f16();
-    if constexpr (kWide5) return kWideBits5Price;
-    if constexpr (MT == 2 && V == Tiling::kWarpKPair && BITS != 5) return BITS == 3 || !one_block_of_rows ? 1.4 : 1.0;
+    if constexpr (V == Tiling::kNSplit) return terms::nsplit_price(bf16, BITS, MT);
+    if constexpr (kWide5) return terms::kWideBits5Price;
+    if constexpr (MT == 2 && V == Tiling::kWarpKPair && BITS != 5) return terms::pair_price(BITS, one_block_of_rows);
     return 1.0;
   }
   static constexpr int kSlabBytes = kCols * BITS * 4;  // one k-block of the column group
@@ -169,20 +137,8 @@ struct Config {
 // (kNSplit has its own, 4 and 8). With the activations by tensor copy it takes 0.55-0.95x the
 // cp.async kernel's time at M = 16 (median 0.82x; Llama-3-70B down, bits 4: 123.6 -> 71.7 us).
 constexpr int kWsMaxMT = 2;
-// The largest M the warp-specialized kernel takes, in blocks of 8 kWsMaxMT rows or kNSplit's 32
-// or 64 (the blocks of one column group run on neighbouring clusters, so the weights come from
-// DRAM about once); above it the cp.async kernel. At M = 17..64 it takes 0.28-0.83x the cp.async
-// kernel's time (median 0.50-0.60x), at M = 128 0.50-0.87x (ten shapes x bits 2, 4, 5).
-constexpr int kWsMaxRows = 128;
 constexpr int kXKbBytes = 64;  // one k-block of one activation row (32 x 16 bit)
 
-// The weight bytes the ring keeps in flight at most, per SM (stages - 1 chunks). 48 KiB changed
-// the Llama-3-70B layer's times by 0-2 %; 96 KiB read 0.96-1.08x the time at M <= 8 (bits 3 up to
-// 4 % slower): the copies' latency is not what limits the chunk rate.
-constexpr int kRingMaxKiB = 64;
-// Chunks per CTA from which a launch with fewer rows than its tiling's most takes the deeper
-// ring those rows leave room for (Planner::plan).
-constexpr int kDeepRingMinChunks = 16;
 // The sizes of the warp-specialized kernel's shared memory that do not depend on its reducer.
 template <int BITS, int MT, int V>
 struct WsSizes {
@@ -205,12 +161,12 @@ struct WsSizes {
     return size_t(C::Path::kLutBytes) + reducer_bytes + kSfBytes + 2 * 8 * 8;
   }
   // Ring depth next to a reducer of `reducer_bytes` with slots for `x_rows` activation rows: as
-  // deep as shared memory allows, up to kRingMaxKiB of weights in flight and 8 stages (the
+  // deep as shared memory allows, up to terms::kRingMaxKiB of weights in flight and 8 stages (the
   // barriers), at least 2; 0 if two stages do not fit.
   static constexpr int stages_with(size_t reducer_bytes, int x_rows = 8 * MT) {
     for (int d = 8; d >= 2; --d)
       if (ring_offset(reducer_bytes) + 1024 + d * slot_bytes(x_rows) <= size_t(kMaxSmem) &&
-          (d == 2 || (d - 1) * C::kWChunk <= kRingMaxKiB * 1024))
+          (d == 2 || (d - 1) * C::kWChunk <= terms::kRingMaxKiB * 1024))
         return d;
     return 0;
   }

@@ -23,17 +23,6 @@ namespace kbit::cuda::fused {
 // n8 tiles along M for a problem with M rows (blocks of 64 rows above that).
 inline int m_tiles(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
 
-// The launcher's limits on chunk-balanced clusters (Planner::plan): the largest cluster, and the
-// critical path it must have against the uniform k-split's.
-constexpr int kBalancedMaxRanks = 4;
-constexpr double kBalancedGain = 0.9;
-// In one block of 8 rows (MT = 1) of the dense product the path may be 0.95 of the uniform
-// split's: a CTA's last piece ends there as a whole item does (ItemReducer::finish_last_piece),
-// and Llama-3-8B gate/up (K 4096, N 28672: 448 items, 28 chunks a rank against 32) takes 0.93x
-// the time balanced at M = 1 and 8 (H200, bits 4: 23.4 us against 25.2). On the ten layers and
-// Llama-3-70B's at TP 1, 2 and 4 it picks nothing else than 0.9 does at M = 1 and 8 (bits 2 and
-// 3 plan as bits 4 there).
-constexpr double kBalancedGainOneTile = 0.95;
 // Whether the launcher may choose chunk-balanced clusters (ItemWalk): yes unless the environment
 // has KBIT_JAX_BALANCE=0 (read once per process; for comparisons).
 inline bool balanced_clusters_enabled() {
@@ -141,12 +130,7 @@ struct Planner {
       return WS ? (kps + Cfg::kKCH - 1) / Cfg::kKCH * Cfg::kKCH : kps;
     };
     // Choose the cluster size (k-split) that minimizes the critical path: the most items a
-    // cluster processes times (the chunks per item + the item's end, in chunk times). In a
-    // cluster, rank 0 waits for, reads and adds every rank's sum, so in the warp-specialized
-    // kernel an item's end grows with the cluster size: 1 + ks / 2 chunks, fitted to every
-    // cluster size timed (17 shapes x bits 2, 4, 5 x M 1, 16, cluster sizes 1..8): it picks sizes
-    // within 0.04 % of the best on (geometric) average, 3.2 % at worst (a flat 1 chunk: 2.0 % and
-    // 1.41x). The cp.async kernel keeps the flat cost.
+    // cluster processes times (the chunks per item + the item's end, terms::item_end_chunks).
     double best_cost = 1e30;
     int ks_cap = kMaxKSplit;  // (the warp-specialized kernel: as many ranks as its reducer takes)
     if constexpr (WS) ks_cap = WsConfig<BITS, MT, V>::Reducer::kMaxRanks;
@@ -166,15 +150,7 @@ struct Planner {
       if ((KB + kps - 1) / kps != ks) continue;  // would leave a rank empty
       const int64_t per_cluster = items_per_cluster(clusters(ks));
       const double chunks = double(chunks_per_item(kps));
-      // (the N-split tiling's item end per cluster rank: at 32 rows rank 0 reads every rank's 32
-      // accumulators per lane through distributed shared memory, ~6 us at 5 ranks on Qwen3
-      // gate/up; at 64 rows twice as many: 2.5 per rank. At 0.5 the plan takes one 64-row block
-      // over 8-CTA clusters for Llama-3-70B q/k/v at TP 4 (K 8192, N 2560) at M = 56 and 64,
-      // 1.11-1.24x the time of 16-row blocks. At 16 rows 1.0, fitted with the prices
-      // (Config::chunk_cost): at 0.5 the same layer at M = 9..16 runs in 8-CTA clusters,
-      // 1.26-1.31x the time of kWarpKPair.)
-      const double nsplit_rank_end = V != Tiling::kNSplit ? 0.5 : MT == 2 ? 1.0 : MT == 4 ? 1.25 : 2.5;
-      const double item_end = ks == 1 ? 0.5 : WS ? 1.0 + nsplit_rank_end * ks : 1.0;
+      const double item_end = terms::item_end_chunks(ks, WS, V == Tiling::kNSplit, MT);
       const double cost = per_cluster * (chunks + item_end) * pl.price;
       if (cost < best_cost - 1e-9) { best_cost = cost; pl.ks = ks; }
     }
@@ -183,24 +159,15 @@ struct Planner {
     pl.ncl = clusters(pl.ks);
     int64_t chunks_per_cta = items_per_cluster(pl.ncl) * chunks_per_item(pl.kps);
     // Chunk-balanced clusters (ItemWalk; the warp-specialized kernel's K-split tilings, whose reducer has
-    // receive slots): every rank of a cluster streams the same number of chunks of the cluster's
-    // items, so an item count that the clusters do not divide costs no idle ranks. Its critical
-    // path: a rank's chunks, its pieces' ends (0.5 each, as a whole item's) and the owner's wait
-    // for the ranks that share its item (0.5 each). The launcher takes it at clusters of at most
-    // kBalancedMaxRanks where that path is at most kBalancedGain of the uniform split's. Both
-    // splits timed on the ten shapes and a Llama-3-70B layer, without those limits: 0.85-0.95x
-    // the time where the uniform split leaves the last round of items on under half the SMs
-    // (Llama-3-70B gate/up: 56 chunks per CTA instead of 64), but 1.02-1.09x where its path is
-    // only 7-9 % shorter (GLM-4.7 gate/up with 32-column groups: the uniform split's last round,
-    // on 56 of 132 SMs, runs faster per chunk than the path counts) and 1.03-1.09x at 8-CTA
-    // clusters (120 CTAs; Llama-3-70B q/k/v and gate/up at TP 4).
+    // receive slots), taken where their critical path is short enough against the uniform
+    // split's (plan_terms.h says how much, and why).
     if constexpr (WS && V != Tiling::kNSplit) {
       const int want = tuning && tuning->balance >= 0 ? tuning->balance : balanced_clusters_enabled() ? -1 : 0;
       constexpr int kRecv = WsConfig<BITS, MT, V>::Reducer::kMaxRanks - 1;
       const int nchi = chunks_per_item(KB);
-      const double gain = MT == 1 && BITS <= 4 && !kGrouped ? kBalancedGainOneTile : kBalancedGain;
+      const double gain = MT == 1 && BITS <= 4 && !kGrouped ? terms::kBalancedGainOneTile : terms::kBalancedGain;
       double best_bal = want == 1 ? 1e30 : gain * best_cost;
-      const int ks_top = want == 1 ? ks_max : std::min(ks_max, kBalancedMaxRanks);
+      const int ks_top = want == 1 ? ks_max : std::min(ks_max, terms::kBalancedMaxRanks);
       for (int ks = 2; want != 0 && ks <= ks_top; ++ks) {
         if (!size_allowed(ks)) continue;
         const int64_t ncl = clusters(ks), t_hi = items_per_cluster(ncl) * nchi, t_lo = pl.items / ncl * nchi;
@@ -212,7 +179,8 @@ struct Planner {
         // later rank of the cluster shares an item)
         if (kGrouped && ks - 1 > kRecv) continue;
         const double pieces = double((per_rank + nchi - 1) / nchi + 1);
-        const double cost = (double(per_rank) + 0.5 * pieces + 0.5 * double(senders)) * pl.price;
+        const double cost =
+            (double(per_rank) + terms::kPieceEnd * pieces + terms::kSharerWait * double(senders)) * pl.price;
         if (cost < best_bal - 1e-9) {
           best_bal = cost;
           pl.balanced = true;
@@ -228,12 +196,11 @@ struct Planner {
     }
     if constexpr (WS) {
       // The ring as deep as the launch's rows allow (pl.smem has room for it) where each CTA
-      // streams many chunks; where it streams few, the shallower depth of 8 MT rows, since more
-      // copies in flight at the start delay the first chunk (bits 5, M = 1, 6 stages instead of
-      // 4: Llama-3-70B gate/up 0.96x the time, but Qwen3 down, ~5 chunks per CTA, 1.04x).
+      // streams many chunks (terms::kDeepRingMinChunks); where it streams few, the shallower
+      // depth of 8 MT rows.
       using WC = WsConfig<BITS, MT, V>;
       // (kWideBits5 at MT = 1: 3 stages against 2, one more copy in flight, at any chunk count)
-      const bool deep = chunks_per_cta >= kDeepRingMinChunks || (Cfg::kWide5 && MT == 1);
+      const bool deep = chunks_per_cta >= terms::kDeepRingMinChunks || (Cfg::kWide5 && MT == 1);
       pl.stages = deep ? WC::stages(pl.x_rows) : WC::stages(8 * MT);
     }
     return pl;

@@ -73,6 +73,7 @@
 #include "cuda/common.cuh"
 #include "cuda/fast_div.cuh"
 #include "cuda/item_reduce.cuh"  // mbar_init, mbar_wait
+#include "cuda/plan_terms.h"
 #include "cuda/ragged_tiles.cuh"
 #include "cuda/tma.cuh"
 #include "cuda/weight_path.cuh"
@@ -857,54 +858,17 @@ struct WgLauncher {
     return w;
   }
 
-  // The plan's time in units of one k-block of a 256-column tile, fitted to harness sweeps (H100,
-  // 14 shapes x bits 2, 4, 5 at M = 32, 48, 64, 128; every cluster size of both tiles):
-  // time = c_J (35 + kps) waves, with c_2 = 1 (0.40 us per k-block at BM = 128, bits 4) and
-  // c_1 = 0.7 at BM = 128, 0.8 at BM = 64 (half the columns, but x is read twice per weight
-  // column, a larger share at fewer rows). The 35 k-blocks are the launch's fixed cost (~15 us at
-  // J = 2, ~9.5 at J = 1, BM = 128). Picking the tile by it loses 0-0.3 % on average against the
-  // faster tile at its best cluster size (worst case 7.5 %, at M = 32).
-  // A split last round adds its whole rounds at 35 + kb each.
-  // BM = 256 (J = 1, a 256 x 128 tile: the area of J = 2 at BM = 128) costs 0.9: each decoded
-  // weight feeds twice the rows. Fitted on 247 harness cases (H200, 13 shapes x bits 2, 4, 5 x
-  // M 192..2048, both row tiles timed) with an offline replica of the plan, it picks the row tile
-  // within 0.4 % of the faster one on (geometric) average, 13.5 % at worst (N = 2048 layers at
-  // M = 640, whose 128-row plan splits K over 3 ranks: the cluster sum is not in the model).
-  // Always taking 256 rows is 3.8 % off on average and 1.55x at worst: at M = 320 and 384,
-  // 256-row tiles pad a third of their rows and can leave part of the GPU idle (Llama-3-70B q/k/v
-  // at TP 2, M = 384: 80 tiles of 256 rows against 120 CTAs of 128).
-  // A k-split sum by pull adds 2 + ks (in the same units, ~0.34 us each on the H200): fitted on
-  // harness timings (13 shapes x bits 2, 4, 5 x M 64..512, every tile timed with its plan), where
-  // a forced pull takes 0.5-1.4 us longer than the push at 2-3 ranks and 1.5-2.5 us at 5-8.
-  // Without the term the plan takes 256-row tiles that pull over 6 ranks where 128-row tiles push
-  // over 3 (Qwen3 o at M = 256: 22.0 against 18.4 us). With it, the pick is within 0.04 % of the
-  // fastest tile on (geometric) average and 4.3 % at worst, against 0.8 % and 19.7 % without.
-  // Warpgroup pairs (WgConfig::kGroups: J = 1 at BM = 64 and 128) take a share of a k-block's
-  // time, the fixed cost unchanged. At BM = 64, kPairKBlock64: fitted on harness timings (H200,
-  // 13 shapes x bits 2, 4, 5 x M 17, 32, 48, 64, both tiles timed with their plans) by an offline
-  // replica of the plan, 0.6-0.65 picks the faster tile within 0.26 % on (geometric) average,
-  // 7.9 % at worst (Qwen3 gate/up, bits 4, M = 17); 0.8 is 1.0 % and 10.7 % off, 0.5 takes the
-  // 128-column tile on Llama-3-70B q/k/v at TP 2 (1.18x the time), 0.9 the 256-column one on its
-  // down layer (1.33x). At BM = 128, kPairKBlock128: fitted the same way on H100 (13 shapes x
-  // bits 2-4 x M 96..512, every tile of 128 and 256 rows timed with its plan), 0.7-0.75 picks
-  // within 0.2 % of the fastest tile on average, 9.1 % at worst; 0.65 takes 128 x 128 on
-  // Llama-3-70B down at M = 256 (1.22x the 256-row tile's time), 0.8 128 x 256 on its q/k/v at
-  // TP 2, M = 384 (1.11x).
-  // The 64-column tile (WG = 1, four single warpgroups): kQuadKBlock64 of a k-block (half the
-  // pairs' columns over twice the groups) and kQuadFixed64 of the fixed cost. On H100 timings
-  // (13 shapes x bits 2-5 x M 17..64, every tile timed with its plan; an offline replica of the
-  // choice) these pick within 1.2 % of the fastest tile on (geometric) average, as the best of a
-  // grid of both; without the tile 2.6 % (Llama-3-8B down: 1.22x at worst).
-  static constexpr double kPairKBlock64 = 0.65, kPairKBlock128 = 0.75;
-  static constexpr double kQuadKBlock64 = 0.35, kQuadFixed64 = 35.0;
+  // The plan's time in units of one k-block of a 256-column tile (plan_terms.h: what each term
+  // stands for and how it was fitted): a fixed cost plus each rank's share of its k-blocks, per
+  // round of tiles, a split last round's whole rounds added, and a k-split sum by pull.
   static double cost(const WgPlan& w) {
-    const double per_kblock = J == 2 ? 1.0 : BM == 64 ? 0.8 : BM == 256 ? 0.9 : 0.7;
+    const double per_kblock = terms::wg_kblock_time(J, BM);
     const double k_share = Cfg::kGroups == 1 ? 1.0
-                           : WG == 1         ? kQuadKBlock64
-                           : BM == 64        ? kPairKBlock64
-                                             : kPairKBlock128;
-    const double fixed = WG == 1 ? kQuadFixed64 : 35.0;
-    const double pull = w.ks > 1 && !Cfg::pushes(w.ks) ? 2.0 + w.ks : 0.0;
+                           : WG == 1         ? terms::kQuadKBlock64
+                           : BM == 64        ? terms::kPairKBlock64
+                                             : terms::kPairKBlock128;
+    const double fixed = WG == 1 ? terms::kQuadFixed64 : terms::kWgFixedKBlocks;
+    const double pull = w.ks > 1 && !Cfg::pushes(w.ks) ? terms::wg_pull_kblocks(w.ks) : 0.0;
     const double split = (fixed + k_share * w.kps) * double(w.waves);
     const double whole = (fixed + k_share * w.kb) * double(w.whole_waves);
     return per_kblock * (split + whole) + pull;
