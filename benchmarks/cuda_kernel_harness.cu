@@ -1053,16 +1053,22 @@ struct BenchEnv {
 
 // The pool cut into back-to-back copies of one (shape, bits) weight, codes then scales, each
 // 256-byte aligned; launch c reads copy c % copies, so consecutive launches find cold weights.
+// (`n` copies from byte `base` of the pool instead: several weights' copies side by side)
 struct WeightCopies {
   size_t plane_bytes, scale_bytes, one;
   int copies;
   uint8_t* pool;
-  WeightCopies(const BenchEnv& env, const Shape& s, int bits) : pool(env.pool) {
+  static size_t copy_bytes(const Shape& s, int bits) {
+    const size_t KB = s.K / 32;
+    return ((KB * s.N * bits * 4 + 255) / 256 + (KB * s.N + 255) / 256) * 256;
+  }
+  WeightCopies(const BenchEnv& env, const Shape& s, int bits, size_t base = 0, int n = 0) : pool(env.pool + base) {
     const size_t KB = s.K / 32;
     plane_bytes = KB * s.N * bits * 4;
     scale_bytes = KB * s.N;
-    one = ((plane_bytes + 255) / 256 + (scale_bytes + 255) / 256) * 256;
-    copies = int(std::min<size_t>(BenchEnv::kPoolBytes / one, std::max<size_t>(3, (size_t(480) << 20) / one + 1)));
+    one = copy_bytes(s, bits);
+    copies = n > 0 ? n
+                   : int(std::min<size_t>(BenchEnv::kPoolBytes / one, std::max<size_t>(3, (size_t(480) << 20) / one + 1)));
     for (int c = 0; c < copies; ++c) tame_scales<<<1024, 256>>>(scales(c), scale_bytes);
     CK(cudaGetLastError());
   }
@@ -1693,22 +1699,18 @@ static void bench_chain() {
   struct Variant { const char* name; bool chained, gap_only; };
   const Variant variants[] = {{"plain", false, false}, {"chained", true, false}, {"gap", false, true}};
   for (int bits : {4, 2}) {
-    size_t off[4], plane_bytes[4], scale_bytes[4], stride = 0;
-    for (int p = 0; p < 4; ++p) {
-      const size_t KB = layer[p].K / 32;
-      plane_bytes[p] = KB * layer[p].N * bits * 4;
-      scale_bytes[p] = KB * layer[p].N;
-      off[p] = stride;
-      stride += (plane_bytes[p] + 255) / 256 * 256 + (scale_bytes[p] + 255) / 256 * 256;
+    size_t one_layer = 0;
+    for (const Shape& sh : layer) one_layer += WeightCopies::copy_bytes(sh, bits);
+    const int layers = int(std::min<size_t>(24, BenchEnv::kPoolBytes / one_layer));
+    std::vector<WeightCopies> w;  // each product's copies, one per layer, side by side in the pool
+    size_t base = 0;
+    for (const Shape& sh : layer) {
+      w.emplace_back(env, sh, bits, base, layers);
+      base += size_t(layers) * w.back().one;
     }
-    auto planes_at = [&](int l, int p) { return env.pool + l * stride + off[p]; };
-    auto scales_at = [&](int l, int p) { return planes_at(l, p) + (plane_bytes[p] + 255) / 256 * 256; };
-    const int layers = int(std::min<size_t>(24, BenchEnv::kPoolBytes / stride));
-    for (int l = 0; l < layers; ++l)
-      for (int p = 0; p < 4; ++p) tame_scales<<<1024, 256>>>(scales_at(l, p), scale_bytes[p]);
     CK(cudaDeviceSynchronize());
     double bytes = 0;
-    for (int p = 0; p < 4; ++p) bytes += double(plane_bytes[p] + scale_bytes[p]);
+    for (const WeightCopies& c : w) bytes += double(c.plane_bytes + c.scale_bytes);
     for (int m : {1, 8}) {
       double t[3];
       const int nv = int(sizeof(variants) / sizeof(variants[0]));
@@ -1722,8 +1724,8 @@ static void bench_chain() {
           auto product = [&](int p, const void* x, void* y, int glu) {
             MatmulArgs a = env.matmul_args(layer[p], bits, m);
             a.x = x; a.y = y; a.glu = glu;
-            a.planes = reinterpret_cast<const uint32_t*>(planes_at(l, p));
-            a.scales = scales_at(l, p);
+            a.planes = w[p].planes(l);
+            a.scales = w[p].scales(l);
             MatmulTuning tune;
             tune.dependent = (var.chained && p != 0) ? 1 : 0;
             const std::string e = launch_matmul(a, s, &tune);
