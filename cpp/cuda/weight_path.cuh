@@ -70,7 +70,7 @@ struct WeightPath<4> {
 // the PRMT that moves the byte into byte 1 also keeps the lane offset (lane*8) in byte 0.
 // A decode without the table (per four codes, one IMAD builds the selectors of two PRMT into a
 // two-register codebook) issues ~1.4 instructions per weight against these ~0.75, and peaked at
-// 8.0 Tweights/s against the table's 11.3 in a decode-and-mma probe (H200, codes from L2).
+// 8.0 Tweights/s against the table's 11.3 (H200, codes from L2: benchmarks/decode_rate_probe.cu).
 template <>
 struct WeightPath<2> {
   static constexpr int kEntries = 256, kEntryBytes = 8, kRowBytes = 256, kCopies = 32;
