@@ -109,21 +109,18 @@ __global__ void __launch_bounds__(256)
         if constexpr (V == kStream) {
           folded ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
         } else if constexpr (V == kB4Lut) {  // two tiles of bits 4
-          const WeightPath<4>::Raw r0{{v[u].x, v[u].y}}, r1{{v[u].z, v[u].w}};
-          WeightPath<4>::decode(r0, lut, l4, a);
-          mma_tile(acc, a, xb, s0, s1);
-          WeightPath<4>::decode(r1, lut, l4, a);
-          mma_tile(acc, a, xb, s0, s1);
+          using Raw = WeightPath<4>::Raw;
+          for (const Raw r : {Raw{{v[u].x, v[u].y}}, Raw{{v[u].z, v[u].w}}}) {
+            WeightPath<4>::decode(r, lut, l4, a);
+            mma_tile(acc, a, xb, s0, s1);
+          }
         } else if constexpr (V == kB2Lut) {  // four tiles of bits 2
-          const WeightPath<2>::Raw r0{{v[u].x, v[u].y}}, r1{{v[u].z, v[u].w}};
-          WeightPath<2>::decode(r0, lut, l2, a);
-          mma_tile(acc, a, xb, s0, s1);
-          WeightPath<2>::decode(r0, lut, l2_other, a);
-          mma_tile(acc, a, xb, s0, s1);
-          WeightPath<2>::decode(r1, lut, l2, a);
-          mma_tile(acc, a, xb, s0, s1);
-          WeightPath<2>::decode(r1, lut, l2_other, a);
-          mma_tile(acc, a, xb, s0, s1);
+          using Raw = WeightPath<2>::Raw;
+          for (const Raw r : {Raw{{v[u].x, v[u].y}}, Raw{{v[u].z, v[u].w}}})
+            for (const auto& half : {l2, l2_other}) {
+              WeightPath<2>::decode(r, lut, half, a);
+              mma_tile(acc, a, xb, s0, s1);
+            }
         } else {  // four tiles of bits 2, without a table
           for (const uint32_t w : {v[u].x, v[u].y, v[u].z, v[u].w}) {
             decode_prmt<V == kB2PrmtHi>(w, t0, t1, a);
