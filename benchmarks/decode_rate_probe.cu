@@ -145,9 +145,9 @@ int main() {
   cudaMemcpy(cb, host_cb, sizeof(host_cb), cudaMemcpyHostToDevice);
   int sms;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const int lut_bytes = 64 * 1024;  // both tables
-  cudaFuncSetAttribute(probe<kB4Lut>, cudaFuncAttributeMaxDynamicSharedMemorySize, lut_bytes);
-  cudaFuncSetAttribute(probe<kB2Lut>, cudaFuncAttributeMaxDynamicSharedMemorySize, lut_bytes);
+  constexpr int kLut4 = WeightPath<4>::kLutBytes, kLut2 = WeightPath<2>::kLutBytes;
+  cudaFuncSetAttribute(probe<kB4Lut>, cudaFuncAttributeMaxDynamicSharedMemorySize, kLut4);
+  cudaFuncSetAttribute(probe<kB2Lut>, cudaFuncAttributeMaxDynamicSharedMemorySize, kLut2);
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
@@ -177,12 +177,12 @@ int main() {
       reps = 42;
       source = "l2";
     }
-    for (int per_sm : {1, 2, 3, 4, 8}) {  // the tables' 64 KiB allow 3 CTAs per SM
+    for (int per_sm : {1, 2, 3, 4, 8}) {  // the tables (64 KiB each) allow 3 CTAs per SM
       const dim3 grid(sms * per_sm), block(256);
       run("stream", 4, per_sm, [&] { probe<kStream><<<grid, block>>>(codes, n, cb, sink, reps); });
       if (per_sm <= 3) {
-        run("b4_lut", 4, per_sm, [&] { probe<kB4Lut><<<grid, block, lut_bytes>>>(codes, n, cb, sink, reps); });
-        run("b2_lut", 2, per_sm, [&] { probe<kB2Lut><<<grid, block, lut_bytes>>>(codes, n, cb, sink, reps); });
+        run("b4_lut", 4, per_sm, [&] { probe<kB4Lut><<<grid, block, kLut4>>>(codes, n, cb, sink, reps); });
+        run("b2_lut", 2, per_sm, [&] { probe<kB2Lut><<<grid, block, kLut2>>>(codes, n, cb, sink, reps); });
       }
       run("b2_prmt", 2, per_sm, [&] { probe<kB2Prmt><<<grid, block>>>(codes, n, cb, sink, reps); });
       run("b2_prmth", 2, per_sm, [&] { probe<kB2PrmtHi><<<grid, block>>>(codes, n, cb, sink, reps); });
