@@ -154,8 +154,8 @@ def main(argv=None):
                   max_passes=max_passes, rows=[])
     rows = result["rows"]
     shapes = {f"{args.kn[0]}x{args.kn[1]}": tuple(args.kn)} if args.kn else {s: SHAPES[s] for s in args.shapes}
-    for name, (k, n) in shapes.items():
-        key = jax.random.key(hash(name) & 0xFFFF)
+    for shape_name, (k, n) in shapes.items():
+        key = jax.random.key(hash(shape_name) & 0xFFFF)
         w = jax.random.normal(key, (k, n), jnp.float32) * 0.02
         for dtype_name in args.dtype:
             dtype = jnp.dtype(dtype_name)
@@ -189,7 +189,7 @@ def main(argv=None):
                         t = busy_seconds(product, x, ws)
                     n_out = n // 2 if args.glu else n
                     moved = ws[0].planes.nbytes + ws[0].scales.nbytes + x.nbytes + m * n_out * dtype.itemsize
-                    row = dict(shape=name, k=k, n=n, m=m, bits=bits, dtype=dtype_name,
+                    row = dict(shape=shape_name, k=k, n=n, m=m, bits=bits, dtype=dtype_name,
                                kbit_us=t * 1e6, dense_us=t_dense * 1e6, speedup=t_dense / t,
                                passes=passes, dense_passes=dense_passes,
                                host_bound=host_bound, dense_host_bound=dense_host_bound,
@@ -207,7 +207,7 @@ def main(argv=None):
                     rows.append(row)
                     if args.out:  # after every row, so that a run cut short keeps what it measured
                         write_json(result, args.out, name)
-                    print(f"{name:22s} {dtype_name:8s} M={m:<5d} K={bits} kbit {t * 1e6:9.1f} us  "
+                    print(f"{shape_name:22s} {dtype_name:8s} M={m:<5d} K={bits} kbit {t * 1e6:9.1f} us  "
                           f"dense {t_dense * 1e6:9.1f} us  x{t_dense / t:5.2f}  "
                           f"{100 * row['bw_fraction']:5.1f}% of copy BW  passes {passes}/{dense_passes}"
                           f"  (call {t_call * 1e6:.1f} / {t_dense_call * 1e6:.1f} us)"

@@ -1,6 +1,7 @@
 """benchmarks/bench_matmul.py on the CPU: it refuses the busy time (--time busy), which needs a
 profile with kernel intervals, and a pass cap below one; its default file names come from the
-device. (A whole CPU run copies 2 GiB to measure the copy bandwidth, too slow for CI.)"""
+device, whatever the shapes. (A whole CPU run copies 2 GiB to measure the copy bandwidth, too
+slow for CI: the run here gets a stand-in bandwidth.)"""
 
 import os
 import sys
@@ -26,6 +27,16 @@ def test_max_passes_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         bench_matmul.main(["--kn", "64", "128", "--m", "1", "--bits", "4", "--max-passes", "0"])
     assert "--max-passes must be at least 1" in capsys.readouterr().err
+
+
+@cpu_only
+def test_results_are_named_after_the_device_not_the_last_shape(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_matmul, "copy_bandwidth", lambda repeats: 1e11)
+    monkeypatch.setattr(bench_matmul.render, "main", lambda argv: None)  # (no plot needed here)
+    result = bench_matmul.main(["--kn", "64", "128", "--m", "1", "--bits", "4", "--repeats", "1",
+                                "--warmup", "0", "--max-passes", "1", "--out", str(tmp_path)])
+    assert sorted(os.listdir(tmp_path)) == ["matmul_cpu.json"]
+    assert [row["shape"] for row in result["rows"]] == ["64x128"]
 
 
 @pytest.mark.parametrize("kind, tag", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
