@@ -46,6 +46,12 @@
 #   tools/kernel_profile.sh ncu BITS K N M ...   one ncu report per (BITS K N M) quadruple:
 #                                                 <tag>_details.csv (every section),
 #                                                 <tag>_sass.csv (per-instruction stall samples)
+#   tools/kernel_profile.sh stream [MODE]       MODE (sel) on this build and on a stream-only build
+#                                                 (-DKBIT_STREAM_ONLY=1: the consumers release each
+#                                                 chunk undecoded, matmul_fused_config.cuh): what the
+#                                                 memory path alone takes; result lines side by side,
+#                                                 e.g. KBIT_HARNESS_TILES_BITS="2 4" KBIT_HARNESS_TILES_M=1
+#                                                 tools/kernel_profile.sh stream tiles
 #   tools/kernel_profile.sh ab BASE [ROUNDS]     A/B on one GPU: the harness of BASE (an older
 #                                                 tree's cpp/ and benchmarks/) and of this tree run
 #                                                 "sel" alternately, ROUNDS (3) times each; prints
@@ -68,10 +74,10 @@ work=${HARNESS_WORK:-/tmp/kbit_harness}  # (a separate one per concurrent build)
 bin=$work/harness
 mkdir -p "$work"
 
-build() {  # build SOURCE_ROOT BINARY: every translation unit in parallel, then link
+build() {  # build SOURCE_ROOT BINARY [FLAGS]: every translation unit in parallel, then link
   local root=$1 out=$2 objs=$work/obj_$(basename "$2") pids=()
   # (KBIT_WGMMA as in CMake's 90a build: the harness dispatches like the module)
-  local flags="-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -DKBIT_WGMMA=1 -I$root/cpp"
+  local flags="-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo -DKBIT_WGMMA=1 -I$root/cpp ${3:-}"
   echo "== build $out from $root ($flags)"
   mkdir -p "$objs"
   for src in "$root"/benchmarks/cuda_kernel_harness.cu "$root"/cpp/cuda/*.cu; do
@@ -127,6 +133,11 @@ case $mode in
     done
     cat "${b[@]}" > "$OUT/${ab}_base.log"; cat "${a[@]}" > "$OUT/${ab}_new.log"
     paste <(grep -E "^[A-Z]+ " "$OUT/${ab}_base.log") <(grep -E "^[A-Z]+ " "$OUT/${ab}_new.log") ;;
+  stream)
+    sm=${1:-sel}
+    build . "$work/stream" -DKBIT_STREAM_ONLY=1 || exit 1
+    "$bin" "$sm" > "$OUT/${sm}_real.log"; "$work/stream" "$sm" > "$OUT/${sm}_stream.log"
+    paste <(grep -E "^[A-Z]+ " "$OUT/${sm}_real.log") <(grep -E "^[A-Z]+ " "$OUT/${sm}_stream.log") ;;
   none) ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac

@@ -17,6 +17,15 @@ namespace kbit::cuda::fused {
 
 constexpr int kMaxSmem = 227 * 1024;  // H100/H200 per-block limit (opt-in)
 
+// A diagnostic build, never the module's (tools/kernel_profile.sh stream): with
+// -DKBIT_STREAM_ONLY=1 the warp-specialized kernel's consumers wait for each chunk and release it
+// without decoding it, so a launch takes what its memory path alone takes (start, ring, the
+// partial sums' reduction and stores, exit), and the difference to the real build is the decode.
+#ifndef KBIT_STREAM_ONLY
+#define KBIT_STREAM_ONLY 0
+#endif
+constexpr bool kStreamOnly = KBIT_STREAM_ONLY != 0;
+
 // The tilings (the template argument V of Config and the kernels; MatmulTuning::variant).
 // MT is the number of n8 tiles along M (8 rows each) in a block of rows.
 struct Tiling {

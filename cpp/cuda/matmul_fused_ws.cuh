@@ -405,10 +405,12 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
     while (q < Q) {
       for (int c = 0; c < cc.nch; ++c, ++q) {
         mbar_wait(s_full + 8 * slot, fparity);
-        if constexpr (V == Tiling::kNSplit)
+        if constexpr (kStreamOnly) {
+        } else if constexpr (V == Tiling::kNSplit) {
           compute_nsplit(slot, q & 1);
-        else
+        } else {
           compute(slot, q & 1);
+        }
         release(slot);
         if (++slot == D) { slot = 0; fparity ^= 1u; }
       }
