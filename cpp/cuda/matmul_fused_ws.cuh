@@ -406,6 +406,7 @@ __global__ void __launch_bounds__(WsConfig<BITS, MT, V>::kThreads, 1)
       for (int c = 0; c < cc.nch; ++c, ++q) {
         mbar_wait(s_full + 8 * slot, fparity);
         if constexpr (kStreamOnly) {
+          // (the diagnostic build: the chunk is released undecoded)
         } else if constexpr (V == Tiling::kNSplit) {
           compute_nsplit(slot, q & 1);
         } else {
