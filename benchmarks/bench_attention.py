@@ -3,7 +3,9 @@
 Times ``kbit_jax.examples.decode_attention.decode_attention`` against ``llama.attend`` (the
 jnp einsum/softmax path XLA compiles into five kernels) at decode shapes: one query per row,
 the cache full (kv_len = S). ``--layers`` distinct caches are chained in one jitted call
-(each layer's output feeds the next query), as in a decode step, and the time is per layer.
+(each layer's output feeds the next query), as in a decode step, and the time is per layer:
+on a GPU the device's busy time from a profile (``--time busy``, the default there: the union of
+the kernels' intervals, the splits' combine included), else the call time.
 
     python benchmarks/bench_attention.py --out /tmp/attn          # on a GPU
     python benchmarks/bench_attention.py --lens 64 --batches 1 --layers 2 --repeats 1  # CPU smoke
@@ -19,9 +21,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def layer_seconds(kind, batch, kv_heads, group, head_dim, seq_len, layers, repeats):
+def layer_seconds(kind, batch, kv_heads, group, head_dim, seq_len, layers, repeats, timing="call"):
     """Seconds per layer of ``kind``: "xla", or "pallas" / "pallas:BLOCKxWARPS" (the kernel with
-    block_s=BLOCK and num_warps=WARPS)."""
+    block_s=BLOCK and num_warps=WARPS); ``timing`` "busy" (a GPU's kernel time) or "call"."""
     import jax
     import jax.numpy as jnp
 
@@ -51,6 +53,10 @@ def layer_seconds(kind, batch, kv_heads, group, head_dim, seq_len, layers, repea
             q = one(q, k, v)
         return q
 
+    if timing == "busy":
+        from profile_summary import busy_us, trace_kernels   # benchmarks/, next to this script
+        kernels = trace_kernels(lambda: chain(q, caches), repeats)
+        return busy_us(kernels) * 1e-6 / (repeats * layers)
     return median_call_seconds(chain, (q, caches), repeats) / layers
 
 
@@ -66,9 +72,17 @@ def main(argv=None):
                    help="extra kernel settings to time, comma list of BLOCKxWARPS (e.g. 64x4,256x8)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="directory for attention.json and attention.md")
+    p.add_argument("--time", default=None, choices=["busy", "call"],
+                   help="the device's busy time from a profile (default on a GPU) or the call time")
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    timing = args.time or ("busy" if on_gpu else "call")
+    if timing == "busy" and not on_gpu:
+        p.error("--time busy needs a GPU: the CPU backend's profile has no kernel intervals")
 
     variants = [v for v in args.variants.split(",") if v]
     kinds = ["xla", "pallas"] + [f"pallas:{v}" for v in variants]
@@ -80,11 +94,12 @@ def main(argv=None):
                 row = {"kv_heads": kv_heads, "group": group, "batch": batch, "seq_len": seq_len}
                 for kind in kinds:
                     row[f"{kind}_us"] = 1e6 * layer_seconds(kind, batch, kv_heads, group, args.head_dim,
-                                                            seq_len, args.layers, args.repeats)
+                                                            seq_len, args.layers, args.repeats, timing)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     lines = [f"# Single-token attention per layer ({jax.devices()[0].device_kind}, jax {jax.__version__})",
-             "", f"head_dim {args.head_dim}, bf16 cache full to S, {args.layers} chained layers per call.",
+             "", f"head_dim {args.head_dim}, bf16 cache full to S, {args.layers} chained layers per call; "
+             f"{'device busy time' if timing == 'busy' else 'call time'} per layer.",
              "", "Pallas: the kernel's default settings; BLOCKxWARPS columns: other block_s and num_warps.",
              "", "| kv heads x group | batch | S | XLA us | Pallas us | XLA / Pallas | "
              + " | ".join(f"{v} us" for v in variants) + " |",

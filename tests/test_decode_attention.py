@@ -26,8 +26,8 @@ from jax.sharding import AxisType
 
 from kbit_jax.examples import llama
 from kbit_jax.models import decoder
-from kbit_jax.examples.decode_attention import (decode_attention, decode_attention_step, supported,
-                                                 supported_step)
+from kbit_jax.examples.decode_attention import (_plan, decode_attention, decode_attention_step,
+                                                 supported, supported_step)
 
 # (batch, kv heads, query heads per kv head, head_dim, cache length S, kv_len): S not a
 # multiple of the kernel's 64-position block, kv_len 1 and == S, groups below and above the
@@ -90,6 +90,22 @@ def test_positions_past_kv_len_are_ignored(rng):
     k = k.at[:, 40:].set(jnp.inf)
     v = v.at[:, 40:].set(jnp.nan)
     np.testing.assert_array_equal(np.asarray(decode_attention(q, k, v, 40)), np.asarray(want))
+
+
+@pytest.mark.parametrize("s,d,itemsize,batch,kv_heads,want", [
+    (192, 128, 2, 1, 8, (256, 1)),      # one block: the cache rounded up to a power of two
+    (256, 128, 2, 8, 8, (256, 1)),
+    (1024, 128, 2, 1, 8, (128, 8)),     # several iterations: LOOP_BLOCK_S, split to ~256 programs
+    (4096, 128, 2, 8, 8, (128, 4)),
+    (4096, 128, 4, 8, 8, (128, 4)),     # f32: ~64 KiB of keys per tile allow 128 positions
+    (192, 256, 2, 1, 2, (128, 2)),      # head_dim 256: 128 positions are 64 KiB
+    (40, 64, 2, 1, 2, (64, 1)),
+])
+def test_default_plan(s, d, itemsize, batch, kv_heads, want):
+    """The default block and splits (benchmarks/results/attention_h200.md says why)."""
+    block_s, splits, split_len = _plan(s, d, itemsize, batch, kv_heads, None, None, "test")
+    assert (block_s, splits) == want
+    assert split_len % block_s == 0 and splits * split_len >= s > (splits - 1) * split_len
 
 
 def test_bad_inputs():

@@ -40,9 +40,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-#: Cache positions per loop iteration (default: the cache length rounded up to a power of
-#: two, at most this): a [16, block] score tile and two [block, D] loads per step.
+# The defaults below come from benchmarks/results/attention_h200.md (device busy time per layer on
+# an H200, the head groups of Llama-3-8B and -70B, batch 1 and 8, S = 192..16384), which
+# `bench_attention.py` regenerates: they take 0.81-1.00x the time of 256 positions with 4 warps
+# on every row (0.82-0.86x at batch 8 and S = 1024-4096, 0.81x at batch 1 and S = 16384).
+#: Cache positions per loop iteration for a cache of at most this many positions: one block, the
+#: cache length rounded up to a power of two (a [16, block] score tile and two [block, D] loads).
 MAX_BLOCK_S = 256
+#: ... and for a longer cache, whose loop runs several iterations pipelined over two stages:
+#: 128, half the shared memory of 256's stages (with 4 warps, 128 took 0.85-0.87x the time of
+#: 256 at batch 8 and S = 1024-4096).
+LOOP_BLOCK_S = 128
+#: Warps per program (more loads in flight per program; at S = 192 one block of 256 took
+#: 0.93-0.97x the time with 8 warps as with 4).
+NUM_WARPS = 8
 #: Programs `default_splits` aims for: two per SM of an H100/H200 (132 SMs), rounded.
 TARGET_PROGRAMS = 256
 
@@ -207,7 +218,8 @@ def _plan(s: int, d: int, itemsize: int, batch: int, kv_heads: int, block_s, spl
     """(block_s, splits, split_len) for a cache of S positions: the defaults, checked."""
     if block_s is None:
         # A [block_s, D] tile of k and one of v: ~64 KiB each at most.
-        block_s = min(MAX_BLOCK_S, 65536 // (d * itemsize), _pow2_at_least(s))
+        block_s = min(MAX_BLOCK_S if s <= MAX_BLOCK_S else LOOP_BLOCK_S, 65536 // (d * itemsize),
+                      _pow2_at_least(s))
     if not _pow2(block_s) or block_s < 16:
         raise ValueError(f"{who}: block_s={block_s} is not a power of two >= 16")
     if splits is None:
@@ -242,7 +254,7 @@ def _cache_block(s: int, d: int):
 
 
 def decode_attention(q, cache_k, cache_v, kv_len, *, block_s: int | None = None,
-                     splits: int | None = None, num_warps: int = 4, interpret: bool | None = None):
+                     splits: int | None = None, num_warps: int = NUM_WARPS, interpret: bool | None = None):
     """Softmax attention of one query per row over the first ``kv_len`` cache positions.
 
     Args:
@@ -250,7 +262,8 @@ def decode_attention(q, cache_k, cache_v, kv_len, *, block_s: int | None = None,
       cache_k, cache_v: ``[B, S, KVH, D]``, the same dtype as q.
       kv_len: int32 scalar or ``[1]``, 1 <= kv_len <= S: positions ``0 .. kv_len-1`` count.
       block_s: cache positions per loop iteration, a power of two >= 16 (default: S rounded up
-        to a power of two, at most ``MAX_BLOCK_S`` and ~64 KiB of keys).
+        to a power of two up to ``MAX_BLOCK_S`` positions, ``LOOP_BLOCK_S`` beyond; at most ~64 KiB
+        of keys).
       splits: programs per query group, each over an equal share of the positions, combined
         afterwards by a small XLA fusion (default: `default_splits`; 1: no combine).
       num_warps: warps per program (Triton).
@@ -324,7 +337,7 @@ def _check_norms(q_norm, k_norm, norm_eps, d: int) -> str | None:
 
 def decode_attention_step(qkv, cache_k, cache_v, pos, cos, sin, *, q_norm=None, k_norm=None,
                           norm_eps: float = 1e-6, block_s: int | None = None,
-                          splits: int | None = None, num_warps: int = 4,
+                          splits: int | None = None, num_warps: int = NUM_WARPS,
                           interpret: bool | None = None):
     """A decoder's whole single-token attention step in one kernel: RMSNorm of each query and key
     head (optional, Qwen3's q/k norm), rotary embedding of the new queries and key, the key and
