@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kbit_jax as kj
@@ -129,8 +129,20 @@ def make(problem):
     return w, bits, codebook, layout
 
 
+def assert_equal_up_to_flushed_subnormals(actual, expected):
+    """Equal in float32, but where the exact result is a float32 subnormal: XLA flushes those to
+    (signed) zero on CPU and GPU (docs/errors.md), and a kernel may keep them."""
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    subnormal = np.abs(expected) < F32_MIN_NORMAL
+    flushed = np.where(subnormal & (actual == 0), np.float32(0) * expected, expected)
+    np.testing.assert_array_equal(actual, flushed)
+
+
 @SETTINGS
 @given(problems())
+# Columns 1e-35 * 10^-3..1e-35: their smallest products of codebook, scale and tensor_scale are
+# float32 subnormals.
+@example(problem=(2, "float32", "planes", (), 32, 5, -35.0, 3.0, 0, "nf"))
 def test_quantize_matches_the_numpy_reading_of_the_format(problem):
     w, bits, codebook, layout = make(problem)
     with _ignore_underflow_warnings():
@@ -139,7 +151,7 @@ def test_quantize_matches_the_numpy_reading_of_the_format(problem):
     ts = np.asarray(q.tensor_scale, np.float64)
     assert np.all(ts > 0) and np.all(np.log2(ts) == np.round(np.log2(ts)))   # a normal power of two
     expected = np_dequantize(q)
-    np.testing.assert_array_equal(np.asarray(kj.dequantize(q)), expected)    # exact in float32
+    assert_equal_up_to_flushed_subnormals(kj.dequantize(q), expected)
     assert_within_documented_error(np.asarray(w, np.float32), q)
     other = kj.convert_layout(q, "planes" if layout == "fragment" else "fragment")
     np.testing.assert_array_equal(np_dequantize(other), expected)
