@@ -30,7 +30,8 @@ def pytest_xdist_auto_num_workers(config):
     may_use_gpu = not platforms or any(p in platforms for p in ("cuda", "gpu"))
     if may_use_gpu and os.path.exists("/dev/nvidiactl"):
         return 1
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(4, cores or 1))
 
 
 def pytest_collection_modifyitems(config, items):
