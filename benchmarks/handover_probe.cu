@@ -38,14 +38,8 @@
 #include <cstdio>
 #include <vector>
 
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);     \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
+#include "probe_common.cuh"
+
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -228,10 +222,8 @@ struct Median {
 };
 
 int main() {
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  Probe probe;
+  const int sms = probe.sms;
   const size_t pool_bytes = size_t(2) << 30;  // 2 GiB: the weight copies the layers rotate over
   uint8_t* pool;
   float* ybuf;
@@ -247,23 +239,9 @@ int main() {
   CK(cudaMemset(pool, 0x5a, pool_bytes));
   CK(cudaMemset(errors, 0, 2 * sizeof(unsigned)));
   CK(cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  float best_copy = 1e9f;
-  for (int r = 0; r < 5; ++r) {
-    CK(cudaEventRecord(a, s));
-    CK(cudaMemcpyAsync(pool + pool_bytes / 2, pool, pool_bytes / 2, cudaMemcpyDeviceToDevice, s));
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    best_copy = std::min(best_copy, ms);
-  }
-  const double copy_gbs = 2.0 * (pool_bytes / 2) / (best_copy * 1e-3) / 1e9;  // read + write
-  printf("device: %s, %d SMs; device-to-device copy: %.0f GB/s (read + write)\n", prop.name, sms, copy_gbs);
+  cudaStream_t s = probe.s;
+  cudaEvent_t a = probe.a, b = probe.b;
+  const double copy_speed = probe.copy_speed(pool, pool_bytes);
   CK(cudaMemset(pool, 0x5a, pool_bytes));
 
   // Llama-3-8B: (K, N) of q/k/v, o, gate/up (both halves), down.
@@ -297,7 +275,7 @@ int main() {
     c.layer_w = layer_w;
     for (int i = 0; i < 3; ++i) c.y[i] = ybuf + i * (kOutFloats + 4);
     c.errors = errors;
-    const double at_copy = layer_bytes / (copy_gbs * 1e3);  // us per layer
+    const double at_copy = layer_bytes / (copy_speed * 1e3);  // us per layer
     for (const Variant& var : variants) {
       // The launches (first product, count).
       std::vector<std::pair<int, int>> launches;
@@ -335,15 +313,7 @@ int main() {
         CK(cudaGraphInstantiate(&exec, graph, 0));
         CK(cudaGraphUpload(exec, s));
         std::vector<double> t;
-        for (int r = 0; r < (with_stamps ? 2 : 9); ++r) {
-          CK(cudaEventRecord(a, s));
-          CK(cudaGraphLaunch(exec, s));
-          CK(cudaEventRecord(b, s));
-          CK(cudaEventSynchronize(b));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, a, b));
-          t.push_back(ms * 1e3 / kLayers);
-        }
+        for (int r = 0; r < (with_stamps ? 2 : 9); ++r) t.push_back(graph_launch_ms(exec, s, a, b) * 1e3 / kLayers);
         CK(cudaGraphExecDestroy(exec));
         CK(cudaGraphDestroy(graph));
         unsigned err[2];

@@ -18,14 +18,8 @@
 #include <cstdio>
 #include <vector>
 
-#define CK(x)                                                                 \
-  do {                                                                        \
-    cudaError_t e_ = (x);                                                     \
-    if (e_ != cudaSuccess) {                                                  \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      return 1;                                                               \
-    }                                                                         \
-  } while (0)
+#include "probe_common.cuh"
+
 
 constexpr int kThreads = 512;
 constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
@@ -44,34 +38,17 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const uint4* __rest
 }
 
 int main() {
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  Probe probe;
+  const int sms = probe.sms;
   const size_t pool_bytes = size_t(1) << 30;  // 1 GiB: the buffers a size rotates through
   uint8_t* pool;
   uint32_t* sink;
   CK(cudaMalloc(&pool, pool_bytes));
   CK(cudaMalloc(&sink, 4));
   CK(cudaMemset(pool, 0, pool_bytes));
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  // copy speed: one 512 MiB device-to-device copy, best of 5
-  float best_copy = 1e9f;
-  for (int r = 0; r < 5; ++r) {
-    CK(cudaEventRecord(a, s));
-    CK(cudaMemcpyAsync(pool + pool_bytes / 2, pool, pool_bytes / 2, cudaMemcpyDeviceToDevice, s));
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    best_copy = std::min(best_copy, ms);
-  }
-  const double copy_gbs = 2.0 * (pool_bytes / 2) / (best_copy * 1e-3) / 1e9;  // read + write
-  printf("device: %s, %d SMs; device-to-device copy: %.0f GB/s (read + write)\n", prop.name, sms, copy_gbs);
+  cudaStream_t s = probe.s;
+  cudaEvent_t a = probe.a, b = probe.b;
+  const double copy_speed = probe.copy_speed(pool, pool_bytes);
   constexpr int kPer = 50, kReps = 7;
   for (const int cluster : {1, 2}) {
     for (const double mib : {0.0, 0.25, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0}) {
@@ -101,18 +78,12 @@ int main() {
         CK(cudaGraphInstantiate(&exec, graph, 0));
         CK(cudaGraphUpload(exec, s));
         CK(cudaStreamSynchronize(s));
-        CK(cudaEventRecord(a, s));
-        CK(cudaGraphLaunch(exec, s));
-        CK(cudaEventRecord(b, s));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms * 1e3 / kPer);
+        t.push_back(graph_launch_ms(exec, s, a, b) * 1e3 / kPer);
         CK(cudaGraphExecDestroy(exec));
         CK(cudaGraphDestroy(graph));
       }
       std::sort(t.begin(), t.end());
-      const double us = t[t.size() / 2], at_copy = bytes / (copy_gbs * 1e3);
+      const double us = t[t.size() / 2], at_copy = bytes / (copy_speed * 1e3);
       printf("FLOOR cluster %d %7.2f MiB  %7.2f us a launch  %6.0f GB/s  %5.2f us beyond copy speed\n", cluster, mib,
              us, bytes / (us * 1e3), us - at_copy);
     }
