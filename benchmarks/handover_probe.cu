@@ -5,16 +5,16 @@
 // reading its input row from the previous one's output (fp32, from L2) and normalizing it (a
 // block sum of squares: an in-kernel RMSNorm), and ends by adding each CTA's partial sums of the
 // column groups its share touches into its output (red.global.add.f32: no CTA waits for a cut
-// group's owner). So every hand-over is the real one's dependency: each CTA's input needs every
+// group's owner). So every handover is the real one's dependency: each CTA's input needs every
 // CTA's output. The chains, each 32 layers inside one CUDA graph on cold weights:
-//   launches    one kernel launch per product: the launch boundary is the hand-over;
+//   launches    one kernel launch per product: the launch boundary is the handover;
 //   layer       one launch per layer, a grid barrier between its products (an arrival counter,
 //               one polling thread per CTA);
 //   layer+ld    the same, each CTA loading the first part of its next share (its loads in flight,
 //               32 KiB) before it arrives at the barrier: weights do not depend on the input;
 //   model       one launch for all 32 layers, barriers between all products;
 //   stream      the model's launch without barriers (its results are wrong): this kernel's rate
-//               on the same bytes with no hand-over, the floor of the others;
+//               on the same bytes with no handover, the floor of the others;
 //   mlp-launch  gate/up and down as one unit on 112 CTAs, one launch per unit (q/k/v, o, the
 //               pair): a CTA's down share is the K slice of the intermediate its own gate/up
 //               columns computed (Llama-3-8B's 448 32-column units, 4 per CTA; 20 CTAs idle),
@@ -22,10 +22,10 @@
 //               output column (red.global.add.v4.f32);
 //   mlp-pair    the same as one launch per layer with barriers;
 //   pairs       (q/k/v, o) as a unit too, as if each CTA attended the heads whose q/k/v columns
-//               it computed: two hand-overs per layer.
-// A check cell in every unit's output proves each hand-over: the next unit reads it and expects
+//               it computed: two handovers per layer.
+// A check cell in every unit's output proves each handover: the next unit reads it and expects
 // one arrival from every CTA. %globaltimer stamps in every CTA (about 0.25 us steps) split a
-// hand-over into the spread of the CTAs' ends, the last end to the next unit's entry, and its
+// handover into the spread of the CTAs' ends, the last end to the next unit's entry, and its
 // input read.
 //
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/handover_probe benchmarks/handover_probe.cu
@@ -67,7 +67,7 @@ struct Chain {
   float* y[3];                    // unit u adds into y[u % 3] and reads y[(u + 2) % 3]
   int first, count;               // the chain's products [first, first + count) in this launch
   int barriers;                   // 0: none between the launch's products (the `stream` bound)
-  int local_pairs;                // bit 0: (q/k/v, o), bit 1: (gate/up, down) without a hand-over inside
+  int local_pairs;                // bit 0: (q/k/v, o), bit 1: (gate/up, down) without a handover inside
   int mlp_ctas;                   // > 0: the CTAs that share gate/up and down (the others idle)
   int preload;                    // 1: the next share's first loads go out before a barrier
   unsigned* arrivals;             // this launch's barrier counter (zeroed at the graph's start)
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1) chain_kernel(const Chain c) {
     const Shape& sh = c.shape[j % kProducts];
     // With local pairs, (q/k/v, o) and (gate/up, down) each form one unit: the second product's
     // input is the CTA's own share of the first's output (the heads it attended, the gate/up
-    // columns it computed), so the pair needs no hand-over, and only the second adds into the
+    // columns it computed), so the pair needs no handover, and only the second adds into the
     // output; otherwise every product is a unit.
     const int pos = j % kProducts, paired = c.local_pairs >> (pos / 2) & 1;  // pos: within the layer
     const bool pair_first = paired && pos % 2 == 0, pair_second = paired && pos % 2 == 1;
@@ -319,7 +319,7 @@ int main() {
         unsigned err[2];
         CK(cudaMemcpy(err, errors, sizeof(err), cudaMemcpyDeviceToHost));
         if (var.barriers && err[0]) {
-          printf("ERROR bits %d %s: %u hand-over checks failed or polls timed out\n", bits, var.name, err[0]);
+          printf("ERROR bits %d %s: %u handover checks failed or polls timed out\n", bits, var.name, err[0]);
           return 2;
         }
         CK(cudaMemset(errors, 0, sizeof(err)));
@@ -330,7 +330,7 @@ int main() {
                  bits, var.name, us, layer_bytes / 1e6, at_copy, us - at_copy, (us - at_copy) / kProducts);
           continue;
         }
-        // The hand-over from product q to q + 1 inside layers 1..30: the spread of the CTAs'
+        // The handover from product q to q + 1 inside layers 1..30: the spread of the CTAs'
         // ends (p10 -> last end), the last end -> the median CTA's entry into the next product
         // (a barrier's release, or the next launch's start), and that product's input read
         // (median entry -> median input read), over the CTAs with a share of the product.
