@@ -40,7 +40,6 @@
 
 #include "probe_common.cuh"
 
-
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;         // 16-byte loads in flight per thread
@@ -214,12 +213,10 @@ __global__ void __launch_bounds__(kThreads, 1) chain_kernel(const Chain c) {
   }
 }
 
-struct Median {
-  static double of(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  }
-};
+static double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
 
 int main() {
   Probe probe;
@@ -234,10 +231,10 @@ int main() {
   CK(cudaMalloc(&pool, pool_bytes));
   CK(cudaMalloc(&ybuf, 3 * (kOutFloats + 4) * sizeof(float)));
   CK(cudaMalloc(&arrivals, max_launches * sizeof(unsigned)));
-  CK(cudaMalloc(&errors, 2 * sizeof(unsigned)));
+  CK(cudaMalloc(&errors, sizeof(unsigned)));
   CK(cudaMalloc(&stamps, n_stamps * sizeof(unsigned long long)));
   CK(cudaMemset(pool, 0x5a, pool_bytes));
-  CK(cudaMemset(errors, 0, 2 * sizeof(unsigned)));
+  CK(cudaMemset(errors, 0, sizeof(unsigned)));
   CK(cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   cudaStream_t s = probe.s;
   cudaEvent_t a = probe.a, b = probe.b;
@@ -316,15 +313,15 @@ int main() {
         for (int r = 0; r < (with_stamps ? 2 : 9); ++r) t.push_back(graph_launch_ms(exec, s, a, b) * 1e3 / kLayers);
         CK(cudaGraphExecDestroy(exec));
         CK(cudaGraphDestroy(graph));
-        unsigned err[2];
-        CK(cudaMemcpy(err, errors, sizeof(err), cudaMemcpyDeviceToHost));
-        if (var.barriers && err[0]) {
-          printf("ERROR bits %d %s: %u handover checks failed or polls timed out\n", bits, var.name, err[0]);
+        unsigned err;
+        CK(cudaMemcpy(&err, errors, sizeof(err), cudaMemcpyDeviceToHost));
+        if (var.barriers && err) {
+          printf("ERROR bits %d %s: %u handover checks failed or polls timed out\n", bits, var.name, err);
           return 2;
         }
         CK(cudaMemset(errors, 0, sizeof(err)));
         if (!with_stamps) {
-          const double us = Median::of(t);
+          const double us = median(t);
           printf("CHAIN bits %d %-10s %7.2f us a layer  (bytes %6.1f MB: %6.2f us at copy speed; beyond it %6.2f us, "
                  "%5.2f us a product)\n",
                  bits, var.name, us, layer_bytes / 1e6, at_copy, us - at_copy, (us - at_copy) / kProducts);
@@ -356,14 +353,14 @@ int main() {
             }
             std::sort(ends.begin(), ends.end());
             spread.push_back((ends.back() - ends[ends.size() / 10]) * 1e-3);
-            entry.push_back((Median::of(entries) - ends.back()) * 1e-3);
-            input.push_back(Median::of(inputs) * 1e-3);
-            stream.push_back(Median::of(streams) * 1e-3);
+            entry.push_back((median(entries) - ends.back()) * 1e-3);
+            input.push_back(median(inputs) * 1e-3);
+            stream.push_back(median(streams) * 1e-3);
           }
           printf("HANDOVER bits %d %-10s product %d -> %d: CTA ends spread %5.2f us (p10 -> last); last end -> next "
                  "entry %5.2f us; input read %5.2f us; median CTA streams %6.2f us\n",
-                 bits, var.name, q, (q + 1) % kProducts, Median::of(spread), Median::of(entry), Median::of(input),
-                 Median::of(stream));
+                 bits, var.name, q, (q + 1) % kProducts, median(spread), median(entry), median(input),
+                 median(stream));
         }
       }
     }

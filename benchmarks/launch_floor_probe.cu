@@ -20,7 +20,6 @@
 
 #include "probe_common.cuh"
 
-
 constexpr int kThreads = 512;
 constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
 
