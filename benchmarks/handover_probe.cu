@@ -46,6 +46,7 @@ constexpr int kUnroll = 4;         // 16-byte loads in flight per thread
 constexpr int kGroupCols = 64;     // output columns per column group (the kernels' item)
 constexpr int kMaxK = 14336;       // the longest input row (down's K)
 constexpr int kOutFloats = 28672;  // the widest output (gate/up's N); a check cell follows
+constexpr int kYFloats = kOutFloats + 4;  // an output buffer: the output, its check cell, float4 padding
 constexpr int kProducts = 4;       // per layer
 constexpr int kLayers = 32;
 constexpr int kStamps = 4;         // per CTA and product: entry, input read, share streamed, barrier passed
@@ -146,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1) chain_kernel(const Chain c) {
     if (!pair_second) {
       // The buffer the next unit adds into was read by the previous unit, which has ended.
       float4* next = reinterpret_cast<float4*>(c.y[(unit + 1) % 3]);
-      for (int q = cta * kThreads + tid; q < kOutFloats / 4 + 1; q += grid * kThreads) next[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int q = cta * kThreads + tid; q < kYFloats / 4; q += grid * kThreads) next[q] = make_float4(0.f, 0.f, 0.f, 0.f);
       // The input row from L2 (other CTAs wrote it), normalized by its RMS.
       const float check = tid == 0 ? __ldcg(in + kOutFloats) : 0.f;
       float ss = 0.f;
@@ -229,7 +230,7 @@ int main() {
   const int max_launches = kLayers * kProducts;
   const size_t n_stamps = size_t(kLayers) * kProducts * sms * kStamps;
   CK(cudaMalloc(&pool, pool_bytes));
-  CK(cudaMalloc(&ybuf, 3 * (kOutFloats + 4) * sizeof(float)));
+  CK(cudaMalloc(&ybuf, 3 * kYFloats * sizeof(float)));
   CK(cudaMalloc(&arrivals, max_launches * sizeof(unsigned)));
   CK(cudaMalloc(&errors, sizeof(unsigned)));
   CK(cudaMalloc(&stamps, n_stamps * sizeof(unsigned long long)));
@@ -238,8 +239,7 @@ int main() {
   CK(cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   cudaStream_t s = probe.s;
   cudaEvent_t a = probe.a, b = probe.b;
-  const double copy_speed = probe.copy_speed(pool, pool_bytes);
-  CK(cudaMemset(pool, 0x5a, pool_bytes));
+  const double copy_speed = probe.copy_speed(pool, pool_bytes);  // (copies 0x5a over 0x5a)
 
   // Llama-3-8B: (K, N) of q/k/v, o, gate/up (both halves), down.
   const int kn[kProducts][2] = {{4096, 6144}, {4096, 4096}, {4096, 28672}, {14336, 4096}};
@@ -270,7 +270,7 @@ int main() {
     CK(cudaMalloc(&layer_w, kLayers * sizeof(void*)));
     CK(cudaMemcpy(layer_w, bases.data(), kLayers * sizeof(void*), cudaMemcpyHostToDevice));
     c.layer_w = layer_w;
-    for (int i = 0; i < 3; ++i) c.y[i] = ybuf + i * (kOutFloats + 4);
+    for (int i = 0; i < 3; ++i) c.y[i] = ybuf + i * kYFloats;
     c.errors = errors;
     const double at_copy = layer_bytes / (copy_speed * 1e3);  // us per layer
     for (const Variant& var : variants) {
@@ -293,7 +293,7 @@ int main() {
         cudaGraphExec_t exec;
         CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
         CK(cudaMemsetAsync(arrivals, 0, max_launches * sizeof(unsigned), s));
-        CK(cudaMemsetAsync(ybuf, 0, 3 * (kOutFloats + 4) * sizeof(float), s));
+        CK(cudaMemsetAsync(ybuf, 0, 3 * kYFloats * sizeof(float), s));
         for (int L = 0; L < int(launches.size()); ++L) {
           Chain lc = c;
           lc.first = launches[L].first;
