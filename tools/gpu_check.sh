@@ -3,8 +3,11 @@
 # representative workload, then the benchmark. Logs and results go to $OUT (or ./gpu_out).
 #   tools/gpu_check.sh [build|test|sanitize|verify|bench|all] [bench args...]   (verify: test + sanitize)
 #     PYTEST_WORKERS=N: the GPU tests in N processes (pytest-xdist; 4 on one H100 take about
-#     0.6x the time of one process); SANITIZE_PARTS="wgmma ...": only those parts of
-#     tools/sanitize_case.py; SANITIZE_TIMEOUT (240 s) per tool
+#     0.6x the time of one process); SANITIZE_TOOLS ("memcheck racecheck"); SANITIZE_PARTS="wgmma
+#     ...": only those parts of tools/sanitize_case.py (default: all), each in its own process and
+#     log with its own SANITIZE_TIMEOUT (240 s). On an H200 memcheck takes ~100 s over all parts
+#     (in one process); racecheck 12 min over all but ragged (wgmma 260 s, small 134, clusters 94,
+#     wgmma_f16 88, wgmma64 51, wide5 40, glu 7), so it needs several calls of a 10-minute limit.
 #   tools/gpu_check.sh decode   # Llama-3-8B table (bf16, K=2..5) + Llama-3-70B K=4/K=2 on GPU 0
 #   tools/gpu_check.sh tp       # Llama-3-70B tensor-parallel decode over 2 (and 4) GPUs + the
 #                               # sharded matmul microbenchmark (a multi-GPU machine)
@@ -29,11 +32,17 @@ if [[ $what == test || $what == verify || $what == all ]]; then
     | tee "$OUT/pytest_gpu.log" | tail -25
 fi
 if [[ $what == sanitize || $what == verify || $what == all ]]; then
-  for tool in memcheck racecheck; do
-    echo "== compute-sanitizer --tool $tool"
-    timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-      $PY tools/sanitize_case.py ${SANITIZE_PARTS:-} \
-      > "$OUT/sanitize_$tool.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/sanitize_$tool.log"
+  parts=${SANITIZE_PARTS:-$($PY -c "import sys; sys.path.insert(0, 'tools'); import sanitize_case; print(*sanitize_case.PARTS)")}
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    for part in $parts; do
+      echo "== compute-sanitizer --tool $tool: $part"
+      log="$OUT/sanitize_${tool}_$part.log"
+      start=$SECONDS
+      timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+        $PY tools/sanitize_case.py "$part" > "$log" 2>&1
+      echo "rc=$? ($((SECONDS - start)) s; 0: clean, 3: errors, 124: timed out)"
+      grep -E "SUMMARY" "$log" | tail -1
+    done
   done
 fi
 if [[ $what == bench || $what == all ]]; then
