@@ -38,7 +38,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
+
+from ..pallas_triton import MISSING, plt
 
 # The defaults below come from benchmarks/results/attention_h200.md (device busy time per layer on
 # an H200, the head groups of Llama-3-8B and -70B, batch 1 and 8, S = 192..16384), which
@@ -69,6 +70,8 @@ def _pow2_at_least(n: int, floor: int = 16) -> int:
 
 def supported(q_shape, cache_shape) -> str | None:
     """None if the kernel takes these shapes, else why not (for errors and "auto")."""
+    if MISSING:
+        return MISSING
     b, kvh, g, d = q_shape
     if len(cache_shape) != 4 or cache_shape[0] != b or cache_shape[2] != kvh or cache_shape[3] != d:
         return f"cache {tuple(cache_shape)} does not match q {tuple(q_shape)} ([B, S, KVH, D])"

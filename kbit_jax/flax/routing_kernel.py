@@ -41,7 +41,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
+
+from ..pallas_triton import MISSING, plt
 
 __all__ = ["MAX_LOGITS_TILE", "MAX_SORT_TILE", "route_sorted", "supported"]
 
@@ -68,6 +69,8 @@ def _tiles(t: int, g: int, k: int) -> tuple[int, int, int, int]:
 
 def supported(t: int, g: int, k: int) -> str | None:
     """None if the kernel takes ``T`` tokens over ``G`` experts, ``k`` per token, else why not."""
+    if MISSING:
+        return MISSING
     if t < 1 or k < 1 or k > g:
         return f"T={t}, k={k}, G={g}: needs T >= 1 and 1 <= k <= G"
     tp, gp, kp, np_ = _tiles(t, g, k)
